@@ -1,0 +1,19 @@
+"""nanopaged: a small, readable LLM inference engine built on PagedAttention.
+
+    from nanopaged import LLM, SamplingParams
+    llm = LLM()                       # the demo model, SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20))
+
+Reading order: block_pool.py, request.py, scheduler.py, model_runner.py,
+attention/torch_backend.py, models/llama.py, engine.py, llm.py.
+"""
+from nanopaged.config import EngineConfig
+from nanopaged.demo_model import DEMO_MODEL
+from nanopaged.engine import LLMEngine
+from nanopaged.llm import LLM
+from nanopaged.outputs import CompletionOutput, RequestOutput
+from nanopaged.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "DEMO_MODEL"]
+__version__ = "0.1.0"

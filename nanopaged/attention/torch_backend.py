@@ -1,0 +1,89 @@
+"""The `torch` attention backend: the reference every other backend is tested against.
+
+Two jobs per layer, exactly as in the paper (section 4.1):
+1. store: write the new tokens' K and V into their slots of the paged pool
+   (`slot_mapping`), so the pool holds every token's K/V and nothing else does;
+2. attend: for each request, gather its blocks through its block table into a
+   contiguous K/V of `seq_len` tokens, and run causal attention of its new queries over
+   them. Query row j of a request sits at position `seq_len - query_len + j`, so it sees
+   keys 0 .. that position (the "prefix context" plus the causal part of the new tokens).
+
+Plain PyTorch, any device. Requests that decode one token are batched into a single
+padded call; each request with several new tokens (prefill, or a chunk of it) gets its own.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanopaged.attention.metadata import AttentionMetadata
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """k, v: (num_tokens, kv_heads, head_dim); caches: (num_blocks, block_size, kv_heads, head_dim)."""
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one request, (seq_len, kv_heads, head_dim), via its block table."""
+    num_blocks = -(-seq_len // cache.shape[1])
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim)."""
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        decode_rows, start = [], 0
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+            if q_len == 1:
+                decode_rows.append(i)
+            else:
+                kk = gather_kv(k_cache, meta.block_tables[i], seq_len)
+                vv = gather_kv(v_cache, meta.block_tables[i], seq_len)
+                out[start:start + q_len] = _attend(q[start:start + q_len], kk, vv, seq_len - q_len, scale)
+            start += q_len
+        if decode_rows:
+            self._decode(q, k_cache, v_cache, meta, decode_rows, scale, out)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta, rows, scale, out) -> None:
+        """All one-token requests at once: gather their blocks padded to the longest."""
+        starts = meta.query_start_loc[:-1]
+        idx = torch.tensor(rows, device=q.device)
+        seq_lens = meta.seq_lens[idx]
+        max_blocks = -(-max(meta.seq_lens_list[i] for i in rows) // meta.block_size)
+        tables = meta.block_tables[idx, :max_blocks]
+        kk = k_cache[tables].flatten(1, 2)          # (B, max_blocks * block_size, kv_heads, D)
+        vv = v_cache[tables].flatten(1, 2)
+        key_pos = torch.arange(kk.shape[1], device=q.device)
+        mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]   # (B, 1, 1, L)
+        qq = q[starts[idx]].unsqueeze(2)             # (B, heads, 1, D)
+        o = F.scaled_dot_product_attention(qq, kk.transpose(1, 2), vv.transpose(1, 2),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        out[starts[idx]] = o.squeeze(2)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int,
+            scale: float) -> torch.Tensor:
+    """Causal attention of q (q_len rows) over k/v (num_context + q_len rows), GQA aware."""
+    q_len = q.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if num_context == 0:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # is_causal aligns the mask top-left; with a prefix context the queries are the last
+        # q_len positions, so build the mask explicitly.
+        q_pos = torch.arange(q_len, device=q.device) + num_context
+        k_pos = torch.arange(k.shape[0], device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)

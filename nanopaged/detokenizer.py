@@ -1,0 +1,42 @@
+"""Incremental detokenization: the text of a growing token list, a few tokens at a time.
+
+Decoding token by token is wrong for byte-level tokenizers (a character can span
+several tokens) and for tokenizers that merge spaces with the previous token; decoding
+the whole list every step is quadratic. The usual fix (vLLM: detokenizer_utils.py, and
+Hugging Face TGI) keeps two offsets: text is decoded from a short window that starts a
+few tokens back (`prefix_offset`), and only what the newest tokens add beyond the
+window's old text is emitted; while that would end in an incomplete character (U+FFFD)
+nothing is emitted and the tokens wait for the next one.
+"""
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # Start the window inside the prompt so the first output token decodes with the
+        # right leading space, as it would in the whole text.
+        self.tokens = list(prompt_token_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int, final: bool = False) -> str:
+        """Append one token; returns the text it completed (may be '').
+
+        `final`: the sequence ends here, so emit what is pending even if it ends in an
+        incomplete character; the text then equals decoding all tokens at once.
+        """
+        self.tokens.append(token_id)
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset:])
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            delta = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            self.text += delta
+            return delta
+        return ""

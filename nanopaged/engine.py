@@ -1,0 +1,223 @@
+"""LLMEngine: requests in, one step at a time, RequestOutputs out.
+
+    add_request()  tokenize and validate, make a Request, queue it (WAITING)
+    step()         Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update(),
+                   then detokenize the new tokens and report every request that advanced
+
+All validation happens in add_request, before a request touches the scheduler: a request
+that can never run raises ValueError there and the engine goes on serving the others.
+`LLM.generate` (llm.py) is a thin loop over this class; use it directly to stream.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from transformers import AutoTokenizer
+
+from nanopaged.block_pool import BlockPool, cdiv
+from nanopaged.config import EngineConfig
+from nanopaged.detokenizer import IncrementalDetokenizer
+from nanopaged.models import ModelConfig
+from nanopaged.model_runner import ModelRunner
+from nanopaged.outputs import CompletionOutput, RequestOutput
+from nanopaged.request import Request, RequestStatus
+from nanopaged.sampling_params import SamplingParams
+from nanopaged.scheduler import Scheduler
+
+PromptType = str | dict
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0   # prefill work actually done (incl. recompute)
+    num_generated_tokens: int = 0
+    peak_kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0         # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0            # of those, tokens found
+    model_time_s: float = 0.0             # time in the model runner
+    schedule_time_s: float = 0.0          # time in scheduler + block pool
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_folder(config.model)
+        self._resolve_limits()
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.runner = ModelRunner(config, self.model_config, config.max_model_len)
+        self.block_pool = BlockPool(self.runner.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.max_model_len)
+        self.stats = EngineStats()
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def _resolve_limits(self) -> None:
+        cfg, limit = self.config, self.model_config.max_position_embeddings
+        if cfg.max_model_len is None:
+            cfg.max_model_len = limit
+        elif cfg.max_model_len > limit:
+            raise ValueError(f"max_model_len={cfg.max_model_len} is larger than the model's "
+                             f"max_position_embeddings={limit}")
+        if cfg.max_num_batched_tokens is None:
+            on_cuda = cfg.device == "cuda" or (cfg.device == "auto" and _cuda_available())
+            cfg.max_num_batched_tokens = 8192 if on_cuda else 2048
+
+    # ---- requests in ----------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | None = None) -> Request:
+        request = self.make_request(request_id, prompt, params)
+        self.submit(request)
+        return request
+
+    def make_request(self, request_id: str, prompt: PromptType,
+                     params: SamplingParams | None = None) -> Request:
+        """Tokenize and validate one request without queueing it (ValueError if it can never run)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        self._check_prompt(ids)
+        cfg = self.config
+        room = cfg.max_model_len - len(ids)
+        # max_tokens beyond the context is clipped (vLLM does the same): the request then
+        # finishes with finish_reason "length" when the context is full.
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        # The last sampled token never needs K/V, so a request stores at most
+        # prompt + max_tokens - 1 tokens.
+        need = cdiv(len(ids) + max_tokens - 1, cfg.block_size)
+        if need > self.runner.num_kv_blocks:
+            raise ValueError(
+                f"request {request_id!r} needs {need} KV blocks (prompt {len(ids)} + max_tokens "
+                f"{max_tokens} tokens, block_size {cfg.block_size}) but the whole cache has "
+                f"{self.runner.num_kv_blocks} blocks; lower max_tokens or raise num_kv_blocks")
+        return Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+                       max_tokens=max_tokens, prompt=text,
+                       eos_token_ids=frozenset(self.model_config.eos_token_ids))
+
+    def submit(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids)
+        self.scheduler.add_request(request)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens); give at least one token")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={self.config.max_model_len} "
+                             "leaves no room for a generated token (a prompt may be at most "
+                             f"{self.config.max_model_len - 1} tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.is_finished:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+            self._forget(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, update; the outputs of the requests that advanced."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        # Usage now, while this step's blocks are held (update() frees the finished ones).
+        self.stats.peak_kv_cache_usage = max(self.stats.peak_kv_cache_usage, self.block_pool.usage())
+        t1 = time.perf_counter()
+        sampled = self.runner.execute(out)
+        t2 = time.perf_counter()
+        self.scheduler.update(out, {rid: tok for rid, (tok, _) in sampled.items()})
+        t3 = time.perf_counter()
+        self._record(out, sampled, model_time=t2 - t1, schedule_time=(t1 - t0) + (t3 - t2))
+
+        outputs = []
+        for request, _ in out.scheduled:
+            if request.request_id not in sampled:
+                continue                       # mid-prompt: nothing new to report
+            _, logprob = sampled[request.request_id]
+            request.cumulative_logprob += logprob
+            self.detokenizers[request.request_id].add(request.output_token_ids[-1],
+                                                      final=request.is_finished)
+            outputs.append(self._make_output(request))
+            if request.is_finished:
+                self._forget(request)
+        return outputs
+
+    def _record(self, out, sampled, model_time: float, schedule_time: float) -> None:
+        s = self.stats
+        s.num_steps += 1
+        s.num_generated_tokens += len(sampled)
+        # prompt tokens among this step's [computed - n, computed): prefill work, recompute included
+        s.num_prompt_tokens_computed += sum(
+            max(0, min(r.num_computed_tokens, r.num_prompt_tokens) - (r.num_computed_tokens - n))
+            for r, n in out.scheduled)
+        s.model_time_s += model_time
+        s.schedule_time_s += schedule_time
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        status = request.status
+        finish_reason = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                         RequestStatus.FINISHED_ABORTED: "abort"}.get(status)
+        completion = CompletionOutput(
+            index=0, text=self.detokenizers[request.request_id].text,
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=request.cumulative_logprob,
+            finish_reason=finish_reason, stop_reason=request.stop_reason)
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=request.prompt_token_ids, outputs=[completion],
+                             finished=request.is_finished, num_cached_tokens=request.num_cached_tokens)
+
+    def _forget(self, request: Request) -> None:
+        self.requests.pop(request.request_id, None)
+        self.detokenizers.pop(request.request_id, None)
+        self.runner.free_request(request.request_id)
+
+    # ---- figures --------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        s = self.stats
+        return {
+            "num_steps": s.num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_cache_usage": self.block_pool.usage(),
+            "peak_kv_cache_usage": s.peak_kv_cache_usage,
+            "num_kv_blocks": self.block_pool.num_blocks,
+            "block_size": self.config.block_size,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
+            "num_generated_tokens": s.num_generated_tokens,
+            "model_time_s": s.model_time_s,
+            "schedule_time_s": s.schedule_time_s,
+        }
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()

@@ -1,0 +1,108 @@
+"""ModelConfig: the few numbers of a Hugging Face config.json that the engine needs.
+
+Read once from the model folder; the runner sizes the KV cache from it (bytes per token =
+2 x layers x kv heads x head dim x bytes per value) and the model builds its layers
+from it. Anything this engine cannot run faithfully is refused here, by name.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# architecture -> (q/k/v projections have a bias, per-head RMSNorm on q and k)
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelConfig":
+        folder = Path(folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        return cls.from_dict(cfg, _generation_eos(folder) or _as_tuple(cfg.get("eos_token_id")))
+
+    @classmethod
+    def from_dict(cls, cfg: dict, eos_token_ids: tuple[int, ...] = ()) -> "ModelConfig":
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported model architecture {arch!r}; nanopaged runs "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only 'silu'")
+        window = cfg.get("sliding_window")
+        if window is not None and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
+            raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported")
+        qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        heads = cfg["num_attention_heads"]
+        rope_theta, rope_scaling = _rope(cfg)
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=cfg.get("attention_bias", qkv_bias),
+            qk_norm=qk_norm,
+            eos_token_ids=eos_token_ids,
+        )
+
+    def kv_bytes_per_token(self, bytes_per_value: int) -> int:
+        """K and V, every layer: 2 x layers x kv heads x head dim x bytes per value."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * bytes_per_value
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """rope_theta and the scaling dict; transformers 5 folds both into `rope_parameters`."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; nanopaged supports "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    return float(theta), (None if rope_type == "default" else {**params, "rope_type": rope_type})
+
+
+def _as_tuple(x) -> tuple[int, ...]:
+    if x is None:
+        return ()
+    return tuple(x) if isinstance(x, (list, tuple)) else (int(x),)
+
+
+def _generation_eos(folder: Path) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, which may list several (e.g. Llama 3)."""
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return ()
+    return _as_tuple(json.loads(path.read_text()).get("eos_token_id"))

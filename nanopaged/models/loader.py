@@ -1,0 +1,82 @@
+"""Load Hugging Face safetensors weights into the model, shard by shard.
+
+Hugging Face stores q_proj, k_proj and v_proj (and gate_proj, up_proj) separately; our
+model fuses each group into one Linear (`qkv_proj`, `gate_up_proj`). A checkpoint tensor
+whose name ends in one of the fused parts is copied into its slice of the fused weight,
+as vLLM's `packed_modules_mapping` does. Every parameter must be loaded exactly once.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# checkpoint name part -> (fused module name, shard index)
+PACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def load_weights(model: nn.Module, folder: str | Path) -> None:
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder}")
+    params = dict(model.named_parameters())   # a tied lm_head appears once, as embed_tokens
+    loaded: set[tuple[str, int | None]] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue                   # recomputed, never a real weight
+                if name == "lm_head.weight" and "lm_head.weight" not in params:
+                    continue                   # tied embeddings: the checkpoint may still carry it
+                _load_one(params, name, f.get_tensor(name), loaded, model)
+    missing = sorted(f"{n}[shard {s}]" if s is not None else n
+                     for n, s in _expected(model, params) - loaded)
+    if missing:
+        raise ValueError(f"weights missing from {folder}: {', '.join(missing[:5])}"
+                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def _load_one(params, name, tensor, loaded, model) -> None:
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in PACKED:
+            fused, shard = PACKED[part]
+            target = ".".join(parts[:i] + [fused] + parts[i + 1:])
+            module = model.get_submodule(".".join(parts[:i]))
+            sizes = getattr(module, fused).shard_sizes
+            start = sum(sizes[:shard])
+            _copy(params, target, tensor, slice(start, start + sizes[shard]))
+            loaded.add((target, shard))
+            return
+    _copy(params, name, tensor, slice(None))
+    loaded.add((name, None))
+
+
+def _expected(model, params) -> set:
+    """(parameter, shard) pairs a complete checkpoint fills; shard None for unfused ones."""
+    expected = set()
+    for name in params:
+        module_name, _, param_name = name.rpartition(".")
+        sizes = getattr(model.get_submodule(module_name), "shard_sizes", None)
+        if sizes is None or param_name not in ("weight", "bias"):
+            expected.add((name, None))
+        else:
+            expected.update((name, s) for s in range(len(sizes)))
+    return expected
+
+
+def _copy(params, name, tensor, rows: slice) -> None:
+    if name not in params:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+    param = params[name]
+    dst = param.data[rows]
+    if dst.shape != tensor.shape:
+        raise ValueError(f"shape of {name!r}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(tensor.to(dst.dtype))

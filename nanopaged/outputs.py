@@ -1,0 +1,29 @@
+"""What `LLM.generate` returns: vLLM's RequestOutput and CompletionOutput, as plain records."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (vLLM: vllm/outputs.py)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list | None = None
+    finish_reason: str | None = None     # "stop" (EOS) | "length" (max_tokens or context full)
+    stop_reason: int | str | None = None  # the EOS token id that stopped it, if any
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache

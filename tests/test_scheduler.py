@@ -1,0 +1,225 @@
+"""The scheduler's rules: two counters, one token budget, chunked prefill, recompute preemption.
+
+These tests run the scheduler alone with a fake model (a token per sampling request),
+so they are plain Python and take milliseconds.
+"""
+import random
+
+import pytest
+
+from nanopaged.block_pool import BlockPool, cdiv
+from nanopaged.request import Request, RequestStatus
+from nanopaged.sampling_params import SamplingParams
+from nanopaged.scheduler import Scheduler
+
+EOS = 2
+
+
+def make_request(rid, prompt_len, max_tokens=8, ignore_eos=True):
+    return Request(request_id=str(rid), prompt_token_ids=list(range(10, 10 + prompt_len)),
+                   sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                   max_tokens=max_tokens, eos_token_ids=frozenset({EOS}))
+
+
+def make_scheduler(num_blocks=100, block_size=4, max_num_seqs=8, budget=64, max_model_len=1000):
+    pool = BlockPool(num_blocks, block_size)
+    return Scheduler(pool, max_num_seqs, budget, max_model_len), pool
+
+
+def run_step(sched, token=7):
+    """schedule + update, sampling `token` for every request that reached its end."""
+    out = sched.schedule()
+    sampled = {r.request_id: token for r, n in out.scheduled
+               if r.num_computed_tokens + n == r.num_tokens}
+    finished = sched.update(out, sampled)
+    return out, finished
+
+
+def test_prefill_and_decode_share_one_batch():
+    sched, _ = make_scheduler()
+    a = make_request("a", 5)
+    sched.add_request(a)
+    run_step(sched)                                  # a prefilled, sampled its first token
+    b = make_request("b", 9)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 9)]
+
+
+def test_long_prompt_is_chunked_by_the_token_budget():
+    sched, _ = make_scheduler(budget=8)
+    a = make_request("a", 20)
+    sched.add_request(a)
+    chunks = []
+    while not a.output_token_ids:
+        out, _ = run_step(sched)
+        chunks.append(out.scheduled[0][1])
+    assert chunks == [8, 8, 4]
+    assert a.num_computed_tokens == 20 and a.num_tokens == 21
+
+
+def test_no_token_is_sampled_mid_prompt():
+    sched, _ = make_scheduler(budget=8)
+    a = make_request("a", 20)
+    sched.add_request(a)
+    out = sched.schedule()
+    (r, n), = out.scheduled
+    assert r.num_computed_tokens + n < r.num_tokens   # the runner would sample nothing
+
+
+def test_budget_is_shared_running_first():
+    sched, _ = make_scheduler(budget=10)
+    a = make_request("a", 4)
+    sched.add_request(a)
+    run_step(sched)
+    sched.add_request(make_request("b", 30))
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 9)]
+    assert out.num_batched_tokens == 10
+
+
+def test_at_most_max_num_seqs_run():
+    sched, _ = make_scheduler(max_num_seqs=3)
+    for i in range(5):
+        sched.add_request(make_request(i, 3))
+    out = sched.schedule()
+    assert len(out.scheduled) == 3 and len(sched.waiting) == 2
+
+
+def test_blocks_are_allocated_on_demand():
+    sched, pool = make_scheduler(block_size=4)
+    a = make_request("a", 5, max_tokens=10)
+    sched.add_request(a)
+    run_step(sched)                                  # 5 prompt tokens -> 2 blocks
+    assert len(a.block_ids) == 2
+    run_step(sched); run_step(sched); run_step(sched)  # 8 computed: still 2 blocks
+    assert a.num_computed_tokens == 8 and len(a.block_ids) == 2
+    run_step(sched)                                  # the 9th token needs a 3rd block
+    assert len(a.block_ids) == 3
+
+
+def test_out_of_blocks_preempts_the_newest_running_request():
+    # 4 blocks of 4 tokens; a and b both hold 2 blocks after their prompts (8 tokens each).
+    sched, pool = make_scheduler(num_blocks=4, block_size=4)
+    a, b = make_request("a", 8, max_tokens=20), make_request("b", 8, max_tokens=20)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)
+    assert pool.num_free_blocks == 0
+    out, _ = run_step(sched)                         # a needs a 3rd block: b is preempted
+    assert out.preempted == [b]
+    assert b.status == RequestStatus.PREEMPTED and b.block_ids == [] and b.num_computed_tokens == 0
+    assert b.output_token_ids == [7]                 # generated tokens are kept, recomputed later
+    assert sched.waiting[0] is b and sched.running == [a]
+    assert sched.num_preemptions == 1
+    assert [r for r, _ in out.scheduled] == [a]
+
+
+def test_a_step_that_preempts_admits_no_waiting_request():
+    sched, _ = make_scheduler(num_blocks=4, block_size=4)
+    a, b = make_request("a", 8, max_tokens=20), make_request("b", 8, max_tokens=20)
+    sched.add_request(a); sched.add_request(b)
+    run_step(sched)
+    out = sched.schedule()
+    assert out.preempted == [b] and [r for r, _ in out.scheduled] == [a]
+
+
+def test_the_newest_request_short_of_blocks_preempts_itself():
+    sched, pool = make_scheduler(num_blocks=3, block_size=4)
+    a = make_request("a", 3, max_tokens=20)
+    b = make_request("b", 8, max_tokens=20)
+    sched.add_request(a); sched.add_request(b)
+    run_step(sched)                     # a: 3 tokens in 1 block, b: 8 tokens in 2; pool empty
+    out, _ = run_step(sched)            # a's 4th token fits its block; b's 9th needs a 3rd
+    assert out.preempted == [b] and [r for r, _ in out.scheduled] == [a]
+    assert sched.running == [a] and sched.waiting[0] is b
+
+
+def test_finished_request_frees_its_blocks():
+    sched, pool = make_scheduler()
+    a = make_request("a", 6, max_tokens=2)
+    sched.add_request(a)
+    run_step(sched)
+    _, finished = run_step(sched)
+    assert finished == [a] and a.status == RequestStatus.FINISHED_LENGTH
+    assert pool.num_free_blocks == pool.num_blocks and sched.running == []
+
+
+def test_eos_stops_unless_ignore_eos():
+    sched, _ = make_scheduler()
+    a = make_request("a", 3, max_tokens=10, ignore_eos=False)
+    b = make_request("b", 3, max_tokens=10, ignore_eos=True)
+    sched.add_request(a); sched.add_request(b)
+    _, finished = run_step(sched, token=EOS)
+    assert finished == [a] and a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason == EOS
+    assert b.status == RequestStatus.RUNNING
+
+
+def test_context_full_finishes_with_length():
+    sched, _ = make_scheduler(max_model_len=6)
+    a = make_request("a", 4, max_tokens=100)
+    sched.add_request(a)
+    run_step(sched); _, finished = run_step(sched)
+    assert finished == [a] and a.num_tokens == 6 and a.status == RequestStatus.FINISHED_LENGTH
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operations_keep_every_invariant_and_finish_everything(seed):
+    """Thousands of random adds, steps (with EOS), aborts; check the books after each one."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 16])
+    num_blocks = rng.randint(8, 40)
+    sched, pool = make_scheduler(num_blocks=num_blocks, block_size=block_size,
+                                 max_num_seqs=rng.randint(1, 6), budget=rng.randint(1, 40))
+    all_requests, next_id, ops = [], 0, 0
+    while ops < 3000 or sched.has_unfinished_requests():
+        ops += 1
+        assert ops < 100_000, "the scheduler stopped making progress"
+        op = rng.random() if ops < 3000 else 1.0
+        if op < 0.15:
+            max_tokens = rng.randint(1, 12)
+            # only requests that fit the whole pool alone are admitted (the engine checks this)
+            max_prompt = num_blocks * block_size - max_tokens + 1
+            if max_prompt >= 1:
+                r = make_request(next_id, rng.randint(1, min(max_prompt, 60)), max_tokens,
+                                 ignore_eos=rng.random() < 0.5)
+                next_id += 1
+                all_requests.append(r)
+                sched.add_request(r)
+        elif op < 0.18 and all_requests:
+            r = rng.choice(all_requests)
+            if not r.is_finished:
+                sched.finish_request(r, RequestStatus.FINISHED_ABORTED)
+        else:
+            out = sched.schedule()
+            assert out.num_batched_tokens <= sched.max_num_batched_tokens
+            assert len(sched.running) <= sched.max_num_seqs
+            if sched.has_unfinished_requests() and not out.preempted:
+                assert out.scheduled, "nothing scheduled although requests wait: deadlock"
+            for r, n in out.scheduled:
+                assert n >= 1 and len(r.block_ids) == cdiv(r.num_computed_tokens + n, block_size)
+            sampled = {r.request_id: rng.choice([EOS, 5, 6])
+                       for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+            sched.update(out, sampled)
+        check_books(sched, pool, all_requests)
+    assert all(r.is_finished for r in all_requests)
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def check_books(sched, pool, all_requests):
+    pool.check_invariants()
+    holders = {}
+    for r in sched.running:
+        assert r.status == RequestStatus.RUNNING
+        assert len(r.block_ids) == cdiv(r.num_computed_tokens, pool.block_size)
+        for b in r.block_ids:
+            assert b not in holders, f"block {b} in two block tables"
+            holders[b] = r
+    for r in sched.waiting:
+        assert r.block_ids == [] and r.num_computed_tokens == 0
+    for r in all_requests:
+        if r.is_finished:
+            assert r.block_ids == []
+    # ref counts add up: every held block is held by exactly one table (no sharing yet)
+    assert sum(b.ref_count for b in pool.blocks) == len(holders)
+    assert pool.num_free_blocks + len(holders) == pool.num_blocks
