@@ -30,7 +30,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len tokens of one request, (seq_len, kv_heads, head_dim), via its block table."""
     num_blocks = -(-seq_len // cache.shape[1])
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:seq_len]
 
 
 class TorchAttentionBackend:
@@ -61,9 +61,11 @@ class TorchAttentionBackend:
         idx = torch.tensor(rows, device=q.device)
         seq_lens = meta.seq_lens[idx]
         max_blocks = -(-max(meta.seq_lens_list[i] for i in rows) // meta.block_size)
-        tables = meta.block_tables[idx, :max_blocks]
-        kk = k_cache[tables].flatten(1, 2)          # (B, max_blocks * block_size, kv_heads, D)
-        vv = v_cache[tables].flatten(1, 2)
+        tables = meta.block_tables[idx, :max_blocks].flatten()
+        # index_select on the block axis: several times faster on CPU than cache[tables]
+        shape = (len(rows), max_blocks * meta.block_size) + k_cache.shape[2:]
+        kk = k_cache.index_select(0, tables).view(shape)   # (B, max_blocks * block_size, kv_heads, D)
+        vv = v_cache.index_select(0, tables).view(shape)
         key_pos = torch.arange(kk.shape[1], device=q.device)
         mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]   # (B, 1, 1, L)
         qq = q[starts[idx]].unsqueeze(2)             # (B, heads, 1, D)
