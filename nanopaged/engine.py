@@ -36,6 +36,9 @@ class EngineStats:
     peak_kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0         # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0            # of those, tokens found
+    kv_tokens_stored: int = 0             # summed over steps: tokens with K/V in the cache
+    kv_slots_held: int = 0                # summed over steps: slots of the blocks held
+    max_num_running: int = 0              # most requests running in one step
     model_time_s: float = 0.0             # time in the model runner
     schedule_time_s: float = 0.0          # time in scheduler + block pool
 
@@ -146,8 +149,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        # Usage now, while this step's blocks are held (update() frees the finished ones).
-        self.stats.peak_kv_cache_usage = max(self.stats.peak_kv_cache_usage, self.block_pool.usage())
+        self._record_memory(out)
         t1 = time.perf_counter()
         sampled = self.runner.execute(out)
         t2 = time.perf_counter()
@@ -178,6 +180,20 @@ class LLMEngine:
             for r, n in out.scheduled)
         s.model_time_s += model_time
         s.schedule_time_s += schedule_time
+
+    def _record_memory(self, out) -> None:
+        """KV figures of this step, taken while its blocks are held (update() frees some).
+
+        Utilization = tokens whose K/V the cache holds after this step / slots in the blocks
+        held: the paper's measure of how much reserved KV memory holds real tokens (Fig. 2).
+        """
+        s = self.stats
+        s.peak_kv_cache_usage = max(s.peak_kv_cache_usage, self.block_pool.usage())
+        new = {r.request_id: n for r, n in out.scheduled}
+        running = self.scheduler.running        # every scheduled request is running now
+        s.kv_tokens_stored += sum(r.num_computed_tokens + new.get(r.request_id, 0) for r in running)
+        s.kv_slots_held += sum(len(r.block_ids) for r in running) * self.config.block_size
+        s.max_num_running = max(s.max_num_running, len(self.scheduler.running))
 
     def _make_output(self, request: Request) -> RequestOutput:
         status = request.status
@@ -211,6 +227,8 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
+            "kv_utilization": s.kv_tokens_stored / s.kv_slots_held if s.kv_slots_held else 0.0,
+            "max_num_running": s.max_num_running,
             "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
             "num_generated_tokens": s.num_generated_tokens,
             "model_time_s": s.model_time_s,

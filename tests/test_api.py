@@ -119,3 +119,13 @@ def test_chat_applies_the_template_with_the_generation_prompt(llm):
     assert out[0].prompt_token_ids == tok.encode(text, add_special_tokens=False)
     two = llm.chat([conv, conv], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(two) == 2 and two[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+
+
+def test_kv_utilization_is_high_and_below_one(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64)
+    llm.generate([{"prompt_token_ids": [5] * n} for n in (10, 50, 90, 130)],
+                 SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
+    stats = llm.get_stats()
+    # waste is < 1 block of 16 per request, on contexts of 10..160 tokens
+    assert 0.8 < stats["kv_utilization"] < 1.0
+    assert stats["max_num_running"] == 4
