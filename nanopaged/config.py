@@ -12,6 +12,7 @@ DTYPES = {"auto": "auto", "float32": "float32", "float": "float32",
           "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+PREFIX_HASHES = ("sha256", "xxhash", "xxhash64")
 CPU_KV_CACHE_BYTES = 1 << 30   # default KV budget on CPU (zeroing it takes ~3 s per GiB on a 2-core VM)
 
 
@@ -28,6 +29,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None        # exact block count; overrides the memory budget
     gpu_memory_utilization: float = 0.9     # CUDA: share of GPU memory the engine may use
     enable_prefix_caching: bool = True
+    prefix_hash: str = "sha256"             # block hash: sha256 | xxhash (xxh3_128) | xxhash64
     attention_backend: str = "auto"
     enforce_eager: bool = False             # CUDA: no CUDA graphs
     seed: int = 0                           # for requests sampled without their own seed
@@ -53,6 +55,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.prefix_hash not in PREFIX_HASHES:
+            raise ValueError(f"prefix_hash must be one of {PREFIX_HASHES}, got {self.prefix_hash!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

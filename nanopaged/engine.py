@@ -34,8 +34,6 @@ class EngineStats:
     num_prompt_tokens_computed: int = 0   # prefill work actually done (incl. recompute)
     num_generated_tokens: int = 0
     peak_kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0         # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0            # of those, tokens found
     kv_tokens_stored: int = 0             # summed over steps: tokens with K/V in the cache
     kv_slots_held: int = 0                # summed over steps: slots of the blocks held
     max_num_running: int = 0              # most requests running in one step
@@ -50,7 +48,9 @@ class LLMEngine:
         self._resolve_limits()
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.runner = ModelRunner(config, self.model_config, config.max_model_len)
-        self.block_pool = BlockPool(self.runner.num_kv_blocks, config.block_size)
+        self.block_pool = BlockPool(self.runner.num_kv_blocks, config.block_size,
+                                    enable_caching=config.enable_prefix_caching,
+                                    prefix_hash=config.prefix_hash)
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len)
         self.stats = EngineStats()
@@ -85,6 +85,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         cfg = self.config
         room = cfg.max_model_len - len(ids)
         # max_tokens beyond the context is clipped (vLLM does the same): the request then
@@ -99,7 +102,7 @@ class LLMEngine:
                 f"{max_tokens} tokens, block_size {cfg.block_size}) but the whole cache has "
                 f"{self.runner.num_kv_blocks} blocks; lower max_tokens or raise num_kv_blocks")
         return Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
-                       max_tokens=max_tokens, prompt=text,
+                       max_tokens=max_tokens, prompt=text, cache_salt=cache_salt,
                        eos_token_ids=frozenset(self.model_config.eos_token_ids))
 
     def submit(self, request: Request) -> None:
@@ -225,8 +228,9 @@ class LLMEngine:
             "block_size": self.config.block_size,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "num_evicted_blocks": self.block_pool.num_evicted_blocks,
             "kv_utilization": s.kv_tokens_stored / s.kv_slots_held if s.kv_slots_held else 0.0,
             "max_num_running": s.max_num_running,
             "num_prompt_tokens_computed": s.num_prompt_tokens_computed,

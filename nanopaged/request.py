@@ -37,13 +37,16 @@ class Request:
     max_tokens: int                       # effective limit, after clipping to max_model_len
     eos_token_ids: frozenset[int] = frozenset()
     prompt: str | None = None
+    cache_salt: str | None = None         # mixed into the first block hash: no sharing across salts
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # the block table: logical i -> physical id
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks of tokens
+    num_cached_blocks: int = 0            # leading blocks of block_ids already named in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0            # prefix-cache hit at first admission (vLLM's meaning)
     num_preemptions: int = 0
 
     @property

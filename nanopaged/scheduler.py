@@ -15,6 +15,13 @@ The oldest running request is never the victim while another is running, and eve
 admitted request fits the pool on its own (the engine checks that), so the oldest one
 always finishes: no deadlock, and no request waits forever.
 
+With prefix caching, admission first looks the request's block hashes up in the block
+pool: the cached blocks join its block table and its `num_computed_tokens` starts after
+them, so prefill starts where the cache ends. At most `num_tokens - 1` tokens can hit: the
+last token is always computed, because its logits are needed to sample (vLLM:
+kv_cache_manager.py, `max_cache_hit_length`). After every step, blocks that became full
+are named in the cache, prompt and generated tokens alike.
+
 No torch here: the scheduler decides, the model runner computes.
 """
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanopaged.block_pool import BlockPool
+from nanopaged.prefix_cache import extend_block_hashes
 from nanopaged.request import Request, RequestStatus
 
 
@@ -47,9 +55,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # in admission order: the last is the newest
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0       # tokens of admitted requests looked up
+        self.prefix_cache_hits = 0          # of those, tokens found in the cache
 
     # ---- queue ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        self._hash_new_blocks(request)
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -83,15 +94,42 @@ class Scheduler:
         while (not out.preempted and self.waiting and token_budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            if not self._allocate_slots(request, num_new):
+            num_new = self._admit(request, token_budget)
+            if num_new == 0:
                 break                               # wait for running requests to free blocks
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append((request, num_new))
             token_budget -= num_new
         return out
+
+    def _admit(self, request: Request, token_budget: int) -> int:
+        """Give a waiting request its cached prefix and new blocks; its num_new_tokens, or 0."""
+        pool = self.block_pool
+        hits = []
+        if pool.enable_caching:
+            hits = pool.find_cached_blocks(request.block_hashes,
+                                           (request.num_tokens - 1) // pool.block_size,
+                                           request.token_ids)
+        num_cached = len(hits) * pool.block_size
+        num_new = min(request.num_tokens - num_cached, token_budget)
+        # Cached blocks that sit in the free queue leave it, so they are not free for others.
+        num_free = pool.num_free_blocks - sum(1 for b in hits if pool.blocks[b].ref_count == 0)
+        if pool.blocks_needed(len(hits), num_cached + num_new) > num_free:
+            return 0
+        pool.touch(hits)
+        request.block_ids = hits
+        request.num_cached_blocks = len(hits)
+        request.num_computed_tokens = num_cached
+        allocated = self._allocate_slots(request, num_new)
+        assert allocated, "checked above: the free blocks suffice"
+        if request.status == RequestStatus.WAITING:   # first admission, not a re-admission
+            request.num_cached_tokens = num_cached
+        if pool.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
+        request.status = RequestStatus.RUNNING
+        return num_new
 
     def _allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Make the block table hold num_computed + num_new tokens; False if blocks run out."""
@@ -106,6 +144,7 @@ class Scheduler:
         """Recompute preemption: drop the K/V, keep the tokens, go to the front of the queue."""
         self.block_pool.free(request.block_ids)
         request.block_ids = []
+        request.num_cached_blocks = 0
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -123,14 +162,35 @@ class Scheduler:
         for request, num_new in out.scheduled:
             request.num_computed_tokens += num_new
             token = sampled.get(request.request_id)
+            if token is not None:
+                request.output_token_ids.append(token)
+            self._hash_new_blocks(request)
+            self._cache_full_blocks(request)     # before a finish frees them
             if token is None:
                 continue
-            request.output_token_ids.append(token)
             status = self._check_stop(request, token)
             if status is not None:
                 self.finish_request(request, status)
                 finished.append(request)
         return finished
+
+    def _hash_new_blocks(self, request: Request) -> None:
+        pool = self.block_pool
+        if pool.enable_caching:
+            extend_block_hashes(request.block_hashes, request.token_ids, request.num_tokens,
+                                pool.block_size, pool.hash_fn, request.cache_salt)
+
+    def _cache_full_blocks(self, request: Request) -> None:
+        """Name the blocks whose every slot now holds computed K/V."""
+        pool = self.block_pool
+        if not pool.enable_caching:
+            return
+        bs = pool.block_size
+        num_full = request.num_computed_tokens // bs
+        for i in range(request.num_cached_blocks, num_full):
+            pool.cache_block(request.block_ids[i], request.block_hashes[i],
+                             request.token_ids(i * bs, (i + 1) * bs))
+        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         if not request.sampling_params.ignore_eos and token in request.eos_token_ids:

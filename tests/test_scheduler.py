@@ -21,8 +21,9 @@ def make_request(rid, prompt_len, max_tokens=8, ignore_eos=True):
                    max_tokens=max_tokens, eos_token_ids=frozenset({EOS}))
 
 
-def make_scheduler(num_blocks=100, block_size=4, max_num_seqs=8, budget=64, max_model_len=1000):
-    pool = BlockPool(num_blocks, block_size)
+def make_scheduler(num_blocks=100, block_size=4, max_num_seqs=8, budget=64, max_model_len=1000,
+                   enable_caching=False):
+    pool = BlockPool(num_blocks, block_size, enable_caching=enable_caching)
     return Scheduler(pool, max_num_seqs, budget, max_model_len), pool
 
 
@@ -163,14 +164,20 @@ def test_context_full_finishes_with_length():
     assert finished == [a] and a.num_tokens == 6 and a.status == RequestStatus.FINISHED_LENGTH
 
 
+@pytest.mark.parametrize("enable_caching", [False, True], ids=["no_cache", "prefix_cache"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_operations_keep_every_invariant_and_finish_everything(seed):
-    """Thousands of random adds, steps (with EOS), aborts; check the books after each one."""
+def test_random_operations_keep_every_invariant_and_finish_everything(seed, enable_caching):
+    """Thousands of random adds, steps (with EOS), aborts; check the books after each one.
+
+    Every prompt starts with the same tokens (make_request), so with the prefix cache on,
+    requests share blocks, hit freed blocks and evict them all the time.
+    """
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 16])
     num_blocks = rng.randint(8, 40)
     sched, pool = make_scheduler(num_blocks=num_blocks, block_size=block_size,
-                                 max_num_seqs=rng.randint(1, 6), budget=rng.randint(1, 40))
+                                 max_num_seqs=rng.randint(1, 6), budget=rng.randint(1, 40),
+                                 enable_caching=enable_caching)
     all_requests, next_id, ops = [], 0, 0
     while ops < 3000 or sched.has_unfinished_requests():
         ops += 1
@@ -204,22 +211,27 @@ def test_random_operations_keep_every_invariant_and_finish_everything(seed):
         check_books(sched, pool, all_requests)
     assert all(r.is_finished for r in all_requests)
     assert pool.num_free_blocks == pool.num_blocks
+    if enable_caching:
+        assert sched.prefix_cache_hits > 0
 
 
 def check_books(sched, pool, all_requests):
     pool.check_invariants()
-    holders = {}
+    refs = {}
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
         assert len(r.block_ids) == cdiv(r.num_computed_tokens, pool.block_size)
+        assert len(set(r.block_ids)) == len(r.block_ids), "a block twice in one table"
         for b in r.block_ids:
-            assert b not in holders, f"block {b} in two block tables"
-            holders[b] = r
+            refs[b] = refs.get(b, 0) + 1
     for r in sched.waiting:
         assert r.block_ids == [] and r.num_computed_tokens == 0
     for r in all_requests:
         if r.is_finished:
             assert r.block_ids == []
-    # ref counts add up: every held block is held by exactly one table (no sharing yet)
-    assert sum(b.ref_count for b in pool.blocks) == len(holders)
-    assert pool.num_free_blocks + len(holders) == pool.num_blocks
+    # ref counts add up: a block's count is the number of block tables holding it
+    for block in pool.blocks:
+        assert block.ref_count == refs.get(block.block_id, 0)
+    if not pool.enable_caching:
+        assert all(n == 1 for n in refs.values()), "blocks are shared only through the prefix cache"
+    assert pool.num_free_blocks + len(refs) == pool.num_blocks
