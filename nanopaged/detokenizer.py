@@ -25,13 +25,17 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_id: int, final: bool = False) -> str:
-        """Append one token; returns the text it completed (may be '').
-
-        `final`: the sequence ends here, so emit what is pending even if it ends in an
-        incomplete character; the text then equals decoding all tokens at once.
-        """
+    def add(self, token_id: int) -> str:
+        """Append one token; returns the text it completed (may be '')."""
         self.tokens.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """The sequence ends: emit what is pending even if it ends in an incomplete character,
+        so the text equals decoding all tokens at once."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
         prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset:])
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
@@ -40,3 +44,20 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+
+def find_stop_string(text: str, new_chars: int, stops: list[str],
+                     include: bool) -> tuple[str, int] | None:
+    """The first stop string that the last `new_chars` characters completed, and where to cut.
+
+    Only the tail can hold a new match: a stop string ends inside the new characters, so it
+    starts at most len(stop) - 1 characters before them; this finds a stop string that spans
+    several tokens. The text is cut before the stop string, or after it with
+    include_stop_str_in_output (vLLM: v1/engine/detokenizer.py, `check_stop_strings`).
+    """
+    for stop in stops:
+        start = max(0, len(text) - new_chars - len(stop) + 1)
+        i = text.find(stop, start)
+        if i != -1:
+            return stop, i + len(stop) if include else i
+    return None

@@ -17,10 +17,12 @@ from transformers import AutoTokenizer
 
 from nanopaged.block_pool import BlockPool, cdiv
 from nanopaged.config import EngineConfig
-from nanopaged.detokenizer import IncrementalDetokenizer
+from dataclasses import replace
+
+from nanopaged.detokenizer import IncrementalDetokenizer, find_stop_string
 from nanopaged.models import ModelConfig
 from nanopaged.model_runner import ModelRunner
-from nanopaged.outputs import CompletionOutput, RequestOutput
+from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
 from nanopaged.request import Request, RequestStatus
 from nanopaged.sampling_params import SamplingParams
 from nanopaged.scheduler import Scheduler
@@ -34,6 +36,7 @@ class EngineStats:
     num_prompt_tokens_computed: int = 0   # prefill work actually done (incl. recompute)
     num_generated_tokens: int = 0
     peak_kv_cache_usage: float = 0.0
+    peak_kv_blocks_used: int = 0
     kv_tokens_stored: int = 0             # summed over steps: tokens with K/V in the cache
     kv_slots_held: int = 0                # summed over steps: slots of the blocks held
     max_num_running: int = 0              # most requests running in one step
@@ -54,8 +57,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len)
         self.stats = EngineStats()
-        self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.requests: dict[str, list[Request]] = {}   # user request id -> its samples (n of them)
+        self.samples: dict[str, Request] = {}          # sample request id -> sample
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}   # per sample
 
     def _resolve_limits(self) -> None:
         cfg, limit = self.config, self.model_config.max_position_embeddings
@@ -81,8 +85,11 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.samples:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} samples cannot run at once with max_num_seqs="
+                             f"{self.config.max_num_seqs}")
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
@@ -101,14 +108,25 @@ class LLMEngine:
                 f"request {request_id!r} needs {need} KV blocks (prompt {len(ids)} + max_tokens "
                 f"{max_tokens} tokens, block_size {cfg.block_size}) but the whole cache has "
                 f"{self.runner.num_kv_blocks} blocks; lower max_tokens or raise num_kv_blocks")
-        return Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
-                       max_tokens=max_tokens, prompt=text, cache_salt=cache_salt,
-                       eos_token_ids=frozenset(self.model_config.eos_token_ids))
+        samples = [Request(request_id=request_id if i == 0 else f"{request_id}#{i}",
+                           prompt_token_ids=ids, sampling_params=_sample_params(params, i),
+                           max_tokens=max_tokens, prompt=text, cache_salt=cache_salt,
+                           eos_token_ids=frozenset(self.model_config.eos_token_ids),
+                           index=i, group_id=request_id)
+                   for i in range(params.n)]
+        if any(seq.request_id in self.samples for seq in samples):
+            raise ValueError(f"request_id {request_id!r} clashes with the samples of another request")
+        # Sample 0 prefills the prompt; the others fork off it when it is done (Scheduler.fork).
+        samples[0].pending_children = samples[1:]
+        return samples[0]
 
     def submit(self, request: Request) -> None:
-        self.requests[request.request_id] = request
-        self.detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids)
+        samples = [request] + request.pending_children
+        self.requests[request.group_id] = samples
+        for seq in samples:
+            self.samples[seq.request_id] = seq
+            self.detokenizers[seq.request_id] = IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, seq.sampling_params.skip_special_tokens)
         self.scheduler.add_request(request)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -137,10 +155,10 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
-        if request is not None and not request.is_finished:
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
-            self._forget(request)
+        for seq in self.requests.get(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+        self._forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -156,22 +174,41 @@ class LLMEngine:
         t1 = time.perf_counter()
         sampled = self.runner.execute(out)
         t2 = time.perf_counter()
-        self.scheduler.update(out, {rid: tok for rid, (tok, _) in sampled.items()})
+        self.scheduler.update(out, {rid: tok for rid, (tok, _, _) in sampled.items()})
         t3 = time.perf_counter()
         self._record(out, sampled, model_time=t2 - t1, schedule_time=(t1 - t0) + (t3 - t2))
 
-        outputs = []
-        for request, _ in out.scheduled:
-            if request.request_id not in sampled:
-                continue                       # mid-prompt: nothing new to report
-            _, logprob = sampled[request.request_id]
-            request.cumulative_logprob += logprob
-            self.detokenizers[request.request_id].add(request.output_token_ids[-1],
-                                                      final=request.is_finished)
-            outputs.append(self._make_output(request))
-            if request.is_finished:
-                self._forget(request)
+        advanced = {}
+        for rid, (_, logprob, top) in sampled.items():
+            seq = self.samples[rid]
+            self._process_token(seq, logprob, top)
+            advanced[seq.group_id] = True
+        outputs = [self._make_output(gid) for gid in advanced]
+        for o in outputs:
+            if o.finished:
+                self._forget(o.request_id)
         return outputs
+
+    def _process_token(self, seq: Request, logprob: float, top: list | None) -> None:
+        """Logprobs, incremental text, stop strings for the token a sample just got."""
+        params, token, detok = seq.sampling_params, seq.output_token_ids[-1], self.detokenizers[seq.request_id]
+        seq.cumulative_logprob += logprob
+        if top is not None:
+            seq.output_logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
+                                        for t, lp, rank in top})
+        # vLLM leaves a stop token (EOS or stop_token_ids) out of the text, unless asked.
+        stopped_by_token = seq.status == RequestStatus.FINISHED_STOPPED
+        if not stopped_by_token or params.include_stop_str_in_output:
+            new_chars = len(detok.add(token))
+            if params.stop and not seq.is_finished and seq.num_output_tokens >= params.min_tokens:
+                hit = find_stop_string(detok.text, new_chars, params.stop, params.include_stop_str_in_output)
+                if hit is not None:
+                    seq.stop_reason = hit[0]
+                    detok.text = detok.text[:hit[1]]
+                    self.scheduler.finish_request(seq, RequestStatus.FINISHED_STOPPED)
+                    return
+        if seq.is_finished:
+            detok.flush()
 
     def _record(self, out, sampled, model_time: float, schedule_time: float) -> None:
         s = self.stats
@@ -192,29 +229,37 @@ class LLMEngine:
         """
         s = self.stats
         s.peak_kv_cache_usage = max(s.peak_kv_cache_usage, self.block_pool.usage())
+        s.peak_kv_blocks_used = max(s.peak_kv_blocks_used,
+                                    self.block_pool.num_blocks - self.block_pool.num_free_blocks)
         new = {r.request_id: n for r, n in out.scheduled}
         running = self.scheduler.running        # every scheduled request is running now
         s.kv_tokens_stored += sum(r.num_computed_tokens + new.get(r.request_id, 0) for r in running)
         s.kv_slots_held += sum(len(r.block_ids) for r in running) * self.config.block_size
         s.max_num_running = max(s.max_num_running, len(self.scheduler.running))
 
-    def _make_output(self, request: Request) -> RequestOutput:
-        status = request.status
-        finish_reason = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                         RequestStatus.FINISHED_ABORTED: "abort"}.get(status)
-        completion = CompletionOutput(
-            index=0, text=self.detokenizers[request.request_id].text,
-            token_ids=list(request.output_token_ids),
-            cumulative_logprob=request.cumulative_logprob,
-            finish_reason=finish_reason, stop_reason=request.stop_reason)
-        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=request.prompt_token_ids, outputs=[completion],
-                             finished=request.is_finished, num_cached_tokens=request.num_cached_tokens)
+    def _make_output(self, group_id: str) -> RequestOutput:
+        samples = self.requests[group_id]
+        completions = [self._completion(seq) for seq in samples]
+        first = samples[0]
+        return RequestOutput(request_id=group_id, prompt=first.prompt,
+                             prompt_token_ids=first.prompt_token_ids, outputs=completions,
+                             finished=all(seq.is_finished for seq in samples),
+                             num_cached_tokens=first.num_cached_tokens)
 
-    def _forget(self, request: Request) -> None:
-        self.requests.pop(request.request_id, None)
-        self.detokenizers.pop(request.request_id, None)
-        self.runner.free_request(request.request_id)
+    def _completion(self, seq: Request) -> CompletionOutput:
+        finish_reason = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                         RequestStatus.FINISHED_ABORTED: "abort"}.get(seq.status)
+        return CompletionOutput(
+            index=seq.index, text=self.detokenizers[seq.request_id].text,
+            token_ids=list(seq.output_token_ids), cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(seq.output_logprobs) if seq.sampling_params.logprobs is not None else None,
+            finish_reason=finish_reason, stop_reason=seq.stop_reason)
+
+    def _forget(self, group_id: str) -> None:
+        for seq in self.requests.pop(group_id, []):
+            self.samples.pop(seq.request_id, None)
+            self.detokenizers.pop(seq.request_id, None)
+            self.runner.free_request(seq.request_id)
 
     # ---- figures --------------------------------------------------------------------
     def get_stats(self) -> dict:
@@ -224,6 +269,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_usage": self.block_pool.usage(),
             "peak_kv_cache_usage": s.peak_kv_cache_usage,
+            "peak_kv_blocks_used": s.peak_kv_blocks_used,
             "num_kv_blocks": self.block_pool.num_blocks,
             "block_size": self.config.block_size,
             "num_running": len(self.scheduler.running),
@@ -238,6 +284,13 @@ class LLMEngine:
             "model_time_s": s.model_time_s,
             "schedule_time_s": s.schedule_time_s,
         }
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample i of n: one sequence, with its own seed (seed + i) so the n samples differ."""
+    if params.n == 1:
+        return params
+    return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
 
 
 def _cuda_available() -> bool:

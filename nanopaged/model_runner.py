@@ -13,7 +13,9 @@ Per step (vLLM: v1/worker/gpu_model_runner.py, `_prepare_inputs`):
   query_start_loc        cu_seqlens_q: where each request's rows start in the flat batch
   seq_lens               each request's context length after this step
 Only requests whose step reaches the end of their known tokens sample a token (a request
-in the middle of a chunked prompt has nothing to sample yet).
+in the middle of a chunked prompt has nothing to sample yet). A request whose other samples
+(n > 1) are about to fork off it samples once for each of them, from the same logits row.
+Copy-on-write block copies ordered by the scheduler are done before the forward pass.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from nanopaged.attention import AttentionMetadata, get_backend
 from nanopaged.block_pool import cdiv
 from nanopaged.config import CPU_KV_CACHE_BYTES, EngineConfig
 from nanopaged.models import LlamaForCausalLM, ModelConfig, load_weights
-from nanopaged.sampler import Sampler
+from nanopaged.sampler import SampleResult, Sampler
 from nanopaged.scheduler import SchedulerOutput
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,8 +132,9 @@ class ModelRunner:
             query_lens.append(num_new)
             seq_lens.append(end)
             if end == request.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sample_reqs.append(request)
+                for seq in [request] + request.pending_children:
+                    sample_rows.append(len(input_ids) - 1)
+                    sample_reqs.append(seq)
         max_blocks = max(len(r.block_ids) for r, _ in out.scheduled)
         tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in out.scheduled]
         cu = [0]
@@ -149,15 +152,25 @@ class ModelRunner:
         return ids, pos, meta, sample_rows, sample_reqs
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, float]]:
-        """Run one step; returns request_id -> (sampled token, its logprob) for sampling rows."""
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, float, list | None]]:
+        """Run one step; request_id -> (token, its logprob, top logprobs) for every sampling row."""
+        self.copy_blocks(out.blocks_to_copy)
         ids, pos, meta, sample_rows, sample_reqs = self.prepare_inputs(out)
         hidden = self.model(ids, pos, self.kv_cache, meta)
         if not sample_reqs:
             return {}
         logits = self.model.compute_logits(hidden[sample_rows])
-        tokens, logprobs = self.sampler(logits, sample_reqs)
-        return {r.request_id: (t, lp) for r, t, lp in zip(sample_reqs, tokens, logprobs)}
+        res: SampleResult = self.sampler(logits, sample_reqs)
+        return {r.request_id: (t, lp, top) for r, t, lp, top in
+                zip(sample_reqs, res.token_ids, res.logprobs, res.top_logprobs)}
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src's K/V, every layer, into block dst."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
 
     def free_request(self, request_id: str) -> None:
         self.sampler.free_request(request_id)

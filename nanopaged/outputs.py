@@ -5,15 +5,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's entry in `CompletionOutput.logprobs` (vLLM: vllm/logprobs.py)."""
+    logprob: float
+    rank: int                      # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence of a request (vLLM: vllm/outputs.py)."""
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list | None = None
-    finish_reason: str | None = None     # "stop" (EOS) | "length" (max_tokens or context full)
-    stop_reason: int | str | None = None  # the EOS token id that stopped it, if any
+    logprobs: list[dict[int, Logprob]] | None = None   # per token, when SamplingParams.logprobs is set
+    finish_reason: str | None = None     # "stop" (EOS, stop token or string) | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS
 
     def finished(self) -> bool:
         return self.finish_reason is not None

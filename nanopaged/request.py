@@ -46,8 +46,15 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
+    output_logprobs: list[dict] = field(default_factory=list)  # per token, when logprobs=k
     num_cached_tokens: int = 0            # prefix-cache hit at first admission (vLLM's meaning)
     num_preemptions: int = 0
+    # Parallel sampling (n > 1): sample `index` of the user's request `group_id`. The
+    # other samples wait in `pending_children` until this one has prefilled the prompt;
+    # then they fork off it, sharing its blocks (Scheduler.fork).
+    index: int = 0
+    group_id: str = ""
+    pending_children: list["Request"] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,6 +22,13 @@ last token is always computed, because its logits are needed to sample (vLLM:
 kv_cache_manager.py, `max_cache_hit_length`). After every step, blocks that became full
 are named in the cache, prompt and generated tokens alike.
 
+Parallel sampling (n > 1) shares blocks inside a request (paper section 4.4): the prompt
+is prefilled once, then the samples fork (`fork`): each child gets a copy of the block
+table, and every shared block's `ref_count` rises. A request about to write into a block
+whose `ref_count > 1` (the partly filled last prompt block) first gets a private copy
+(`_allocate_slots`, copy-on-write); the runner copies the block's K/V before the forward
+pass. Full shared blocks are never written, so never copied.
+
 No torch here: the scheduler decides, the model runner computes.
 """
 from __future__ import annotations
@@ -39,6 +46,7 @@ class SchedulerOutput:
     """What one step computes: (request, num_new_tokens) pairs, in batch order."""
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -76,7 +84,7 @@ class Scheduler:
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            while not self._allocate_slots(request, num_new):
+            while not self._allocate_slots(request, num_new, out.blocks_to_copy):
                 victim = self.running.pop()          # the newest running request
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -91,9 +99,10 @@ class Scheduler:
 
         # 2. Waiting requests, oldest first; none while this step had to preempt, since
         #    memory is short (vLLM does the same).
-        while (not out.preempted and self.waiting and token_budget > 0
-               and len(self.running) < self.max_num_seqs):
+        while not out.preempted and self.waiting and token_budget > 0:
             request = self.waiting[0]
+            if self._num_seqs() + 1 + len(request.pending_children) > self.max_num_seqs:
+                break
             num_new = self._admit(request, token_budget)
             if num_new == 0:
                 break                               # wait for running requests to free blocks
@@ -121,7 +130,7 @@ class Scheduler:
         request.block_ids = hits
         request.num_cached_blocks = len(hits)
         request.num_computed_tokens = num_cached
-        allocated = self._allocate_slots(request, num_new)
+        allocated = self._allocate_slots(request, num_new, [])
         assert allocated, "checked above: the free blocks suffice"
         if request.status == RequestStatus.WAITING:   # first admission, not a re-admission
             request.num_cached_tokens = num_cached
@@ -131,14 +140,43 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         return num_new
 
-    def _allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make the block table hold num_computed + num_new tokens; False if blocks run out."""
-        n = self.block_pool.blocks_needed(len(request.block_ids),
-                                          request.num_computed_tokens + num_new_tokens)
-        if n > self.block_pool.num_free_blocks:
+    def _num_seqs(self) -> int:
+        """Running sequences, counting the samples that will fork off them."""
+        return sum(1 + len(r.pending_children) for r in self.running)
+
+    def _allocate_slots(self, request: Request, num_new_tokens: int,
+                        blocks_to_copy: list[tuple[int, int]]) -> bool:
+        """Make the block table hold num_computed + num_new tokens; False if blocks run out.
+
+        The first new token goes into block num_computed // block_size. If that block is
+        already in the table and shared (ref_count > 1), writing into it would change the
+        other holders' K/V: copy-on-write gives this request a private copy first.
+        """
+        pool = self.block_pool
+        table = request.block_ids
+        i = request.num_computed_tokens // pool.block_size
+        cow = i < len(table) and pool.blocks[table[i]].ref_count > 1
+        n = pool.blocks_needed(len(table), request.num_computed_tokens + num_new_tokens)
+        if n + cow > pool.num_free_blocks:
             return False
-        request.block_ids.extend(self.block_pool.allocate(n))
+        if cow:
+            [copy] = pool.allocate(1)
+            blocks_to_copy.append((table[i], copy))
+            pool.free([table[i]])          # drops this request's reference only
+            table[i] = copy
+        table.extend(pool.allocate(n))
         return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent: a copy of the table, ref_count + 1 each."""
+        self.block_pool.touch(parent.block_ids)
+        child.block_ids = list(parent.block_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_blocks = parent.num_cached_blocks
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the K/V, keep the tokens, go to the front of the queue."""
@@ -162,16 +200,22 @@ class Scheduler:
         for request, num_new in out.scheduled:
             request.num_computed_tokens += num_new
             token = sampled.get(request.request_id)
-            if token is not None:
-                request.output_token_ids.append(token)
-            self._hash_new_blocks(request)
-            self._cache_full_blocks(request)     # before a finish frees them
             if token is None:
+                self._hash_new_blocks(request)
+                self._cache_full_blocks(request)
                 continue
-            status = self._check_stop(request, token)
-            if status is not None:
-                self.finish_request(request, status)
-                finished.append(request)
+            # The prompt is done: the other samples fork off it before it moves on.
+            children, request.pending_children = request.pending_children, []
+            for child in children:
+                self.fork(request, child)
+            for seq in [request] + children:
+                seq.output_token_ids.append(sampled[seq.request_id])
+                self._hash_new_blocks(seq)
+                self._cache_full_blocks(seq)     # before a finish frees them
+                status = self._check_stop(seq, seq.output_token_ids[-1])
+                if status is not None:
+                    self.finish_request(seq, status)
+                    finished.append(seq)
         return finished
 
     def _hash_new_blocks(self, request: Request) -> None:
@@ -193,9 +237,14 @@ class Scheduler:
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        if not request.sampling_params.ignore_eos and token in request.eos_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
+        """vLLM's rules: EOS (stop_reason None), a stop token (stop_reason = its id), length."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:   # before that the sampler blocks them
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
@@ -206,6 +255,9 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        for child in request.pending_children:     # an aborted parent takes its unforked samples along
+            child.status = status
+        request.pending_children = []
         self.block_pool.free(request.block_ids)
         request.block_ids = []
         request.status = status

@@ -62,16 +62,36 @@ def test_engine_keeps_serving_queued_requests_after_a_rejected_one(llm):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"temperature": -0.5}, r"temperature must be >= 0.*-0.5"),
-    ({"max_tokens": 0}, r"max_tokens must be an integer >= 1.*0"),
-    ({"max_tokens": -3}, r"max_tokens must be an integer >= 1.*-3"),
-    ({"max_tokens": 2.5}, r"max_tokens"),
+    ({"temperature": -0.5}, r"temperature must be in \[0.0, inf\], got -0.5"),
+    ({"max_tokens": 0}, r"max_tokens must be in \[1, inf\], got 0"),
+    ({"max_tokens": -3}, r"max_tokens must be in \[1, inf\], got -3"),
+    ({"max_tokens": 2.5}, r"max_tokens must be an integer, got 2.5"),
     ({"seed": "x"}, r"seed must be an integer"),
-    ({"n": 2}, r"n must be 1"),
+    ({"n": 0}, r"n must be in \[1, inf\], got 0"),
+    ({"top_p": 0.0}, r"top_p must be in \(0.0, 1.0\], got 0.0"),
+    ({"top_p": 1.5}, r"top_p must be in \(0.0, 1.0\]"),
+    ({"top_k": -2}, r"top_k must be in \[-1, inf\], got -2"),
+    ({"min_p": 2.0}, r"min_p must be in \[0.0, 1.0\]"),
+    ({"presence_penalty": 3.0}, r"presence_penalty must be in \[-2.0, 2.0\]"),
+    ({"frequency_penalty": -2.5}, r"frequency_penalty must be in \[-2.0, 2.0\]"),
+    ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0.0, inf\]"),
+    ({"logprobs": 21}, r"logprobs must be in \[0, 20\], got 21"),
+    ({"min_tokens": -1}, r"min_tokens must be in \[0, inf\]"),
+    ({"min_tokens": 5, "max_tokens": 3}, r"min_tokens must be <= max_tokens=3, got 5"),
+    ({"stop": ["ok", ""]}, r"stop must be a non-empty string"),
+    ({"stop_token_ids": [-4]}, r"stop_token_ids\[i\] must be in \[0, inf\]"),
+    ({"ignore_eos": "no"}, r"ignore_eos must be True or False"),
+    ({"temperature": float("nan")}, r"temperature must be a number"),
 ])
 def test_bad_sampling_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_more_samples_than_max_num_seqs(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], max_num_seqs=2, num_kv_blocks=16)
+    with pytest.raises(ValueError, match=r"n=3 samples cannot run at once with max_num_seqs=2"):
+        llm.generate("x", SamplingParams(n=3), use_tqdm=False)
 
 
 def test_sampling_params_of_the_wrong_type(llm):

@@ -152,7 +152,7 @@ def test_eos_stops_unless_ignore_eos():
     b = make_request("b", 3, max_tokens=10, ignore_eos=True)
     sched.add_request(a); sched.add_request(b)
     _, finished = run_step(sched, token=EOS)
-    assert finished == [a] and a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason == EOS
+    assert finished == [a] and a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason is None
     assert b.status == RequestStatus.RUNNING
 
 
