@@ -7,6 +7,7 @@
 Reading order: block_pool.py, request.py, scheduler.py, model_runner.py,
 attention/torch_backend.py, models/llama.py, engine.py, llm.py.
 """
+from nanopaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nanopaged.config import EngineConfig
 from nanopaged.demo_model import DEMO_MODEL
 from nanopaged.engine import LLMEngine
@@ -15,5 +16,5 @@ from nanopaged.outputs import CompletionOutput, RequestOutput
 from nanopaged.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "DEMO_MODEL"]
+           "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "DEMO_MODEL"]
 __version__ = "0.1.0"

@@ -170,7 +170,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        self._record_memory(out)
+        self.record_memory(out)
         t1 = time.perf_counter()
         sampled = self.runner.execute(out)
         t2 = time.perf_counter()
@@ -221,7 +221,7 @@ class LLMEngine:
         s.model_time_s += model_time
         s.schedule_time_s += schedule_time
 
-    def _record_memory(self, out) -> None:
+    def record_memory(self, out) -> None:
         """KV figures of this step, taken while its blocks are held (update() frees some).
 
         Utilization = tokens whose K/V the cache holds after this step / slots in the blocks

@@ -12,6 +12,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
+from nanopaged.beam_search import BeamSearcher, BeamSearchOutput, BeamSearchParams
 from nanopaged.config import EngineConfig
 from nanopaged.demo_model import DEMO_MODEL, demo_model_path
 from nanopaged.engine import LLMEngine, PromptType
@@ -62,6 +63,27 @@ class LLM:
             # The template already wrote the special tokens; do not add a BOS again.
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search with Hugging Face's rule; beams share blocks (beam_search.py)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if params.beam_width > engine.config.max_num_seqs:
+            raise ValueError(f"beam_width={params.beam_width} is larger than max_num_seqs="
+                             f"{engine.config.max_num_seqs}")
+        if engine.has_unfinished_requests():
+            raise ValueError("beam_search needs an idle engine; finish the queued requests first")
+        # The same checks as generate: every prompt must fit, before any work is done.
+        token_ids = []
+        for p in prompts:
+            r = engine.make_request(f"beam-check-{next(self._ids)}", p,
+                                    SamplingParams(max_tokens=params.max_tokens))
+            token_ids.append(r.prompt_token_ids)
+        return BeamSearcher(engine, params).run(token_ids)
 
     def get_stats(self) -> dict:
         return self.llm_engine.get_stats()

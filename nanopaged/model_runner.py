@@ -164,6 +164,21 @@ class ModelRunner:
         return {r.request_id: (t, lp, top) for r, t, lp, top in
                 zip(sample_reqs, res.token_ids, res.logprobs, res.top_logprobs)}
 
+    @torch.inference_mode()
+    def execute_top_logprobs(self, out: SchedulerOutput, k: int) -> dict[str, tuple[list[float], list[int]]]:
+        """Run one step without sampling: the k best (logprob, token) of every row at its end.
+
+        Beam search (beam_search.py) chooses the next tokens itself from these.
+        """
+        self.copy_blocks(out.blocks_to_copy)
+        ids, pos, meta, sample_rows, sample_reqs = self.prepare_inputs(out)
+        hidden = self.model(ids, pos, self.kv_cache, meta)
+        if not sample_reqs:
+            return {}
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[sample_rows]).float(), dim=-1)
+        values, tokens = logprobs.topk(k, dim=-1)
+        return {r.request_id: (v, t) for r, v, t in zip(sample_reqs, values.tolist(), tokens.tolist())}
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's K/V, every layer, into block dst."""
         if not pairs:

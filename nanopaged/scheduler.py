@@ -84,6 +84,9 @@ class Scheduler:
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new == 0:        # a beam waiting for its siblings (beam_search.py): nothing to do
+                i += 1
+                continue
             while not self._allocate_slots(request, num_new, out.blocks_to_copy):
                 victim = self.running.pop()          # the newest running request
                 self._preempt(victim)
@@ -168,7 +171,15 @@ class Scheduler:
         return True
 
     def fork(self, parent: Request, child: Request) -> None:
-        """The child shares every block of the parent: a copy of the table, ref_count + 1 each."""
+        """The child shares every block of the parent: a copy of the table, ref_count + 1 each.
+
+        A parent that was preempted has no blocks: the child then waits to be prefilled too.
+        """
+        if parent.status != RequestStatus.RUNNING:
+            child.status = RequestStatus.WAITING
+            child.block_hashes = list(parent.block_hashes)
+            self.waiting.append(child)
+            return
         self.block_pool.touch(parent.block_ids)
         child.block_ids = list(parent.block_ids)
         child.num_computed_tokens = parent.num_computed_tokens
@@ -178,7 +189,21 @@ class Scheduler:
         child.status = RequestStatus.RUNNING
         self.running.append(child)
 
-    def _preempt(self, request: Request) -> None:
+    def preempt_idle(self) -> bool:
+        """Free the newest running request that has nothing to compute; False if there is none.
+
+        Only beam search leaves such requests (a beam waiting for a sibling that is being
+        recomputed). If they hold every block, the sibling can never be admitted: freeing
+        them breaks the stall. They go to the *back* of the queue, so the sibling comes first.
+        """
+        for request in reversed(self.running):
+            if request.num_computed_tokens == request.num_tokens:
+                self.running.remove(request)
+                self._preempt(request, front=False)
+                return True
+        return False
+
+    def _preempt(self, request: Request, front: bool = True) -> None:
         """Recompute preemption: drop the K/V, keep the tokens, go to the front of the queue."""
         self.block_pool.free(request.block_ids)
         request.block_ids = []
@@ -187,7 +212,10 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     # ---- after the forward pass -----------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
