@@ -1,0 +1,148 @@
+"""The `triton` backend end to end: same greedy tokens as `torch`; clear errors when unavailable.
+
+Without a GPU the kernels run in Triton's interpreter on CPU (conftest.py sets
+TRITON_INTERPRET=1). The batches are chosen so that every path of the kernel runs: a token
+budget smaller than the longest prompt (chunked prefill after earlier chunks), decode rows
+mixed with prefill rows in one step, prefix-cache hits on a second pass, and a block size of 8
+(smaller than the kernel's 16-key tile, so one tile spans two blocks).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import make_prompts
+from nanopaged import LLM, SamplingParams
+from nanopaged.attention import get_backend
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED else "cuda"
+
+CASES = {
+    "llama-block8": ("llama", {"block_size": 8}),
+    "qwen3-block16": ("qwen3", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_backend_gives_the_same_greedy_tokens_as_torch(tiny_model_dirs, case):
+    pytest.importorskip("triton")
+    arch, settings = CASES[case]
+    prompts = make_prompts(512, n=4, seed=2, min_len=5, max_len=45)
+    assert max(len(p) for p in prompts) > 24   # longer than the budget: that one is chunked
+    params = SamplingParams(temperature=0, max_tokens=10)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        # A small pool: the interpreter copies every tensor argument back after each launch.
+        llm = LLM(tiny_model_dirs[arch], attention_backend=backend, device=DEVICE,
+                  dtype="float32", max_num_batched_tokens=24, num_kv_blocks=64, **settings)
+        # Twice: the second pass starts from prefix-cache hits, so its prompts are
+        # computed after a context that is already in the pool.
+        tokens[backend] = [o.outputs[0].token_ids
+                           for _ in range(2)
+                           for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                 params, use_tqdm=False)]
+        assert llm.get_stats()["prefix_cache_hits"] > 0
+    assert tokens["triton"] == tokens["torch"]
+    assert len({tuple(t) for t in tokens["torch"]}) > 1   # not a vacuous comparison
+
+
+# ---- choosing a backend -----------------------------------------------------------------
+def test_auto_on_cpu_is_the_torch_reference():
+    assert get_backend("auto", "cpu").name == "torch"
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs CUDA.*TRITON_INTERPRET=1"):
+        get_backend("triton", "cpu")
+    if INTERPRETED:   # on a GPU machine this would load the kernels in interpreter mode
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert get_backend("triton", "cpu").name == "triton"
+
+
+def test_flash_without_cuda_names_the_install_command():
+    with pytest.raises(ValueError, match=r"needs CUDA.*pip install -e '\.\[flash\]'"):
+        get_backend("flash", "cpu")
+
+
+def test_flash_without_flash_attn_names_the_install_command():
+    try:
+        import flash_attn  # noqa: F401
+        pytest.skip("flash-attn is installed")
+    except ImportError:
+        pass
+    with pytest.raises(ValueError, match=r"needs flash-attn: pip install -e '\.\[flash\]'"):
+        get_backend("flash", "cuda")
+
+
+def test_llm_rejects_flash_on_cpu_before_loading(tiny_model_dirs):
+    with pytest.raises(ValueError, match="attention_backend='flash' needs CUDA"):
+        LLM(tiny_model_dirs["llama"], attention_backend="flash", device="cpu")
+
+
+def test_importing_nanopaged_imports_neither_triton_nor_flash_attn():
+    code = ("import nanopaged, sys; "
+            "assert 'triton' not in sys.modules, 'triton'; "
+            "assert 'flash_attn' not in sys.modules, 'flash_attn'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- the flash backend's plumbing, against a stand-in for flash-attn ---------------------------
+def _fake_flash_attn():
+    """A torch stand-in for flash-attn 2's two calls, following their docstrings: int32
+    index tensors, GQA, causal aligned bottom-right, paged K/V when block_table is given.
+    It checks how FlashAttentionBackend calls flash-attn, not flash-attn itself."""
+    import types
+
+    import torch
+    from nanopaged.attention.torch_backend import _attend, gather_kv
+
+    def keys(cache, table, b, seqlen_k, cu_k):
+        if table is None:
+            return cache[cu_k[b]:cu_k[b] + seqlen_k]
+        assert table.dtype == torch.int32 and cache.shape[1] % 256 == 0
+        return gather_kv(cache, table[b], seqlen_k)
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               softmax_scale=None, causal=False, block_table=None):
+        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and causal
+        out = torch.empty_like(q)
+        for b in range(len(cu_seqlens_q) - 1):
+            qs, qe = cu_seqlens_q[b], cu_seqlens_q[b + 1]
+            seqlen_k = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+            assert qe - qs <= max_seqlen_q and seqlen_k <= max_seqlen_k
+            kk = keys(k, block_table, b, seqlen_k, cu_seqlens_k)
+            vv = keys(v, block_table, b, seqlen_k, cu_seqlens_k)
+            out[qs:qe] = _attend(q[qs:qe], kk, vv, seqlen_k - int(qe - qs), softmax_scale)
+        return out
+
+    def with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table=None,
+                     softmax_scale=None, causal=False):
+        assert q.dim() == 4 and cache_seqlens.dtype == torch.int32 and causal
+        return torch.stack([
+            _attend(q[b], keys(k_cache, block_table, b, int(s), None),
+                    keys(v_cache, block_table, b, int(s), None), int(s) - q.shape[1], softmax_scale)
+            for b, s in enumerate(cache_seqlens)])
+
+    return types.SimpleNamespace(flash_attn_varlen_func=varlen, flash_attn_with_kvcache=with_kvcache)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])   # gather path; flash-attn's own paged path
+@pytest.mark.parametrize("batch", ["decode_only", "mixed_with_prefix_context"])
+def test_flash_backend_calls_flash_attn_as_documented(monkeypatch, block_size, batch):
+    pytest.importorskip("triton")
+    import torch
+    from test_triton_kernels import BATCHES, make_batch
+    from nanopaged.attention.flash_backend import FlashAttentionBackend
+    from nanopaged.attention.torch_backend import TorchAttentionBackend
+
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn())
+    q, k, v, pool, meta = make_batch(*BATCHES[batch], block_size, 2, 2, 64)
+    pool_ref = pool.clone()
+    want = TorchAttentionBackend().forward(q, k, v, pool_ref[1, 0], pool_ref[1, 1], meta, 0.125)
+    got = FlashAttentionBackend().forward(q, k, v, pool[1, 0], pool[1, 1], meta, 0.125)
+    assert torch.equal(pool, pool_ref)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
