@@ -24,6 +24,7 @@ import torch
 from nanopaged.attention import AttentionMetadata, get_backend
 from nanopaged.block_pool import cdiv
 from nanopaged.config import CPU_KV_CACHE_BYTES, EngineConfig
+from nanopaged.cuda_graphs import CudaGraphRunner
 from nanopaged.models import LlamaForCausalLM, ModelConfig, load_weights
 from nanopaged.sampler import SampleResult, Sampler
 from nanopaged.scheduler import SchedulerOutput
@@ -60,6 +61,10 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.num_kv_blocks = self._num_kv_blocks(max_model_len)
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        self.cuda_graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager and backend.name == "triton":
+            self.cuda_graphs = CudaGraphRunner(self.model, self.kv_cache, self.block_size,
+                                               config.max_num_seqs, cdiv(max_model_len, self.block_size))
 
     # ---- the KV cache ---------------------------------------------------------------
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
@@ -156,7 +161,7 @@ class ModelRunner:
         """Run one step; request_id -> (token, its logprob, top logprobs) for every sampling row."""
         self.copy_blocks(out.blocks_to_copy)
         ids, pos, meta, sample_rows, sample_reqs = self.prepare_inputs(out)
-        hidden = self.model(ids, pos, self.kv_cache, meta)
+        hidden = self.forward(ids, pos, meta)
         if not sample_reqs:
             return {}
         logits = self.model.compute_logits(hidden[sample_rows])
@@ -172,12 +177,18 @@ class ModelRunner:
         """
         self.copy_blocks(out.blocks_to_copy)
         ids, pos, meta, sample_rows, sample_reqs = self.prepare_inputs(out)
-        hidden = self.model(ids, pos, self.kv_cache, meta)
+        hidden = self.forward(ids, pos, meta)
         if not sample_reqs:
             return {}
         logprobs = torch.log_softmax(self.model.compute_logits(hidden[sample_rows]).float(), dim=-1)
         values, tokens = logprobs.topk(k, dim=-1)
         return {r.request_id: (v, t) for r, v, t in zip(sample_reqs, values.tolist(), tokens.tolist())}
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of the new tokens: a CUDA graph replay for decode steps when captured."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
+            return self.cuda_graphs.run(ids, pos, meta)
+        return self.model(ids, pos, self.kv_cache, meta)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's K/V, every layer, into block dst."""

@@ -1,0 +1,56 @@
+"""GPU checks: the CUDA path against the torch reference. Skipped without CUDA.
+
+scripts/gpu_check.sh runs this file (and a short bench) on a CUDA machine.
+"""
+import pytest
+import torch
+
+from conftest import make_prompts
+from nanopaged import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+
+
+def run(model_dir, **kw):
+    llm = LLM(model_dir, device="cuda", dtype="float32", num_kv_blocks=64, **kw)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(512, n=8, seed=40)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)], llm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_triton_backend_with_cuda_graphs_equals_torch_on_cuda(tiny_model_dirs, hf_greedy, arch):
+    prompts = make_prompts(512, n=8, seed=40)
+    expected = hf_greedy(tiny_model_dirs[arch], prompts, 16)
+    torch_out, _ = run(tiny_model_dirs[arch], attention_backend="torch")
+    eager_out, _ = run(tiny_model_dirs[arch], attention_backend="triton", enforce_eager=True)
+    graph_out, llm = run(tiny_model_dirs[arch], attention_backend="triton", max_num_seqs=8)
+    assert llm.llm_engine.runner.cuda_graphs is not None
+    assert torch_out == expected and eager_out == expected and graph_out == expected
+
+
+def test_flash_backend_equals_torch_on_cuda(tiny_model_dirs):
+    pytest.importorskip("flash_attn")
+    torch_out, _ = run(tiny_model_dirs["llama"], attention_backend="torch")
+    # flash-attn computes in half precision only
+    llm = LLM(tiny_model_dirs["llama"], device="cuda", dtype="bfloat16", attention_backend="flash",
+              num_kv_blocks=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts(512, n=8, seed=40)], GREEDY,
+                        use_tqdm=False)
+    agree = sum(o.outputs[0].token_ids[:4] == t[:4] for o, t in zip(outs, torch_out))
+    assert agree >= 6          # bf16 vs fp32: near-ties may flip late tokens, not most first ones
+
+
+def test_kv_cache_sized_from_free_memory(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], device="cuda", gpu_memory_utilization=0.3, max_model_len=512)
+    free, total = torch.cuda.mem_get_info()
+    assert llm.get_stats()["num_kv_blocks"] > 0
+    assert torch.cuda.memory_allocated() <= 0.3 * total * 1.05
+
+
+def test_demo_model_on_cuda_in_bfloat16(demo_model_dir):
+    llm = LLM(demo_model_dir, device="cuda", max_model_len=2048)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
