@@ -37,6 +37,8 @@ class EngineStats:
     num_generated_tokens: int = 0
     peak_kv_cache_usage: float = 0.0
     peak_kv_blocks_used: int = 0
+    kv_blocks_in_use: int = 0             # summed over steps: blocks taken from the pool
+    num_memory_samples: int = 0           # steps (model steps and beam-search steps) sampled
     kv_tokens_stored: int = 0             # summed over steps: tokens with K/V in the cache
     kv_slots_held: int = 0                # summed over steps: slots of the blocks held
     max_num_running: int = 0              # most requests running in one step
@@ -229,8 +231,10 @@ class LLMEngine:
         """
         s = self.stats
         s.peak_kv_cache_usage = max(s.peak_kv_cache_usage, self.block_pool.usage())
-        s.peak_kv_blocks_used = max(s.peak_kv_blocks_used,
-                                    self.block_pool.num_blocks - self.block_pool.num_free_blocks)
+        in_use = self.block_pool.num_blocks - self.block_pool.num_free_blocks
+        s.peak_kv_blocks_used = max(s.peak_kv_blocks_used, in_use)
+        s.kv_blocks_in_use += in_use
+        s.num_memory_samples += 1
         new = {r.request_id: n for r, n in out.scheduled}
         running = self.scheduler.running        # every scheduled request is running now
         s.kv_tokens_stored += sum(r.num_computed_tokens + new.get(r.request_id, 0) for r in running)
@@ -278,6 +282,11 @@ class LLMEngine:
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "num_evicted_blocks": self.block_pool.num_evicted_blocks,
             "kv_utilization": s.kv_tokens_stored / s.kv_slots_held if s.kv_slots_held else 0.0,
+            "mean_kv_blocks_used": s.kv_blocks_in_use / s.num_memory_samples if s.num_memory_samples else 0.0,
+            # Blocks saved by sharing (fork, beams, prefix hits) / blocks the same block tables
+            # would hold without it: the paper's measure of sharing (section 6.3).
+            "kv_sharing_saving": (1 - s.kv_blocks_in_use * self.config.block_size / s.kv_slots_held
+                                  if s.kv_slots_held else 0.0),
             "max_num_running": s.max_num_running,
             "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
             "num_generated_tokens": s.num_generated_tokens,

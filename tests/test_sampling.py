@@ -173,6 +173,9 @@ def test_n4_peak_blocks_are_what_the_arithmetic_predicts(tiny_model_dirs):
     assert separate.get_stats()["peak_kv_blocks_used"] == n * per_seq            # 56
     assert forked.get_stats()["peak_kv_blocks_used"] == shared + n * (per_seq - shared)  # 20
     assert forked.get_stats()["peak_kv_blocks_used"] <= n * per_seq / 2
+    # the time-averaged saving the bench reports: positive with forks, zero without sharing
+    assert forked.get_stats()["kv_sharing_saving"] > 0.5
+    assert separate.get_stats()["kv_sharing_saving"] == 0.0
 
 
 def test_seeded_n4_is_reproducible_and_the_samples_differ(tiny_model_dirs):
