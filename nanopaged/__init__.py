@@ -4,8 +4,7 @@
     llm = LLM()                       # the demo model, SmolLM2-135M-Instruct
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20))
 
-Reading order: block_pool.py, request.py, scheduler.py, model_runner.py,
-attention/torch_backend.py, models/llama.py, engine.py, llm.py.
+Reading order: docs/README.md (the course text) and docs/00_how_to_read.md.
 """
 from nanopaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nanopaged.config import EngineConfig

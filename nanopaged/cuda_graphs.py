@@ -47,7 +47,7 @@ def pad_decode_batch(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetada
     tables = meta.block_tables.new_zeros((size, max_blocks))
     tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
     padded = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens,
-                               block_tables=tables, query_lens_list=[1] * size,
+                               block_tables=tables, query_lens_list=[1] * n + [0] * pad,
                                seq_lens_list=meta.seq_lens_list + [0] * pad,
                                block_size=meta.block_size)
     return padded_ids.to(dev), padded_pos.to(dev), padded
@@ -80,6 +80,8 @@ class CudaGraphRunner:
                 "tables": torch.zeros(size, self.max_blocks, dtype=torch.long, device=dev)}
 
     def _forward(self, s: dict) -> torch.Tensor:
+        # The Python lists only size the kernels' grids, which a graph fixes at capture:
+        # sized for one query token per row, as every replayed decode batch has.
         size = s["ids"].shape[0]
         meta = AttentionMetadata(slot_mapping=s["slots"], query_start_loc=s["qsl"], seq_lens=s["seq_lens"],
                                  block_tables=s["tables"], query_lens_list=[1] * size,

@@ -11,14 +11,12 @@ that can never run raises ValueError there and the engine goes on serving the ot
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import AutoTokenizer
 
 from nanopaged.block_pool import BlockPool, cdiv
 from nanopaged.config import EngineConfig
-from dataclasses import replace
-
 from nanopaged.detokenizer import IncrementalDetokenizer, find_stop_string
 from nanopaged.models import ModelConfig
 from nanopaged.model_runner import ModelRunner
@@ -202,12 +200,15 @@ class LLMEngine:
         stopped_by_token = seq.status == RequestStatus.FINISHED_STOPPED
         if not stopped_by_token or params.include_stop_str_in_output:
             new_chars = len(detok.add(token))
-            if params.stop and not seq.is_finished and seq.num_output_tokens >= params.min_tokens:
+            if params.stop and seq.num_output_tokens >= params.min_tokens:
                 hit = find_stop_string(detok.text, new_chars, params.stop, params.include_stop_str_in_output)
                 if hit is not None:
                     seq.stop_reason = hit[0]
                     detok.text = detok.text[:hit[1]]
-                    self.scheduler.finish_request(seq, RequestStatus.FINISHED_STOPPED)
+                    if seq.is_finished:      # the last token (max_tokens) completed the stop string
+                        seq.status = RequestStatus.FINISHED_STOPPED
+                    else:
+                        self.scheduler.finish_request(seq, RequestStatus.FINISHED_STOPPED)
                     return
         if seq.is_finished:
             detok.flush()

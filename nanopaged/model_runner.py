@@ -108,9 +108,9 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(cdiv(n, self.block_size), dtype=torch.int32,
+            query_start_loc=torch.tensor([0, n], dtype=torch.long, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.long, device=self.device),
+            block_tables=torch.arange(cdiv(n, self.block_size), dtype=torch.long,
                                       device=self.device)[None],
             query_lens_list=[n], seq_lens_list=[n], block_size=self.block_size)
         with torch.inference_mode():

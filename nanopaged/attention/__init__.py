@@ -1,6 +1,6 @@
 """Attention backends: store new K/V into the paged pool, then attend through block tables.
 
-`get_backend(name, device)` picks one (see docs/attention_backends.md):
+`get_backend(name, device)` picks one (see docs/05_model_runner_and_kernels.md):
   torch   the reference, any device;
   triton  Triton store + paged-attention kernels; CUDA, or CPU under TRITON_INTERPRET=1;
   flash   Triton store + flash-attn; CUDA with flash-attn installed;
