@@ -198,3 +198,14 @@ def test_fork_with_preemption_and_prefix_cache_keeps_greedy_outputs(tiny_model_d
     for o, want in zip(outs, expected * 2):
         assert [c.token_ids for c in o.outputs] == [want, want]
     assert llm.get_stats()["kv_cache_usage"] == 0.0
+
+
+def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm):
+    prompt = ids(make_prompts(512, n=1, seed=28)[0])
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    last_text = llm.get_tokenizer().decode(full.token_ids)[-1:]
+    assert last_text and last_text not in full.text[:-1]
+    c = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, stop=[last_text], ignore_eos=True),
+                     use_tqdm=False)[0].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == last_text and c.text == full.text[:-1]
