@@ -120,9 +120,10 @@ class Scheduler:
         pool = self.block_pool
         hits = []
         if pool.enable_caching:
-            hits = pool.find_cached_blocks(request.block_hashes,
-                                           (request.num_tokens - 1) // pool.block_size,
-                                           request.token_ids)
+            max_hit_blocks = (request.num_tokens - 1) // pool.block_size
+            hits = pool.find_cached_blocks(request.block_hashes, max_hit_blocks, request.token_ids)
+            if len(hits) < max_hit_blocks and request.block_hashes[len(hits)] in self._blocks_in_flight():
+                return 0     # a running request is computing this very block: wait, then hit it
         num_cached = len(hits) * pool.block_size
         num_new = min(request.num_tokens - num_cached, token_budget)
         # Cached blocks that sit in the free queue leave it, so they are not free for others.
@@ -142,6 +143,18 @@ class Scheduler:
             self.prefix_cache_hits += num_cached
         request.status = RequestStatus.RUNNING
         return num_new
+
+    def _blocks_in_flight(self) -> set[bytes]:
+        """Hashes of full prompt blocks that running requests have not computed yet.
+
+        A waiting request whose next block is among them would compute the same K/V a
+        second time; waiting until the block is cached (a step or a few) saves that work.
+        Requests admitted together in one step would otherwise all miss on a shared
+        system prompt. (vLLM does not do this; it is an offline-throughput choice.)
+        """
+        bs = self.block_pool.block_size
+        return {h for r in self.running
+                for h in r.block_hashes[r.num_computed_tokens // bs:r.num_prompt_tokens // bs]}
 
     def _num_seqs(self) -> int:
         """Running sequences, counting the samples that will fork off them."""

@@ -224,3 +224,19 @@ def test_outputs_equal_with_caching_on_and_off_under_eviction_and_preemption(tin
             assert stats["prefix_cache_hits"] > 0 and stats["num_evicted_blocks"] > 0
             assert any(o.num_cached_tokens > 0 for o in second)
     assert results[True] == results[False]
+
+
+def test_requests_arriving_together_wait_for_the_shared_prefix_instead_of_recomputing_it(tiny_model_dirs):
+    """8 requests with one 64-token system prompt, all queued at once, a budget that fits them all:
+    the first computes the prefix; the others wait a step and hit it."""
+    system = fresh_prompt(64, 11)
+    questions = make_prompts(512, n=8, seed=12, min_len=5, max_len=20)
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=100, max_num_batched_tokens=2048)
+    outs = llm.generate([{"prompt_token_ids": system + q} for q in questions], GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0] + [64] * 7
+    stats = llm.get_stats()
+    assert stats["num_prompt_tokens_computed"] == 64 + sum(len(q) for q in questions)
+    off = LLM(tiny_model_dirs["llama"], num_kv_blocks=100, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        o.outputs[0].token_ids for o in off.generate([{"prompt_token_ids": system + q} for q in questions],
+                                                     GREEDY, use_tqdm=False)]
