@@ -5,6 +5,7 @@ here the triton backend, under the Triton interpreter on CPU, computes a padded 
 batch and must give the real rows exactly what the unpadded batch gives, leaving the
 KV cache untouched by the padding rows.
 """
+import importlib.util
 import os
 
 import pytest
@@ -20,8 +21,9 @@ def test_capture_sizes():
     assert capture_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                    reason="the triton backend needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None
+                    or (os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available()),
+                    reason="the triton backend needs triton, and CUDA or TRITON_INTERPRET=1")
 def test_padded_decode_batch_equals_the_real_one(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["llama"], attention_backend="triton", num_kv_blocks=32, block_size=8)
     engine = llm.llm_engine
