@@ -28,7 +28,7 @@ def test_padded_decode_batch_equals_the_real_one(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["llama"], attention_backend="triton", num_kv_blocks=32, block_size=8)
     engine = llm.llm_engine
     for i, n in enumerate((5, 11, 20)):
-        engine.add_request(str(i), {"prompt_token_ids": list(range(3, 3 + n))},
+        engine.add_request(str(i), {"prompt_token_ids": list(range(100 * i + 3, 100 * i + 3 + n))},
                            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     engine.step()                                   # prefill all three
     out = engine.scheduler.schedule()               # a decode-only step
