@@ -159,12 +159,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, float, list | None]]:
         """Run one step; request_id -> (token, its logprob, top logprobs) for every sampling row."""
-        self.copy_blocks(out.blocks_to_copy)
-        ids, pos, meta, sample_rows, sample_reqs = self.prepare_inputs(out)
-        hidden = self.forward(ids, pos, meta)
+        hidden, sample_reqs = self._run_model(out)
         if not sample_reqs:
             return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(hidden)
         res: SampleResult = self.sampler(logits, sample_reqs)
         return {r.request_id: (t, lp, top) for r, t, lp, top in
                 zip(sample_reqs, res.token_ids, res.logprobs, res.top_logprobs)}
@@ -175,14 +173,18 @@ class ModelRunner:
 
         Beam search (beam_search.py) chooses the next tokens itself from these.
         """
-        self.copy_blocks(out.blocks_to_copy)
-        ids, pos, meta, sample_rows, sample_reqs = self.prepare_inputs(out)
-        hidden = self.forward(ids, pos, meta)
+        hidden, sample_reqs = self._run_model(out)
         if not sample_reqs:
             return {}
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[sample_rows]).float(), dim=-1)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
         values, tokens = logprobs.topk(k, dim=-1)
         return {r.request_id: (v, t) for r, v, t in zip(sample_reqs, values.tolist(), tokens.tolist())}
+
+    def _run_model(self, out: SchedulerOutput) -> tuple[torch.Tensor, list]:
+        """Block copies, inputs, forward pass: the hidden states of the sampling rows."""
+        self.copy_blocks(out.blocks_to_copy)
+        ids, pos, meta, sample_rows, sample_reqs = self.prepare_inputs(out)
+        return self.forward(ids, pos, meta)[sample_rows], sample_reqs
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of the new tokens: a CUDA graph replay for decode steps when captured."""
