@@ -4,12 +4,12 @@
     llm = LLM()                       # the demo model, SmolLM2-135M-Instruct
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20))
 
-Reading order: docs/README.md (the course text) and docs/00_how_to_read.md.
+Reading order: nanopaged/core/ (its __init__ lists the files), then docs/README.md.
 """
-from nanopaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nanopaged.config import EngineConfig
-from nanopaged.demo_model import DEMO_MODEL
-from nanopaged.engine import LLMEngine
+from nanopaged.core.engine import LLMEngine
+from nanopaged.extras.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from nanopaged.extras.demo_model import DEMO_MODEL
 from nanopaged.llm import LLM
 from nanopaged.outputs import CompletionOutput, RequestOutput
 from nanopaged.sampling_params import SamplingParams

@@ -1,19 +1,37 @@
-"""EngineConfig: every engine setting, with vLLM's names, checked once in __post_init__.
+"""EngineConfig: every engine setting, with vLLM's names, checked and resolved once.
 
 A wrong value is a ValueError that names the setting, the value and what is allowed,
-raised before a model is loaded or a byte of KV cache is allocated.
+raised before a model is loaded or a byte of KV cache is allocated. Every "auto" and every
+default is resolved here, in `__post_init__`, so the engine and the runner only read
+final values. The tables below are the one list of each kind of setting (the prefix-cache
+hash functions live with the block pool: `nanopaged/core/block_pool.py: HASH_FUNCTIONS`),
+and `check_range` is the one range check, shared with SamplingParams and BeamSearchParams.
+The README's settings table says what each setting means.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-DTYPES = {"auto": "auto", "float32": "float32", "float": "float32",
-          "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+from nanopaged.core.block_pool import HASH_FUNCTIONS
+from nanopaged.models.config import ModelConfig
+
+# dtype name (aliases included) -> (torch dtype name, bytes per value)
+DTYPES = {"float32": ("float32", 4), "float": ("float32", 4), "bfloat16": ("bfloat16", 2),
+          "float16": ("float16", 2), "half": ("float16", 2)}
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
-PREFIX_HASHES = ("sha256", "xxhash", "xxhash64")
+# backend name -> "module:class"; imported only when chosen, so nanopaged imports without
+# triton or flash-attn installed (docs/05_model_runner_and_kernels.md, "Backends").
+ATTENTION_BACKENDS = {
+    "torch": "nanopaged.core.attention:TorchAttentionBackend",
+    "triton": "nanopaged.extras.triton_backend:TritonAttentionBackend",
+    "flash": "nanopaged.extras.flash_backend:FlashAttentionBackend",
+}
 CPU_KV_CACHE_BYTES = 1 << 30   # default KV budget on CPU (zeroing it takes ~3 s per GiB on a 2-core VM)
+MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}   # default token budget per step
 
 
 @dataclass
@@ -23,53 +41,135 @@ class EngineConfig:
     device: str = "auto"                    # auto: cuda if available, else cpu
     block_size: int = 16                    # tokens per KV block
     max_model_len: int | None = None        # default: the model's max_position_embeddings
-    max_num_seqs: int = 256                 # running requests per step, at most
+    max_num_seqs: int = 256                 # running sequences per step, at most
     max_num_batched_tokens: int | None = None  # token budget per step; default 2048 CPU / 8192 CUDA
-    kv_cache_memory_bytes: int | None = None   # KV budget; default 1 GiB on CPU
+    kv_cache_memory_bytes: int | None = None   # KV budget; default 1 GiB on CPU, measured on CUDA
     num_kv_blocks: int | None = None        # exact block count; overrides the memory budget
     gpu_memory_utilization: float = 0.9     # CUDA: share of GPU memory the engine may use
     enable_prefix_caching: bool = True
-    prefix_hash: str = "sha256"             # block hash: sha256 | xxhash (xxh3_128) | xxhash64
-    attention_backend: str = "auto"
+    prefix_hash: str = "sha256"             # block hash: sha256 | xxhash (xxh3_128)
+    attention_backend: str = "auto"         # auto | torch | triton | flash
     enforce_eager: bool = False             # CUDA: no CUDA graphs
     seed: int = 0                           # for requests sampled without their own seed
+    model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        self.dtype = DTYPES[self.dtype]
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        _check_int("block_size", self.block_size, 1, 1024)
+        check_choice("dtype", self.dtype, ("auto", *DTYPES))
+        check_choice("device", self.device, DEVICES)
+        check_range("block_size", self.block_size, 1, 1024, integer=True)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        _check_int("max_model_len", self.max_model_len, 1, None, optional=True)
-        _check_int("max_num_seqs", self.max_num_seqs, 1, None)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, None, optional=True)
-        _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, None, optional=True)
-        _check_int("num_kv_blocks", self.num_kv_blocks, 1, None, optional=True)
-        _check_int("seed", self.seed, None, None)
-        if (not isinstance(self.gpu_memory_utilization, (int, float))
-                or not 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("enable_prefix_caching", "enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.prefix_hash not in PREFIX_HASHES:
-            raise ValueError(f"prefix_hash must be one of {PREFIX_HASHES}, got {self.prefix_hash!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "num_kv_blocks"):
+            check_range(name, getattr(self, name), 1, integer=True, optional=True)
+        check_range("max_num_seqs", self.max_num_seqs, 1, integer=True)
+        check_range("seed", self.seed, integer=True)
+        check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, lo_open=True)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("enforce_eager", self.enforce_eager)
+        check_choice("prefix_hash", self.prefix_hash, tuple(HASH_FUNCTIONS))
+        check_choice("attention_backend", self.attention_backend, ("auto", *ATTENTION_BACKENDS))
         check_model_folder(self.model)
+        self.model_config = ModelConfig.from_folder(self.model)
+        self._resolve_defaults()
+
+    def _resolve_defaults(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if _cuda_available() else "cpu"
+        elif self.device == "cuda" and not _cuda_available():
+            raise ValueError("device='cuda' but CUDA is not available (torch.cuda.is_available() is False)")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
+        self.dtype = DTYPES[self.dtype][0]
+        limit = self.model_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} is larger than the model's "
+                             f"max_position_embeddings={limit}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS[self.device]
+        if self.device == "cpu" and self.kv_cache_memory_bytes is None:
+            self.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES     # on CUDA: measured by the runner
+        self.attention_backend = resolve_attention_backend(self.attention_backend, self.device, self.dtype)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
         """Like the constructor, but an unknown setting is a ValueError listing the known ones."""
-        known = {f.name for f in fields(cls)} - {"model"}
+        known = {f.name for f in fields(cls) if f.init} - {"model"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown engine setting(s) {unknown}; known: {sorted(known)}")
         return cls(model=model, **kwargs)
+
+
+# ---- attention backends -------------------------------------------------------------------
+def resolve_attention_backend(name: str, device: str, dtype: str) -> str:
+    """The backend `name` means on `device`, or a ValueError saying what is missing.
+
+    auto: flash on CUDA in float16/bfloat16 when flash-attn and triton are installed (flash-attn
+    has no float32 kernels), else triton on CUDA when it is installed, else the torch reference.
+    """
+    check_choice("attention_backend", name, ("auto", *ATTENTION_BACKENDS))
+    cuda = device == "cuda"
+    if name == "auto":
+        if cuda and dtype != "float32" and _installed("flash_attn") and _installed("triton"):
+            return "flash"
+        return "triton" if cuda and _installed("triton") else "torch"
+    if name == "triton":
+        if not _installed("triton"):
+            raise ValueError("attention_backend='triton' needs triton: pip install -e '.[triton]'")
+        # Triton's interpreter runs kernels on CPU tensors; it must be on before triton is imported.
+        if not (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            raise ValueError(f"attention_backend='triton' needs CUDA (device is {device!r}) "
+                             "or TRITON_INTERPRET=1 set before triton is imported (CPU, tests only)")
+    if name == "flash":
+        if not cuda:
+            raise ValueError(f"attention_backend='flash' needs CUDA (device is {device!r}); "
+                             "on CUDA install it with: pip install -e '.[flash]'")
+        if not _installed("flash_attn"):
+            raise ValueError("attention_backend='flash' needs flash-attn: pip install -e '.[flash]'")
+        if not _installed("triton"):   # its store kernel is Triton's
+            raise ValueError("attention_backend='flash' needs triton too: pip install -e '.[triton]'")
+    return name
+
+
+def load_attention_backend(name: str):
+    """An instance of the backend class the table names (importing its module only now)."""
+    module, cls = ATTENTION_BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+def _installed(package: str) -> bool:
+    """Whether `package` can be imported, without importing it (find_spec only looks)."""
+    return importlib.util.find_spec(package) is not None
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+# ---- checks, shared by every settings object ----------------------------------------------
+def check_range(name: str, value, lo=None, hi=None, *, integer: bool = False, lo_open: bool = False,
+                optional: bool = False) -> None:
+    """The one range check: a ValueError that names the field, its range and the value."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or value != value:
+        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{'-inf' if lo is None else lo}, "
+                         f"{'inf' if hi is None else hi}], got {value!r}")
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def check_model_folder(model: str) -> None:
@@ -81,14 +181,3 @@ def check_model_folder(model: str) -> None:
         raise ValueError(f"model folder {model!r} has no config.json")
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {model!r} has no *.safetensors weights")
-
-
-def _check_int(name, value, lo, hi, optional=False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise ValueError(f"{name} must be <= {hi}, got {value}")

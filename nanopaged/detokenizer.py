@@ -6,7 +6,8 @@ the whole list every step is quadratic. The usual fix (vLLM: detokenizer_utils.p
 Hugging Face TGI) keeps two offsets: text is decoded from a short window that starts a
 few tokens back (`prefix_offset`), and only what the newest tokens add beyond the
 window's old text is emitted; while that would end in an incomplete character (U+FFFD)
-nothing is emitted and the tokens wait for the next one.
+nothing is emitted and the tokens wait for the next one. Stop strings are found in this
+text (`find_stop_string`, used by output_processor.py's `check_stop`; docs/00_how_to_read.md).
 """
 from __future__ import annotations
 

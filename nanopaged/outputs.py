@@ -1,4 +1,7 @@
-"""What `LLM.generate` returns: vLLM's RequestOutput and CompletionOutput, as plain records."""
+"""What `LLM.generate` returns: vLLM's RequestOutput and CompletionOutput, as plain records.
+
+Built by output_processor.py (the README's API section lists the fields).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -12,7 +12,10 @@ their token ids or generators, never over the vocabulary.
 
 A request with its own `seed` draws from its own torch.Generator, so its tokens do not
 depend on which other requests share the batch or on preemption (the generator lives
-here, keyed by request id, and is not touched by recomputation).
+here, keyed by the request, and is not touched by recomputation).
+
+The engine calls it through `nanopaged/parallel_sampling.py: ParallelSampler`, which adds
+the rows of the n > 1 samples that fork off a request (docs/06_sharing.md).
 """
 from __future__ import annotations
 
@@ -20,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from nanopaged.request import Request
+from nanopaged.core.request import Request
 
 
 @dataclass
-class SampleResult:
+class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float]                  # of the chosen token, raw model distribution
     top_logprobs: list[list[tuple[int, float, int]] | None]  # per row: (token, logprob, rank)
@@ -34,9 +37,10 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.request_generators: dict[str, torch.Generator] = {}
+        self.request_generators: dict[Request, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
         params = [r.sampling_params for r in requests]
@@ -50,7 +54,7 @@ class Sampler:
             idx = torch.tensor(random_rows, device=logits.device)
             tokens[idx] = self._sample(logits[idx], [requests[i] for i in random_rows])
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        return SampleResult(tokens.tolist(), chosen.tolist(), top_logprobs(logprobs, tokens, params))
+        return SamplerOutput(tokens.tolist(), chosen.tolist(), top_logprobs(logprobs, tokens, params))
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
@@ -68,14 +72,15 @@ class Sampler:
         seed = request.sampling_params.seed
         if seed is None:
             return self.generator
-        g = self.request_generators.get(request.request_id)
+        g = self.request_generators.get(request)
         if g is None:
             g = torch.Generator(device=self.device).manual_seed(seed)
-            self.request_generators[request.request_id] = g
+            self.request_generators[request] = g
         return g
 
-    def free_request(self, request_id: str) -> None:
-        self.request_generators.pop(request_id, None)
+    def forget(self, request: Request) -> None:
+        """The request is finished: drop its generator."""
+        self.request_generators.pop(request, None)
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

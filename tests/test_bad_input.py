@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.models import ModelConfig
+from nanopaged.models.config import ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -100,14 +100,14 @@ def test_sampling_params_of_the_wrong_type(llm):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"block_size": 0}, r"block_size must be >= 1, got 0"),
+    ({"block_size": 0}, r"block_size must be in \[1, 1024\], got 0"),
     ({"block_size": 12}, r"block_size must be a power of two, got 12"),
     ({"dtype": "int8"}, r"dtype must be one of .* got 'int8'"),
     ({"device": "tpu"}, r"device must be one of"),
-    ({"max_num_seqs": 0}, r"max_num_seqs must be >= 1"),
-    ({"max_num_batched_tokens": 0}, r"max_num_batched_tokens must be >= 1"),
-    ({"num_kv_blocks": 0}, r"num_kv_blocks must be >= 1"),
-    ({"kv_cache_memory_bytes": -1}, r"kv_cache_memory_bytes must be >= 1"),
+    ({"max_num_seqs": 0}, r"max_num_seqs must be in \[1, inf\], got 0"),
+    ({"max_num_batched_tokens": 0}, r"max_num_batched_tokens must be in \[1, inf\], got 0"),
+    ({"num_kv_blocks": 0}, r"num_kv_blocks must be in \[1, inf\], got 0"),
+    ({"kv_cache_memory_bytes": -1}, r"kv_cache_memory_bytes must be in \[1, inf\], got -1"),
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
     ({"attention_backend": "magic"}, r"attention_backend must be one of"),
     ({"enable_prefix_caching": "yes"}, r"enable_prefix_caching must be True or False"),

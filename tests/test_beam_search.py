@@ -68,8 +68,8 @@ def test_demo_model_beam_search_equals_hugging_face(demo_model_dir):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"beam_width": 0, "max_tokens": 4}, r"beam_width must be an integer in \[1, inf\], got 0"),
-    ({"beam_width": 2, "max_tokens": 0}, r"max_tokens must be an integer in \[1, inf\], got 0"),
+    ({"beam_width": 0, "max_tokens": 4}, r"beam_width must be in \[1, inf\], got 0"),
+    ({"beam_width": 2, "max_tokens": 0}, r"max_tokens must be in \[1, inf\], got 0"),
 ])
 def test_bad_beam_search_params(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from nanopaged.block_pool import BlockPool, cdiv
+from nanopaged.core.block_pool import BlockPool, cdiv
 
 
 def test_allocate_takes_from_the_head_and_sets_ref_count_one():

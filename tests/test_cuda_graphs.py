@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.cuda_graphs import capture_sizes, pad_decode_batch
+from nanopaged.extras.cuda_graphs import capture_sizes, pad_decode_batch
 
 
 def test_capture_sizes():
@@ -34,7 +34,8 @@ def test_padded_decode_batch_equals_the_real_one(tiny_model_dirs):
     out = engine.scheduler.schedule()               # a decode-only step
     assert [n for _, n in out.scheduled] == [1, 1, 1]
     runner = engine.runner
-    ids, pos, meta, _, _ = runner.prepare_inputs(out)
+    inputs = runner.prepare_inputs(out)
+    ids, pos, meta = inputs.input_ids, inputs.positions, inputs.meta
     with torch.inference_mode():
         real = runner.model(ids, pos, runner.kv_cache, meta).clone()
         cache_after_real = runner.kv_cache.clone()

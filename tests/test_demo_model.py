@@ -1,4 +1,4 @@
-"""Tests for nanopaged/demo_model.py.
+"""Tests for nanopaged/extras/demo_model.py.
 
 A real conversion takes ~30 s, so only `demo_model_dir` (the default cache,
 converted once and then reused across runs) does one. Every other test swaps
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from nanopaged import demo_model
-from nanopaged.demo_model import DEMO_MODEL, cache_dir, demo_model_path
+from nanopaged.extras import demo_model
+from nanopaged.extras.demo_model import DEMO_MODEL, cache_dir, demo_model_path
 
 
 def fake_convert(calls, delay=0.0):

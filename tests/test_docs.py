@@ -87,8 +87,8 @@ def test_relative_links_resolve(path):
 
 
 def test_the_kv_cache_size_command_of_chapter_1(tmp_path, capsys):
-    """`python -m nanopaged.kv_cache_size config.json --dtype bfloat16 --tokens 8192`."""
-    from nanopaged.kv_cache_size import main
+    """`python -m nanopaged.extras.kv_cache_size config.json --dtype bfloat16 --tokens 8192`."""
+    from nanopaged.extras.kv_cache_size import main
     config = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 8192, "num_attention_heads": 64,
               "num_key_value_heads": 8, "num_hidden_layers": 80, "intermediate_size": 29568,
               "vocab_size": 152064}

@@ -26,7 +26,8 @@ def test_triton_backend_with_cuda_graphs_equals_torch_on_cuda(tiny_model_dirs, h
     torch_out, _ = run(tiny_model_dirs[arch], attention_backend="torch")
     eager_out, _ = run(tiny_model_dirs[arch], attention_backend="triton", enforce_eager=True)
     graph_out, llm = run(tiny_model_dirs[arch], attention_backend="triton", max_num_seqs=8)
-    assert llm.llm_engine.runner.cuda_graphs is not None
+    from nanopaged.extras.cuda_graphs import CUDAGraphModel
+    assert isinstance(llm.llm_engine.runner.model, CUDAGraphModel)
     assert torch_out == expected and eager_out == expected and graph_out == expected
 
 

@@ -6,8 +6,8 @@ import torch
 
 from conftest import EOS_TOKEN_ID, make_prompts
 from nanopaged import LLM, SamplingParams
-from nanopaged.block_pool import cdiv
-from nanopaged.request import Request
+from nanopaged.core.block_pool import cdiv
+from nanopaged.core.request import Request
 from nanopaged.sampler import Sampler, apply_penalties, top_k_top_p_min_p
 
 

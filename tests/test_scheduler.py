@@ -1,16 +1,18 @@
 """The scheduler's rules: two counters, one token budget, chunked prefill, recompute preemption.
 
 These tests run the scheduler alone with a fake model (a token per sampling request),
-so they are plain Python and take milliseconds.
+so they are plain Python and take milliseconds. Whether a request stops is decided outside
+the scheduler (output_processor.py: check_stop); `run_step` plays the engine's part.
 """
 import random
 
 import pytest
 
-from nanopaged.block_pool import BlockPool, cdiv
-from nanopaged.request import Request, RequestStatus
+from nanopaged.core.block_pool import BlockPool, cdiv
+from nanopaged.core.request import Request, RequestStatus, SampledToken
+from nanopaged.core.scheduler import Scheduler
+from nanopaged.output_processor import check_stop
 from nanopaged.sampling_params import SamplingParams
-from nanopaged.scheduler import Scheduler
 
 EOS = 2
 
@@ -21,19 +23,28 @@ def make_request(rid, prompt_len, max_tokens=8, ignore_eos=True):
                    max_tokens=max_tokens, eos_token_ids=frozenset({EOS}))
 
 
-def make_scheduler(num_blocks=100, block_size=4, max_num_seqs=8, budget=64, max_model_len=1000,
-                   enable_caching=False):
+def make_scheduler(num_blocks=100, block_size=4, max_num_seqs=8, budget=64, enable_caching=False):
     pool = BlockPool(num_blocks, block_size, enable_caching=enable_caching)
-    return Scheduler(pool, max_num_seqs, budget, max_model_len), pool
+    return Scheduler(pool, max_num_seqs, budget), pool
+
+
+def update_and_stop(sched, out, tokens):
+    """What the engine does after the forward pass: update, then finish the requests that stop."""
+    sched.update(out, {r: SampledToken(t) for r, t in tokens.items()})
+    finished = []
+    for r in tokens:
+        stop = check_stop(r)
+        if stop is not None:
+            sched.finish_request(r, stop[0])
+            finished.append(r)
+    return finished
 
 
 def run_step(sched, token=7):
     """schedule + update, sampling `token` for every request that reached its end."""
     out = sched.schedule()
-    sampled = {r.request_id: token for r, n in out.scheduled
-               if r.num_computed_tokens + n == r.num_tokens}
-    finished = sched.update(out, sampled)
-    return out, finished
+    tokens = {r: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+    return out, update_and_stop(sched, out, tokens)
 
 
 def test_prefill_and_decode_share_one_batch():
@@ -112,7 +123,7 @@ def test_out_of_blocks_preempts_the_newest_running_request():
     assert b.status == RequestStatus.PREEMPTED and b.block_ids == [] and b.num_computed_tokens == 0
     assert b.output_token_ids == [7]                 # generated tokens are kept, recomputed later
     assert sched.waiting[0] is b and sched.running == [a]
-    assert sched.num_preemptions == 1
+    assert b.num_preemptions == 1
     assert [r for r, _ in out.scheduled] == [a]
 
 
@@ -152,13 +163,15 @@ def test_eos_stops_unless_ignore_eos():
     b = make_request("b", 3, max_tokens=10, ignore_eos=True)
     sched.add_request(a); sched.add_request(b)
     _, finished = run_step(sched, token=EOS)
-    assert finished == [a] and a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason is None
+    assert finished == [a] and a.status == RequestStatus.FINISHED_STOPPED
+    assert check_stop(a) == (RequestStatus.FINISHED_STOPPED, None)   # vLLM's stop_reason for EOS: None
     assert b.status == RequestStatus.RUNNING
 
 
-def test_context_full_finishes_with_length():
-    sched, _ = make_scheduler(max_model_len=6)
-    a = make_request("a", 4, max_tokens=100)
+def test_max_tokens_finishes_with_length():
+    # (a context limit reaches the scheduler as max_tokens: the input processor clips it)
+    sched, _ = make_scheduler()
+    a = make_request("a", 4, max_tokens=2)
     sched.add_request(a)
     run_step(sched); _, finished = run_step(sched)
     assert finished == [a] and a.num_tokens == 6 and a.status == RequestStatus.FINISHED_LENGTH
@@ -178,7 +191,7 @@ def test_random_operations_keep_every_invariant_and_finish_everything(seed, enab
     sched, pool = make_scheduler(num_blocks=num_blocks, block_size=block_size,
                                  max_num_seqs=rng.randint(1, 6), budget=rng.randint(1, 40),
                                  enable_caching=enable_caching)
-    all_requests, next_id, ops = [], 0, 0
+    all_requests, next_id, ops, hits = [], 0, 0, 0
     while ops < 3000 or sched.has_unfinished_requests():
         ops += 1
         assert ops < 100_000, "the scheduler stopped making progress"
@@ -205,14 +218,15 @@ def test_random_operations_keep_every_invariant_and_finish_everything(seed, enab
                 assert out.scheduled, "nothing scheduled although requests wait: deadlock"
             for r, n in out.scheduled:
                 assert n >= 1 and len(r.block_ids) == cdiv(r.num_computed_tokens + n, block_size)
-            sampled = {r.request_id: rng.choice([EOS, 5, 6])
-                       for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
-            sched.update(out, sampled)
+            hits += sum(num_cached for _, num_cached in out.admitted)
+            tokens = {r: rng.choice([EOS, 5, 6])
+                      for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+            update_and_stop(sched, out, tokens)
         check_books(sched, pool, all_requests)
     assert all(r.is_finished for r in all_requests)
     assert pool.num_free_blocks == pool.num_blocks
     if enable_caching:
-        assert sched.prefix_cache_hits > 0
+        assert hits > 0
 
 
 def check_books(sched, pool, all_requests):

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import make_prompts
 from nanopaged import LLM, SamplingParams
-from nanopaged.attention import get_backend
+from nanopaged.config import load_attention_backend, resolve_attention_backend
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -50,22 +50,23 @@ def test_triton_backend_gives_the_same_greedy_tokens_as_torch(tiny_model_dirs, c
 
 # ---- choosing a backend -----------------------------------------------------------------
 def test_auto_on_cpu_is_the_torch_reference():
-    assert get_backend("auto", "cpu").name == "torch"
+    assert resolve_attention_backend("auto", "cpu", "float32") == "torch"
+    assert load_attention_backend("torch").name == "torch"
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs CUDA.*TRITON_INTERPRET=1"):
-        get_backend("triton", "cpu")
+        resolve_attention_backend("triton", "cpu", "float32")
     if INTERPRETED:   # on a GPU machine this would load the kernels in interpreter mode
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert get_backend("triton", "cpu").name == "triton"
+        assert load_attention_backend(resolve_attention_backend("triton", "cpu", "float32")).name == "triton"
 
 
 def test_flash_without_cuda_names_the_install_command():
     with pytest.raises(ValueError, match=r"needs CUDA.*pip install -e '\.\[flash\]'"):
-        get_backend("flash", "cpu")
+        resolve_attention_backend("flash", "cpu", "bfloat16")
 
 
 def test_flash_without_flash_attn_names_the_install_command():
@@ -75,7 +76,7 @@ def test_flash_without_flash_attn_names_the_install_command():
     except ImportError:
         pass
     with pytest.raises(ValueError, match=r"needs flash-attn: pip install -e '\.\[flash\]'"):
-        get_backend("flash", "cuda")
+        resolve_attention_backend("flash", "cuda", "bfloat16")
 
 
 def test_llm_rejects_flash_on_cpu_before_loading(tiny_model_dirs):
@@ -98,7 +99,7 @@ def _fake_flash_attn():
     import types
 
     import torch
-    from nanopaged.attention.torch_backend import _attend, gather_kv
+    from nanopaged.core.attention import _attend, gather_kv
 
     def keys(cache, table, b, seqlen_k, cu_k):
         if table is None:
@@ -136,8 +137,8 @@ def test_flash_backend_calls_flash_attn_as_documented(monkeypatch, block_size, b
     pytest.importorskip("triton")
     import torch
     from test_triton_kernels import BATCHES, make_batch
-    from nanopaged.attention.flash_backend import FlashAttentionBackend
-    from nanopaged.attention.torch_backend import TorchAttentionBackend
+    from nanopaged.core.attention import TorchAttentionBackend
+    from nanopaged.extras.flash_backend import FlashAttentionBackend
 
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn())
     q, k, v, pool, meta = make_batch(*BATCHES[batch], block_size, 2, 2, 64)

@@ -12,9 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from nanopaged.attention import torch_backend as ref   # noqa: E402
-from nanopaged.attention import triton_kernels as tk   # noqa: E402
-from nanopaged.attention.metadata import AttentionMetadata   # noqa: E402
+from nanopaged.core import attention as ref   # noqa: E402
+from nanopaged.core.attention import AttentionMetadata   # noqa: E402
+from nanopaged.extras import triton_kernels as tk   # noqa: E402
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 NUM_LAYERS = 2   # the tests use layer 1, so per-layer caches are offset views of one tensor

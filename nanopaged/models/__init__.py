@@ -1,6 +1,6 @@
-"""Model code: one Llama-family implementation (Llama, SmolLM2, Mistral, Qwen2, Qwen3)."""
-from nanopaged.models.config import ModelConfig
-from nanopaged.models.llama import LlamaForCausalLM
-from nanopaged.models.loader import load_weights
+"""Model code: one Llama-family implementation (Llama, SmolLM2, Mistral, Qwen2, Qwen3).
 
-__all__ = ["ModelConfig", "LlamaForCausalLM", "load_weights"]
+    config.py   ModelConfig: the numbers of config.json the engine needs (no torch)
+    llama.py    the transformer, reading and writing the paged KV cache through its attention backend
+    loader.py   safetensors weights into the fused q/k/v and gate/up projections
+"""

@@ -3,6 +3,7 @@
 Read once from the model folder; the runner sizes the KV cache from it (bytes per token =
 2 x layers x kv heads x head dim x bytes per value) and the model builds its layers
 from it. Anything this engine cannot run faithfully is refused here, by name.
+docs/01_kv_cache_arithmetic.md does the arithmetic.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ where every token's K/V lives. The math matches Hugging Face transformers operat
 operation, so greedy float32 output is token-identical (tests/test_hf_equality.py).
 
 q/k/v and gate/up projections are fused into one matmul each, as vLLM does; the loader
-(loader.py) copies the Hugging Face weights into their shards.
+(loader.py) copies the Hugging Face weights into their shards. docs/05_model_runner_and_kernels.md.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanopaged.attention import AttentionMetadata
+from nanopaged.core.attention import AttentionMetadata
 from nanopaged.models.config import ModelConfig
 
 

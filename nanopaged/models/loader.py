@@ -4,6 +4,7 @@ Hugging Face stores q_proj, k_proj and v_proj (and gate_proj, up_proj) separatel
 model fuses each group into one Linear (`qkv_proj`, `gate_up_proj`). A checkpoint tensor
 whose name ends in one of the fused parts is copied into its slice of the fused weight,
 as vLLM's `packed_modules_mapping` does. Every parameter must be loaded exactly once.
+(docs/05_model_runner_and_kernels.md)
 """
 from __future__ import annotations
 

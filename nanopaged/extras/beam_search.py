@@ -1,11 +1,14 @@
 """Beam search on shared blocks (paper section 4.4, "beam search").
 
-Every beam is an engine Request. A beam that survives a step with several continuations
-forks (Scheduler.fork): the children share all of its blocks, and copy-on-write gives each
-a private copy of the partly filled last block when it writes into it. A beam with no
-surviving continuation is finished, and its blocks go back unless another beam still
-holds them. So beams that share a long history share its K/V, which is where the paper's
-37.6-55.2% memory saving for beam search comes from.
+Every beam is an engine Request. The search drives the engine through its public step
+(`LLMEngine.step(select_tokens)`) with its own token-selection rule, which records each
+beam's best next tokens instead of sampling; the search then picks the next beams itself.
+A beam that survives a step with several continuations forks (Scheduler.fork): the
+children share all of its blocks, and copy-on-write gives each a private copy of the partly
+filled last block when it writes into it. A beam with no surviving continuation is
+finished, and its blocks go back unless another beam still holds them. So beams that share
+a long history share its K/V, which is where the paper's 37.6-55.2% memory saving for beam
+search comes from. docs/06_sharing.md explains it.
 
 The search rule is Hugging Face transformers' beam search (`generate(num_beams=k,
 do_sample=False, length_penalty=..., early_stopping=False)`, transformers 5.x
@@ -26,7 +29,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanopaged.request import Request, RequestStatus
+import torch
+
+from nanopaged.config import check_range
+from nanopaged.core.engine import LLMEngine
+from nanopaged.core.model_runner import ModelRunnerOutput
+from nanopaged.core.request import Request, RequestStatus, SampledToken
+from nanopaged.input_processor import PromptType
 from nanopaged.sampling_params import SamplingParams
 
 
@@ -38,12 +47,9 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("beam_width", "max_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an integer in [1, inf], got {v!r}")
-        if not isinstance(self.length_penalty, (int, float)) or self.length_penalty != self.length_penalty:
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        check_range("beam_width", self.beam_width, 1, integer=True)
+        check_range("max_tokens", self.max_tokens, 1, integer=True)
+        check_range("length_penalty", self.length_penalty)
 
 
 @dataclass
@@ -77,40 +83,79 @@ class _Search:
     done: bool = False
 
 
+def beam_search(engine: LLMEngine, prompts: PromptType | list[PromptType],
+                params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """Beam search over each prompt (`LLM.beam_search`); the same checks as generate, first."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    if params.beam_width > engine.config.max_num_seqs:
+        raise ValueError(f"beam_width={params.beam_width} is larger than max_num_seqs="
+                         f"{engine.config.max_num_seqs}")
+    if engine.has_unfinished_requests():
+        raise ValueError("beam_search needs an idle engine; finish the queued requests first")
+    checked = [engine.process_request(f"beam-check-{i}", p, SamplingParams(max_tokens=params.max_tokens))
+               for i, p in enumerate(prompts)]          # every prompt must fit, before any work
+    return BeamSearcher(engine, params).run([samples[0].prompt_token_ids for samples in checked])
+
+
 class BeamSearcher:
-    def __init__(self, engine, params: BeamSearchParams) -> None:
+    def __init__(self, engine: LLMEngine, params: BeamSearchParams) -> None:
         self.engine = engine
         self.params = params
         self.scheduler = engine.scheduler
-        self.eos = frozenset(engine.model_config.eos_token_ids)
+        self.eos = frozenset(engine.config.model_config.eos_token_ids)
         self.num_requests = 0
+        self.top: dict[Request, tuple[list[float], list[int]]] = {}   # filled by select_tokens
+        self.stepped = False
 
     def run(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
         searches = [_Search(p, [_Beam(self._new_request(p), 0.0)]) for p in prompts]
         for s in searches:
             self.scheduler.add_request(s.beams[0].request)
         while not all(s.done for s in searches):
-            out = self.scheduler.schedule()
-            if not out.scheduled:
-                # Stalled: beams that wait for a recomputed sibling hold the blocks it needs.
-                if not self.scheduler.preempt_idle():
-                    raise RuntimeError("beam search stalled with nothing to free")   # cannot happen
+            self.stepped = False
+            self.engine.step(self.select_tokens)
+            if not self.stepped:          # nothing could be scheduled
+                self._unstall(searches)
                 continue
-            self.engine.record_memory(out)
-            k = 2 * self.params.beam_width
-            top = self.engine.runner.execute_top_logprobs(out, k) if out.scheduled else {}
-            self.scheduler.update(out, {})          # advance the counters; the tokens are ours to pick
             for s in searches:
                 for b in s.beams:
-                    b.top = top.get(b.request.request_id, b.top)
+                    b.top = self.top.pop(b.request, b.top)
                 # A step of the search needs every beam's next-token logprobs; a beam that was
                 # preempted and is being recomputed may lag behind its siblings.
                 if not s.done and all(b.top is not None for b in s.beams):
                     self._step(s)
         return [self._output(s) for s in searches]
 
+    def select_tokens(self, runner_output: ModelRunnerOutput) -> dict[Request, SampledToken]:
+        """The rule handed to LLMEngine.step: note each beam's best 2 x beam_width next
+        tokens and choose none; the search appends the tokens it picks (`_advance`)."""
+        self.stepped = True
+        if runner_output.requests:
+            logprobs = torch.log_softmax(runner_output.logits.float(), dim=-1)
+            values, tokens = logprobs.topk(2 * self.params.beam_width, dim=-1)
+            self.top.update(zip(runner_output.requests, zip(values.tolist(), tokens.tolist())))
+        return {}
+
+    def _unstall(self, searches: list[_Search]) -> None:
+        """Beams that wait (holding blocks) for a sibling being recomputed may hold every block
+        the sibling needs. Then the newest such beam gives its blocks back and queues again
+        behind the sibling, as a fresh request with the same tokens: it is recomputed later."""
+        beams = {b.request: b for s in searches for b in s.beams}
+        idle = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens and r in beams]
+        if not idle:
+            raise RuntimeError("beam search stalled with nothing to free")   # cannot happen
+        old = idle[-1]
+        self.scheduler.finish_request(old, RequestStatus.FINISHED_ABORTED)
+        new = self._new_request(old.prompt_token_ids)
+        new.output_token_ids = list(old.output_token_ids)
+        beams[old].request = new
+        self.scheduler.add_request(new)
+
     def _new_request(self, tokens: list[int]) -> Request:
-        """A beam is a request the scheduler never stops by itself (the search decides)."""
+        """A beam is a request the engine never stops by itself (the search decides)."""
         self.num_requests += 1
         return Request(request_id=f"beam-{self.num_requests}", prompt_token_ids=list(tokens),
                        sampling_params=SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),

@@ -1,27 +1,20 @@
 """CUDA graphs for decode steps: launch a whole forward pass with one call.
 
 A decode step of a small model is hundreds of tiny kernel launches, and on a GPU the
-launch overhead, not the math, sets the pace. A CUDA graph records the launches once
-and replays them (vLLM: v1/worker/gpu_model_runner.py, `capture_model`). A graph replays
-the same kernels on the same memory, so:
-
-* it is captured once per batch size in CAPTURE_SIZES (1, 2, 4, 8, 16, 32, ... up to
-  max_num_seqs) and a batch of n requests runs in the next captured size, padded;
-* every input lives in a static buffer that the step copies into before the replay;
-* padding rows must do nothing: slot -1 (the store kernel skips it), query_len 0 (the
-  attention kernel returns at once) and seq_len 0.
-
-Only decode-only batches (one new token per request) with the `triton` backend are
-captured: its kernels take every size from device tensors. The `torch` backend slices with
-Python ints (not capturable) and the flash gather path sizes its output on the host. Off
-with `enforce_eager=True`. The padding (`pad_decode_batch`) runs on any device and is tested
-on CPU; the capture itself needs CUDA and is exercised by scripts/gpu_check.sh.
+launch overhead, not the math, sets the pace. A CUDA graph records the launches once and
+replays them (vLLM: CUDAGraphWrapper). It replays the same kernels on the same memory, so
+it is captured once per batch size (`capture_sizes`), every input is copied into a static
+buffer before the replay, and a batch of n requests runs in the next captured size, padded
+with rows that do nothing (`pad_decode_batch`). Only decode-only batches of the `triton`
+backend are captured; every other batch runs the model eagerly. The Triton backend installs
+`CUDAGraphModel` around the model on CUDA (its `wrap_model`); `enforce_eager=True` turns it
+off. docs/05_model_runner_and_kernels.md explains it.
 """
 from __future__ import annotations
 
 import torch
 
-from nanopaged.attention import AttentionMetadata
+from nanopaged.core.attention import AttentionMetadata
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -53,7 +46,9 @@ def pad_decode_batch(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetada
     return padded_ids.to(dev), padded_pos.to(dev), padded
 
 
-class CudaGraphRunner:
+class CUDAGraphModel:
+    """The model, replayed from CUDA graphs for decode batches (vLLM: CUDAGraphWrapper)."""
+
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, max_num_seqs: int,
                  max_blocks: int) -> None:
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
@@ -87,6 +82,16 @@ class CudaGraphRunner:
                                  block_tables=s["tables"], query_lens_list=[1] * size,
                                  seq_lens_list=[0] * size, block_size=self.block_size)
         return self.model(s["ids"], s["pos"], self.kv_cache, meta)
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward: a graph replay when one was captured for this batch."""
+        if self.can_run(meta):
+            return self.run(ids, pos, meta)
+        return self.model(ids, pos, kv_cache, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return (all(q == 1 for q in meta.query_lens_list) and meta.num_reqs <= self.sizes[-1]

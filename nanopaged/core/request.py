@@ -1,26 +1,27 @@
-"""Request: the state of one sequence as the scheduler sees it.
+"""Request: the state of one sequence as the scheduler sees it. Plain data, no torch.
 
-The whole scheduler runs on two counters (the seed article, section 2.5):
-`num_tokens` (prompt + generated so far) and `num_computed_tokens` (how many of them
-already have K/V in the cache). A step schedules `num_new_tokens` for a request to let the
-second counter chase the first; a prompt, a chunk of a prompt, a decode step and a
-recomputation after preemption are all the same thing seen through these two numbers.
-No torch here: a request is plain data.
+The whole scheduler runs on two counters (the seed article, section 2.5): `num_tokens`
+(prompt + generated so far) and `num_computed_tokens` (how many of them already have K/V
+in the cache). A step schedules `num_new_tokens` for a request to let the second counter
+chase the first; a prompt, a chunk of a prompt, a decode step and a recomputation after
+preemption are all the same thing seen through these two numbers (docs/04_scheduler.md).
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from nanopaged.sampling_params import SamplingParams
+if TYPE_CHECKING:
+    from nanopaged.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"              # back in the waiting queue, K/V dropped
-    FINISHED_STOPPED = "finished_stopped"  # hit an EOS / stop token
-    FINISHED_LENGTH = "finished_length"    # hit max_tokens or max_model_len
+    PREEMPTED = "preempted"                # back in the waiting queue, K/V dropped
+    FINISHED_STOPPED = "finished_stopped"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "finished_length"    # max_tokens (or the context) reached
     FINISHED_ABORTED = "finished_aborted"
 
     @property
@@ -40,21 +41,13 @@ class Request:
     cache_salt: str | None = None         # mixed into the first block hash: no sharing across salts
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)  # the block table: logical i -> physical id
-    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks of tokens
+    block_ids: list[int] = field(default_factory=list)       # the block table: logical i -> physical id
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks of tokens
     num_cached_blocks: int = 0            # leading blocks of block_ids already named in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
-    stop_reason: int | str | None = None
-    cumulative_logprob: float = 0.0
-    output_logprobs: list[dict] = field(default_factory=list)  # per token, when logprobs=k
-    num_cached_tokens: int = 0            # prefix-cache hit at first admission (vLLM's meaning)
+    num_cached_tokens: int = 0            # prefix-cache hit at its first admission (vLLM's meaning)
     num_preemptions: int = 0
-    # Parallel sampling (n > 1): sample `index` of the user's request `group_id`. The
-    # other samples wait in `pending_children` until this one has prefilled the prompt;
-    # then they fork off it, sharing its blocks (Scheduler.fork).
-    index: int = 0
-    group_id: str = ""
-    pending_children: list["Request"] = field(default_factory=list)
+    num_seqs: int = 1                     # seats it takes in max_num_seqs: n while n - 1 samples will fork off it
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,3 +73,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+
+@dataclass
+class SampledToken:
+    """The token a step chose for a request, as the scheduler and the output processor see it."""
+    token_id: int
+    logprob: float = 0.0                  # of the token, in the model's raw distribution
+    top_logprobs: list[tuple[int, float, int]] | None = None   # (token, logprob, rank) when logprobs=k
+    parent: Request | None = None         # drawn from another request's logits row: fork off it first

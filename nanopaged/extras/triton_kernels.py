@@ -1,9 +1,8 @@
 """Three Triton kernels for the paged KV cache: store, gather, and paged attention.
 
-The paper's section 4.1 (Kwon et al., "Efficient Memory Management for Large Language Model
-Serving with PagedAttention", SOSP 2023) in code: K/V live in fixed-size blocks of one pool,
-and attention fetches them block by block through each request's block table, so a request's
-K/V never has to be contiguous in memory.
+The paper's section 4.1 in code: K/V live in fixed-size blocks of one pool, and attention
+fetches them block by block through each request's block table, so a request's K/V never
+has to be contiguous in memory. docs/05_model_runner_and_kernels.md walks the kernel.
 
 * `store_kvcache`:   write the new tokens' K/V into their slots (vLLM: `reshape_and_cache`).
 * `gather_kvcache`:  copy each request's K/V out of its blocks into one contiguous varlen
@@ -19,11 +18,8 @@ kernel takes strides, because k/v arrive as views of the fused qkv projection an
 cache is a view into the runner's one big tensor.
 
 Index vectors are cast to int64 (as vLLM's kernels do): offsets into a large pool overflow
-int32, and in Triton's interpreter int64 also skips the int32 overflow checks that otherwise
-take a large share of its run time.
-
-Importing this module imports triton; nanopaged imports it only when a Triton backend is
-chosen. Under TRITON_INTERPRET=1 (set before this import) the same kernels run on CPU tensors.
+int32. Importing this module imports triton; nanopaged imports it only when a Triton backend
+is chosen. Under TRITON_INTERPRET=1 (set before this import) the kernels run on CPU tensors.
 """
 from __future__ import annotations
 
@@ -31,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanopaged.attention.metadata import AttentionMetadata
+from nanopaged.core.attention import AttentionMetadata
 
 
 def _pow2(n: int, at_least: int = 1) -> int:

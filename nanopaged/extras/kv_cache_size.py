@@ -1,6 +1,6 @@
 """How much KV cache a token costs, for any model's config.json (docs/01_kv_cache_arithmetic.md).
 
-    python -m nanopaged.kv_cache_size path/to/config.json [--dtype bfloat16] [--tokens 8192]
+    python -m nanopaged.extras.kv_cache_size path/to/config.json [--dtype bfloat16] [--tokens 8192]
 
 Every token keeps a key and a value vector per kv head in every layer, so
 
@@ -17,10 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanopaged.config import DTYPES
 from nanopaged.models.config import ModelConfig
-
-# Bytes per stored value, by the dtype names EngineConfig accepts.
-DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
 @dataclass
@@ -50,8 +48,8 @@ class KVCacheSize:
 
 def kv_cache_size(config: dict | str | Path, dtype: str = "bfloat16", num_tokens: int = 1) -> KVCacheSize:
     """KV bytes per token (and for `num_tokens` tokens) of a config.json dict, file or model folder."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
         raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
     if not isinstance(config, dict):
@@ -62,7 +60,7 @@ def kv_cache_size(config: dict | str | Path, dtype: str = "bfloat16", num_tokens
             raise ValueError(f"no config.json at {str(config)!r}")
         config = json.loads(path.read_text())
     m = ModelConfig.from_dict(config)
-    nbytes = DTYPE_BYTES[dtype]
+    nbytes = DTYPES[dtype][1]
     return KVCacheSize(architecture=m.architecture, num_layers=m.num_hidden_layers,
                        num_kv_heads=m.num_key_value_heads, head_dim=m.head_dim,
                        bytes_per_value=nbytes, bytes_per_token=m.kv_bytes_per_token(nbytes),
@@ -70,10 +68,10 @@ def kv_cache_size(config: dict | str | Path, dtype: str = "bfloat16", num_tokens
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m nanopaged.kv_cache_size",
+    parser = argparse.ArgumentParser(prog="python -m nanopaged.extras.kv_cache_size",
                                      description="KV cache bytes per token of a Hugging Face config.json")
     parser.add_argument("config", help="a config.json, or a model folder holding one")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES),
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                         help="the KV cache's dtype (default bfloat16)")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens to size for (default 8192)")
     args = parser.parse_args(argv)

@@ -1,0 +1,13 @@
+"""The pieces bench.py uses, one idea a module; bench.py reads them in this order.
+
+    models.py          the model folder: --model, the demo model, or random weights of a named shape
+    trace.py           the trace every engine runs, its warm-up prompt, and Run (one timed generation)
+    nanopaged_run.py   nanopaged stepped through the trace, with a look at KV memory every step
+    memory.py          KV slots held: paged blocks vs the reservation allocators and HF's padded cache
+    peers.py           the engines beside it: HF static batching, transformers' paged CB, vLLM
+    roofline.py        the matmul FLOP/s ceiling and the FLOPs the trace needs
+    figures.py         ratios to the peers, where step time goes, the targets, published figures
+    workloads.py       the other workloads: prefix caching on vs off, sharing inside a request
+    machine.py         the machine and the library versions a result was measured with
+    report.py          the tables printed and the plot drawn
+"""

@@ -1,0 +1,55 @@
+"""nanopaged's timed run of the trace, with a look at its KV memory after every step."""
+from __future__ import annotations
+
+import time
+
+from benchmarks.memory import kv_sample
+from benchmarks.trace import WARMUP_PROMPT, Run, Trace
+from nanopaged import LLM, EngineConfig, SamplingParams
+from nanopaged.core.engine import StepRecord
+
+
+def run_nanopaged(model_dir: str, trace: Trace, settings: dict) -> tuple[Run, dict, list, EngineConfig]:
+    """Warm up, then step the engine through the trace and look at KV memory every step.
+
+    This is LLM.generate's own loop (validate all, queue all, step until done) without the
+    progress bar; a step observer sees which requests held blocks during each step. The
+    look costs O(running requests) per step; it is timed and stays inside wall_s.
+    Returns the run, get_stats(), the per-step KV samples and the engine's resolved config.
+    """
+    llm = LLM(model_dir, **settings)
+    engine = llm.llm_engine
+    llm.generate(WARMUP_PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    llm.reset_stats()                        # count only the timed run
+
+    requests = [engine.process_request(f"bench-{i}", {"prompt_token_ids": p},
+                                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                for i, (p, n) in enumerate(zip(trace.prompts, trace.output_lens))]
+    samples, look_s = [], 0.0
+
+    def look(step: StepRecord) -> None:
+        nonlocal look_s
+        t = time.perf_counter()
+        samples.append(kv_sample(t - start, step.running, engine.config))
+        look_s += time.perf_counter() - t
+
+    engine.observers.append(look)
+    start = time.perf_counter()
+    for r in requests:
+        engine.queue(r)
+    while engine.has_unfinished_requests():
+        engine.step()
+    wall = time.perf_counter() - start
+    engine.observers.remove(look)
+
+    run = Run("nanopaged", wall, sum(r[0].num_output_tokens for r in requests),
+              trace.num_prompt_tokens, len(requests), {"kv_look_s": look_s})
+    return run, llm.get_stats(), samples, engine.config
+
+
+def resolved_settings(config: EngineConfig, stats: dict) -> dict:
+    """The engine settings as the engine resolved them (its defaults filled in)."""
+    return {"block_size": config.block_size, "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_model_len": config.max_model_len, "num_kv_blocks": stats["num_kv_blocks"]}

@@ -1,0 +1,115 @@
+"""What a run prints: the throughput table, the other workloads' tables, and the plot."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def print_table(r: dict) -> None:
+    s, e = r["settings"], r["engine"]
+    print(f"\n{s['num_requests']} requests, input {s['input_len'][0]}-{s['input_len'][1]}, "
+          f"output {s['output_len'][0]}-{s['output_len'][1]} tokens, seed {s['seed']}, "
+          f"model {Path(s['model']).name}, {r['machine']['cpu']} ({r['machine']['cpu_cores']} cores, "
+          f"{s['threads']} torch threads)")
+    print(f"\n{'engine (measured, this run)':30} {'out tok/s':>10} {'total tok/s':>12} {'req/s':>7} "
+          f"{'wall s':>8} {'vs nanopaged':>13}")
+    rows = {"nanopaged": e, **r["peers"]}
+    for name, f in rows.items():
+        if "skipped" in f:
+            print(f"{name:30} not run: {f['skipped']}")
+            continue
+        rel = e["output_tokens_per_s"] / f["output_tokens_per_s"]
+        print(f"{name:30} {f['output_tokens_per_s']:10.1f} {f['total_tokens_per_s']:12.1f} "
+              f"{f['requests_per_s']:7.2f} {f['wall_s']:8.2f} {rel:12.2f}x")
+    if "hf" in r["peers"] and "padding_waste" in r["peers"]["hf"]:
+        print(f"  hf static batches of {r['peers']['hf']['batch_size']}: "
+              f"{r['peers']['hf']['padding_waste']:.1%} of the token slots computed were padding")
+    pub = r["published"]
+    print(f"\npublished, NOT measured here ({pub['setup']}):")
+    for name, v in pub["output_tokens_per_s"].items():
+        print(f"  {name:28} {v:10.2f} out tok/s")
+
+    k, m = r["kv_utilization"], r["memory"]
+    print("\nKV utilization (tokens stored / slots held, every step):")
+    print(f"  paged (nanopaged)             {k['paged']:7.1%}")
+    print(f"  reserve prompt + max_tokens   {k['reserve_prompt_plus_max_tokens']:7.1%}")
+    print(f"  reserve max_model_len         {k['reserve_max_model_len']:7.1%}   "
+          f"(max_model_len {s['max_model_len']})")
+    if "hf" in r["peers"] and "kv_utilization" in r["peers"]["hf"]:
+        print(f"  hf static padded cache        {r['peers']['hf']['kv_utilization']:7.1%}")
+    mr = m["max_num_running"]
+    print(f"  most requests at once, {m['kv_budget_tokens']} KV slots: paged {mr['paged']} "
+          f"(bound by {mr['paged_bound_by']}), reserve prompt+max {mr['reserve_prompt_plus_max_tokens']}, "
+          f"reserve max_model_len {mr['reserve_max_model_len']}")
+    hit = m["prefix_cache_hit_rate"]
+    print(f"  preemptions {m['num_preemptions']}, KV usage peak {m['peak_kv_usage']:.1%} "
+          f"mean {m['mean_kv_usage']:.1%}, prefix hit rate "
+          f"{'n/a (no lookups)' if hit is None else f'{hit:.1%}'}")
+
+    o, rf = r["overhead"], r["roofline"]
+    print(f"\nengine step: {o['step_ms']:.1f} ms = scheduler+block pool {o['schedule_ms_per_step']:.2f} ms "
+          f"({o['schedule_share']:.1%}) + model {o['model_ms_per_step']:.1f} ms; "
+          f"outside step(): {o['other_share_of_wall']:.1%} of wall")
+    print(f"roofline: matmul {rf['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, {rf['flops_per_token'] / 1e6:.0f} "
+          f"MFLOP/token -> {rf['roofline_tokens_per_s']:.0f} tok/s; nanopaged reaches {rf['fraction']:.1%}")
+
+    print("\ntargets:")
+    for name, t in r["targets"].items():
+        if t["value"] is None:
+            print(f"  {name:22} n/a")
+            continue
+        sign = "<=" if t["lower_is_better"] else ">="
+        print(f"  {name:22} {t['value']:8.3f}  target {sign} {t['target']}  "
+              f"{'met' if t['met'] else 'MISSED'}")
+
+
+def plot(r: dict, samples: list, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot {path}: matplotlib is not installed (pip install matplotlib); no plot drawn",
+              file=sys.stderr)
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    t = [s.t for s in samples]
+    for field, label in (("reserve_max_len", "reserve max_model_len"),
+                         ("reserve_needed", "reserve prompt + max_tokens"),
+                         ("paged", "paged: slots in blocks held"), ("stored", "tokens stored")):
+        ax1.plot(t, [getattr(s, field) for s in samples], label=label)
+    ax1.set_yscale("log")
+    ax1.set(xlabel="seconds into the timed run", ylabel="KV slots (tokens)",
+            title="KV memory held for the same running requests")
+    ax1.legend(fontsize=8)
+    measured = {"nanopaged": r["engine"], **{k: v for k, v in r["peers"].items() if "skipped" not in v}}
+    ax2.bar(list(measured), [v["output_tokens_per_s"] for v in measured.values()])
+    ax2.set(ylabel="output tokens/s", title="throughput, measured in this run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def print_shared_prefix(r: dict) -> None:
+    s = r["settings"]
+    print(f"\nshared prefix: {s['num_requests']} requests = {s['prefix_len']}-token system prompt + "
+          f"{s['question_len'][0]}-{s['question_len'][1]}-token question, output {s['output_len'][0]}-"
+          f"{s['output_len'][1]} tokens; {r['prompt_tokens']} prompt tokens, shared fraction "
+          f"{r['shared_fraction']:.1%}")
+    print(f"{'prefix caching':<16}{'wall s':>9}{'prefill tokens':>16}{'hit rate':>10}{'out tok/s':>11}")
+    for key in ("on", "off"):
+        x = r[key]
+        print(f"{key:<16}{x['wall_s']:>9.2f}{x['prefill_tokens_computed']:>16}{x['hit_rate']:>10.1%}"
+              f"{x['output_tokens_per_s']:>11.1f}")
+    print(f"prefill tokens computed fall by {r['prefill_reduction']:.1%} (shared fraction "
+          f"{r['shared_fraction']:.1%}); speedup {r['speedup']:.2f}x (target 2x); "
+          f"outputs identical: {r['identical_outputs']}")
+
+
+def print_sharing(r: dict) -> None:
+    print(f"\nKV memory saved by sharing ({r['settings']['num_prompts']} prompts per trace, "
+          "prefix caching off; paper: vLLM, section 6.3, over widths 2-6)")
+    print(f"{'trace':<15}{'kind':<10}{'width':>6}{'saving':>9}{'mean blocks':>13}{'paper':>13}")
+    for row in r["rows"]:
+        print(f"{row['trace']:<15}{row['kind']:<10}{row['width']:>6}{row['saving']:>9.1%}"
+              f"{row['mean_blocks_used']:>13.1f}{row['paper']:>13}")

@@ -1,0 +1,55 @@
+"""The trace every engine runs (nano-vllm's), the warm-up prompt before it, and `Run`, what
+one engine's timed generation of it yields."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass
+class Trace:
+    prompts: list[list[int]]     # token ids
+    output_lens: list[int]       # tokens each request must generate (ignore_eos)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_trace(num_requests: int, input_len, output_len, seed: int, vocab_limit: int) -> Trace:
+    """nano-vllm's trace: random token ids and uniform lengths, all from one seeded generator.
+
+    Ids start at 3 so a prompt holds no special token (0, 1, 2 are unk/bos/eos in the demo
+    tokenizer); `vocab_limit` keeps them inside both the model's and the tokenizer's vocab.
+    """
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab_limit) for _ in range(rng.randint(*input_len))]
+               for _ in range(num_requests)]
+    return Trace(prompts, [rng.randint(*output_len) for _ in range(num_requests)])
+
+
+# Every engine warms up on this prompt: ids 3..18 start no random prompt, so the warm-up
+# leaves nothing in a prefix cache that the trace could hit.
+WARMUP_PROMPT = {"prompt_token_ids": list(range(3, 19))}
+
+
+@dataclass
+class Run:
+    """One engine's timed generation."""
+    name: str
+    wall_s: float
+    output_tokens: int           # only the tokens each request asked for
+    prompt_tokens: int
+    num_requests: int
+    extra: dict
+
+    def figures(self) -> dict:
+        return {"output_tokens_per_s": self.output_tokens / self.wall_s,
+                "total_tokens_per_s": (self.output_tokens + self.prompt_tokens) / self.wall_s,
+                "requests_per_s": self.num_requests / self.wall_s,
+                "wall_s": self.wall_s, "output_tokens": self.output_tokens,
+                "prompt_tokens": self.prompt_tokens, **self.extra}

@@ -1,0 +1,98 @@
+"""The workloads beside throughput: a shared system prompt with prefix caching on and off,
+and the KV blocks saved by sharing inside a request (n > 1 samples, beam search)."""
+from __future__ import annotations
+
+import random
+import time
+
+from benchmarks.models import vocab_limit
+from benchmarks.trace import WARMUP_PROMPT, make_trace
+from nanopaged import LLM, BeamSearchParams, SamplingParams
+
+
+def run_shared_prefix(args, model_dir: str, settings: dict) -> dict:
+    """The same shared-prefix trace with prefix caching on and off, in one process.
+
+    Every request is one system prompt of --prefix-len tokens plus its own question. The
+    'shared fraction' is the share of all prompt tokens that repeat an earlier request's
+    system prompt, (n - 1) x prefix / total: what a perfect cache never computes again.
+    """
+    vocab = vocab_limit(model_dir)
+    rng = random.Random(args.seed)
+    system = [rng.randrange(3, vocab) for _ in range(args.prefix_len)]
+    prompts = [system + [rng.randrange(3, vocab) for _ in range(rng.randint(*args.input_len))]
+               for _ in range(args.num_requests)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(*args.output_len), ignore_eos=True)
+              for _ in prompts]
+    total = sum(len(p) for p in prompts)
+    result = {"settings": {"model": model_dir, "num_requests": args.num_requests,
+                           "prefix_len": args.prefix_len, "question_len": list(args.input_len),
+                           "output_len": list(args.output_len), "seed": args.seed, **settings},
+              "prompt_tokens": total,
+              "shared_fraction": (len(prompts) - 1) * args.prefix_len / total}
+    for caching in (True, False):
+        llm = LLM(model_dir, enable_prefix_caching=caching, **settings)
+        llm.generate(WARMUP_PROMPT, SamplingParams(max_tokens=4), use_tqdm=False)
+        llm.reset_stats()                    # count only the timed run
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        stats = llm.get_stats()
+        queries = stats["prefix_cache_queries"]
+        result["on" if caching else "off"] = {
+            "wall_s": wall,
+            "prefill_tokens_computed": stats["num_prompt_tokens_computed"],
+            "hit_rate": stats["prefix_cache_hits"] / queries if queries else 0.0,
+            "num_cached_tokens": sum(o.num_cached_tokens for o in outs),
+            "output_tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
+        }
+        result["outputs_" + ("on" if caching else "off")] = [o.outputs[0].token_ids for o in outs]
+    on, off = result["on"], result["off"]
+    result["prefill_reduction"] = 1 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"]
+    result["speedup"] = off["wall_s"] / on["wall_s"]
+    result["identical_outputs"] = result.pop("outputs_on") == result.pop("outputs_off")
+    return result
+
+
+# Parallel sampling and beam search traces, shaped like the paper's (section 6.3): Alpaca has
+# short prompts and outputs (means 19 / 58 tokens), ShareGPT long ones (161 / 338). Scaled
+# down so a CPU run takes minutes; the saving depends on the lengths, not on the model.
+SHARING_TRACES = {"alpaca-like": ((8, 32), (32, 96)), "sharegpt-like": ((96, 256), (96, 256))}
+PAPER_SAVINGS = {("parallel", "alpaca-like"): "6.1-9.8%", ("parallel", "sharegpt-like"): "16.2-30.5%",
+                 ("beam", "alpaca-like"): "37.6-55.2%", ("beam", "sharegpt-like"): "44.3-66.3%"}
+
+
+def run_sharing(args, model_dir: str, settings: dict) -> dict:
+    """KV blocks saved by sharing: n samples forked from one prompt, and beams that fork.
+
+    Saving = 1 - blocks in use / blocks the same block tables would hold unshared, averaged
+    over the run's steps (get_stats()["kv_sharing_saving"]); prefix caching is off so only
+    sharing inside a request counts (the paper's Fig. 15 measure).
+    """
+    vocab = vocab_limit(model_dir)
+    result = {"settings": {"model": model_dir, "num_prompts": args.num_requests, "seed": args.seed,
+                           "traces": {k: {"input_len": list(i), "output_len": list(o)}
+                                      for k, (i, o) in SHARING_TRACES.items()}},
+              "rows": []}
+    for trace_name, (in_len, out_len) in SHARING_TRACES.items():
+        trace = make_trace(args.num_requests, in_len, out_len, args.seed, vocab)
+        prompts = [{"prompt_token_ids": p} for p in trace.prompts]
+        for kind, width in [("parallel", w) for w in (2, 4, 6)] + [("beam", w) for w in (2, 4, 6)]:
+            llm = LLM(model_dir, **{"enable_prefix_caching": False, **settings})
+            start = time.perf_counter()
+            if kind == "parallel":
+                llm.generate(prompts, [SamplingParams(n=width, temperature=1.0, seed=args.seed + i,
+                                                      max_tokens=o, ignore_eos=True)
+                                       for i, o in enumerate(trace.output_lens)], use_tqdm=False)
+            else:   # beams run to the trace's mean output length
+                mean_out = sum(trace.output_lens) // len(trace.output_lens)
+                llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=mean_out,
+                                                          ignore_eos=True))
+            stats = llm.get_stats()
+            result["rows"].append({"trace": trace_name, "kind": kind, "width": width,
+                                   "saving": stats["kv_sharing_saving"],
+                                   "mean_blocks_used": stats["mean_kv_blocks_used"],
+                                   "peak_blocks_used": stats["peak_kv_blocks_used"],
+                                   "wall_s": time.perf_counter() - start,
+                                   "paper": PAPER_SAVINGS[(kind, trace_name)]})
+    return result

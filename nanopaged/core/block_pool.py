@@ -1,0 +1,198 @@
+"""The block pool: the KV cache cut into fixed-size blocks, and the prefix cache over them.
+
+At start-up the model runner preallocates one KV tensor and cuts it into `num_blocks`
+physical blocks of `block_size` token slots. This file keeps the books of those blocks,
+never their contents, and imports no torch (paper section 4.1; vLLM: v1/core/block_pool.py):
+
+- `Block`: an id, a `ref_count` (how many block tables hold it) and, once it is full, the
+  hash that names its prefix;
+- `free_block_queue`: a deque of free block ids. Allocation takes from the head, freeing
+  appends to the tail, so the queue's order is also the prefix cache's LRU eviction order;
+- the prefix cache (paper section 4.4; vLLM: v1/core/kv_cache_utils.py): a full block is
+  named by a chained hash of its whole prefix, and `cached_block_hash_to_block` finds it.
+  A freed block keeps its name and its K/V until allocation hands it out again.
+
+Chapters: docs/02_block_pool.md and docs/03_prefix_caching.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import xxhash
+
+if TYPE_CHECKING:
+    from nanopaged.core.request import Request
+
+# The block hash (the `prefix_hash` setting). Never Python's hash(), which differs between runs.
+HASH_FUNCTIONS = {
+    "sha256": lambda data: hashlib.sha256(data).digest(),      # the default: collisions are no concern
+    "xxhash": lambda data: xxhash.xxh3_128_digest(data),       # 128 bits, several times faster
+}
+ROOT_HASH = b"nanopaged-prefix-cache-root"      # the parent of every request's first block
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of size b hold a tokens."""
+    return -(-a // b)
+
+
+def hash_block(hash_fn, parent_hash: bytes, token_ids, extra_keys: str | None = None) -> bytes:
+    """H(parent_hash, block_token_ids, extra_keys), over a fixed little-endian encoding.
+
+    A block's K/V depend on every token before it, so its name includes its parent's name.
+    `extra_keys` is the request's cache_salt, mixed into its first block (the chain carries it on).
+    """
+    data = [parent_hash, struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids)]
+    if extra_keys is not None:
+        salt = extra_keys.encode()
+        data.append(struct.pack("<I", len(salt)) + salt)
+    return hash_fn(b"".join(data))
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0                    # block tables that hold this block; 0 = free
+    block_hash: bytes | None = None       # set once the block is full and cached
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 prefix_hash: str = "sha256") -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_queue: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self.hash_fn = HASH_FUNCTIONS[prefix_hash]
+        self.cached_block_hash_to_block: dict[bytes, int] = {}
+        self.num_evicted_blocks = 0       # cached blocks handed out again, their prefix lost
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_queue)
+
+    def usage(self) -> float:
+        """Fraction of blocks in use (vLLM's kv_cache_usage = 1 - free / total)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_held: int, num_tokens: int) -> int:
+        """New blocks a block table of `num_held` blocks needs to hold `num_tokens` tokens.
+
+        A block is allocated only when the last one is full, so a request never holds more
+        than one partly filled block: its waste is below one block (paper section 4.2).
+        """
+        return max(0, cdiv(num_tokens, self.block_size) - num_held)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take n blocks from the head of the free queue, each with ref_count 1."""
+        if n > len(self.free_block_queue):
+            raise RuntimeError(f"asked for {n} blocks, only {len(self.free_block_queue)} free")
+        ids = [self.free_block_queue.popleft() for _ in range(n)]
+        for i in ids:
+            block = self.blocks[i]
+            assert block.ref_count == 0, f"block {i} in the free queue has ref_count {block.ref_count}"
+            self._evict(block)
+            block.ref_count = 1
+        return ids
+
+    def touch(self, block_ids: list[int]) -> None:
+        """One more block table holds these blocks; a free one leaves the free queue.
+
+        NOTE: deque.remove is O(free blocks). vLLM keeps the free queue as a doubly linked
+        list to make this O(1); a plain deque keeps the idea visible at this engine's scale.
+        """
+        for i in block_ids:
+            block = self.blocks[i]
+            if block.ref_count == 0:
+                self.free_block_queue.remove(i)
+            block.ref_count += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block; a block that reaches 0 joins the free queue.
+
+        NOTE: blocks are freed in reverse order, so a request's tail blocks enter the
+        queue (and will be evicted) before its head blocks: the head of a prompt is the
+        part most likely to be shared by the next request (vLLM: free_blocks).
+        """
+        for i in reversed(block_ids):
+            block = self.blocks[i]
+            assert block.ref_count > 0, f"freeing block {i} that is already free"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_queue.append(i)
+
+    # ---- the prefix cache -----------------------------------------------------------------
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """The chained hashes of the request's full blocks of tokens, each computed once."""
+        hashes, bs = request.block_hashes, self.block_size
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hashes[-1] if hashes else ROOT_HASH
+            salt = request.cache_salt if i == 0 else None
+            hashes.append(hash_block(self.hash_fn, parent, request.token_ids(i * bs, (i + 1) * bs), salt))
+        return hashes
+
+    def max_cache_hit_blocks(self, request: Request) -> int:
+        """At most num_tokens - 1 tokens can hit: the last one is computed for its logits
+        (vLLM: kv_cache_manager.py, `max_cache_hit_length`)."""
+        return (request.num_tokens - 1) // self.block_size if self.enable_caching else 0
+
+    def find_cached_blocks(self, block_hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest run of these hashes from the start; stops at a miss."""
+        hits = []
+        for h in block_hashes:
+            block_id = self.cached_block_hash_to_block.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """The blocks a request admitted now can reuse from the cache, from its first block on."""
+        n = self.max_cache_hit_blocks(request)
+        return self.find_cached_blocks(self.block_hashes(request)[:n]) if n else []
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> None:
+        """Name a full block, so later requests can find it."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
+            return     # already named, or another block holds the same prefix: keep that one
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block[block_hash] = block_id
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Name the request's blocks whose every slot now holds computed K/V."""
+        if not self.enable_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        hashes = self.block_hashes(request)
+        for i in range(request.num_cached_blocks, num_full):
+            self.cache_block(request.block_ids[i], hashes[i])
+        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+
+    def _evict(self, block: Block) -> None:
+        """The block is about to be overwritten: it no longer holds its cached prefix."""
+        if block.block_hash is None:
+            return
+        if self.cached_block_hash_to_block.get(block.block_hash) == block.block_id:
+            del self.cached_block_hash_to_block[block.block_hash]
+        block.block_hash = None
+        self.num_evicted_blocks += 1
+
+    def check_invariants(self) -> None:
+        """Every block is either free (ref 0, in the queue once) or held (ref > 0, not queued)."""
+        queued = set(self.free_block_queue)
+        assert len(queued) == len(self.free_block_queue), "a block is in the free queue twice"
+        for block in self.blocks:
+            if block.block_id in queued:
+                assert block.ref_count == 0, f"free block {block.block_id} has ref_count {block.ref_count}"
+            else:
+                assert block.ref_count > 0, f"block {block.block_id} is neither free nor held"
+        for h, i in self.cached_block_hash_to_block.items():
+            assert self.blocks[i].block_hash == h, f"hash map points at block {i}, which holds another prefix"

@@ -1,0 +1,109 @@
+"""LLMEngine: requests in, one step at a time, RequestOutputs out.
+
+    add_request   tokenize and validate (input_processor.py), then queue the request
+    step          schedule -> execute -> update -> outputs
+
+All validation happens before a request is queued: one that can never run raises
+ValueError and the engine goes on serving the others. `LLM.generate` (llm.py) is a loop
+over `step`; drive the engine directly to stream. docs/00_how_to_read.md walks one step.
+
+Extensions reach the engine through two hooks: `step(select_tokens)` takes a
+token-selection rule in place of the sampler (beam search), and every function in
+`observers` sees each step's `StepRecord` (statistics, the bench).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from transformers import AutoTokenizer
+
+from nanopaged.config import EngineConfig
+from nanopaged.core.block_pool import BlockPool
+from nanopaged.core.model_runner import ModelRunner, ModelRunnerOutput
+from nanopaged.core.request import Request, RequestStatus, SampledToken
+from nanopaged.core.scheduler import Scheduler, SchedulerOutput
+from nanopaged.input_processor import InputProcessor, PromptType
+from nanopaged.output_processor import OutputProcessor
+from nanopaged.outputs import RequestOutput
+from nanopaged.parallel_sampling import ParallelSampler
+from nanopaged.sampler import Sampler
+from nanopaged.sampling_params import SamplingParams
+
+SelectTokens = Callable[[ModelRunnerOutput], dict[Request, SampledToken]]
+
+
+@dataclass
+class StepRecord:
+    """What one step did, for observers; taken before the stopped requests free their blocks."""
+    scheduler_output: SchedulerOutput
+    sampled: dict[Request, SampledToken]
+    outputs: list[RequestOutput]
+    stopped: list[tuple[Request, RequestStatus]]
+    running: list[Request]                  # the requests holding blocks during the step
+    times: tuple[float, float, float, float]   # perf_counter at start, scheduled, executed, updated
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.runner = ModelRunner(config)
+        block_pool = BlockPool(self.runner.num_kv_blocks, config.block_size,
+                               config.enable_prefix_caching, config.prefix_hash)
+        self.scheduler = Scheduler(block_pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.input_processor = InputProcessor(config, self.tokenizer, self.runner.num_kv_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.sampler = ParallelSampler(Sampler(self.runner.device, config.seed))
+        self.observers: list[Callable[[StepRecord], None]] = []
+
+    # ---- requests in ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+        self.queue(self.process_request(request_id, prompt, params))
+
+    def process_request(self, request_id: str, prompt: PromptType,
+                        params: SamplingParams | None = None) -> list[Request]:
+        """Tokenize and validate without queueing: the request's n sequences, or a ValueError."""
+        return self.input_processor.process(request_id, prompt, params)
+
+    def queue(self, samples: list[Request]) -> None:
+        """Queue the first sequence; the others (n > 1) fork off it once its prompt is done."""
+        if samples[0].request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {samples[0].request_id!r} is already in use")
+        self.output_processor.add(samples)
+        self.sampler.add(samples)
+        self.scheduler.add_request(samples[0])
+
+    def abort_request(self, request_id: str) -> None:
+        for request in self.output_processor.abort(request_id):
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self, select_tokens: SelectTokens | None = None) -> list[RequestOutput]:
+        """Schedule, run the model once, choose tokens, update; the outputs of the requests
+        that advanced. `select_tokens` replaces the sampler (beam search chooses its own)."""
+        t0 = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            return []
+        t1 = time.perf_counter()
+        runner_output = self.runner.execute(scheduler_output)
+        sampled = (select_tokens or self.sampler)(runner_output)
+        t2 = time.perf_counter()
+        self.scheduler.update(scheduler_output, sampled)
+        t3 = time.perf_counter()
+        outputs, stopped = self.output_processor.process(sampled)
+        record = StepRecord(scheduler_output, sampled, outputs, stopped, self.scheduler.running, (t0, t1, t2, t3))
+        for observer in self.observers:
+            observer(record)
+        for request, status in stopped:
+            self._finish(request, status)
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish_request(request, status)
+        self.sampler.forget(request)

@@ -1,0 +1,161 @@
+"""The model runner: turns a SchedulerOutput into tensors, runs the model, returns logits.
+
+It owns the device side of PagedAttention: the weights, the one KV cache tensor that
+holds every layer's blocks, and the per-step inputs that tell attention where each
+token's K/V lives. It knows nothing of scheduling policy and chooses no tokens; it is told
+which requests compute how many new tokens, and returns the logits of the rows that sample.
+
+Per step (vLLM: v1/worker/gpu_model_runner.py, `_prepare_inputs`):
+  input_ids, positions   the new tokens of all requests, flattened into one batch
+  slot_mapping           for each new token, its slot in the pool:
+                         block_ids[pos // block_size] * block_size + pos % block_size
+  block_tables           each request's block ids, padded into a (num_reqs, max_blocks) tensor
+  query_start_loc        cu_seqlens_q: where each request's rows start in the flat batch
+  seq_lens               each request's context length after this step
+Only requests whose step reaches the end of their known tokens sample (a request in the
+middle of a chunked prompt has nothing to sample yet). docs/05_model_runner_and_kernels.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanopaged.config import EngineConfig, load_attention_backend
+from nanopaged.core.attention import AttentionMetadata
+from nanopaged.core.block_pool import cdiv
+from nanopaged.core.request import Request
+from nanopaged.core.scheduler import SchedulerOutput
+from nanopaged.models.llama import LlamaForCausalLM
+from nanopaged.models.loader import load_weights
+
+
+@dataclass
+class ModelInput:
+    """One step's batch, as tensors, and which of its rows sample."""
+    input_ids: torch.Tensor        # (num_tokens,)
+    positions: torch.Tensor        # (num_tokens,)
+    meta: AttentionMetadata
+    sample_rows: list[int]         # the last row of each request whose step reaches its end
+    sample_requests: list[Request]
+
+
+@dataclass
+class ModelRunnerOutput:
+    requests: list[Request]        # the requests that sample this step, in row order
+    logits: torch.Tensor           # (len(requests), vocab_size)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.block_size = config.block_size
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.backend = load_attention_backend(config.attention_backend)
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(self.model_config, self.backend, config.max_model_len).to(self.dtype)
+        load_weights(self.model, config.model)
+        self.model.eval()
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        self.model = self.backend.wrap_model(self.model, self)   # e.g. CUDA graphs (extras/)
+
+    # ---- the KV cache -------------------------------------------------------------------
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """One tensor for all layers: (layers, K/V, blocks, block_size, kv_heads, head_dim).
+
+        Zeroed, not empty: padded decode batches read slots past a request's end (masked
+        to probability 0), and 0 * NaN from uninitialised memory would still be NaN.
+        """
+        m = self.model_config
+        return torch.zeros(m.num_hidden_layers, 2, num_blocks, self.block_size,
+                           m.num_key_value_heads, m.head_dim, dtype=self.dtype, device=self.device)
+
+    def _num_kv_blocks(self) -> int:
+        """The memory budget (docs/01_kv_cache_arithmetic.md) cut into blocks."""
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
+        budget = cfg.kv_cache_memory_bytes
+        if budget is None:
+            budget = self._free_gpu_memory()
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
+                             f"{bytes_per_block} bytes (block_size={self.block_size})")
+        # More blocks than max_num_seqs full-length requests can use would be wasted memory.
+        return min(num_blocks, cfg.max_num_seqs * cdiv(cfg.max_model_len, self.block_size))
+
+    def _free_gpu_memory(self) -> int:
+        """CUDA: total x gpu_memory_utilization, minus the peak of one forward of the largest
+        batch (weights + activations): what the model needs besides the KV cache."""
+        n = self.config.max_num_batched_tokens
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        scratch = self._allocate_kv_cache(cdiv(n, self.block_size))
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=self.device),
+            query_start_loc=torch.tensor([0, n], device=self.device),
+            seq_lens=torch.tensor([n], device=self.device),
+            block_tables=torch.arange(cdiv(n, self.block_size), device=self.device)[None],
+            query_lens_list=[n], seq_lens_list=[n], block_size=self.block_size)
+        positions = torch.arange(n, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros_like(positions), positions, scratch, meta)
+            self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - scratch.numel() * scratch.element_size()
+        del scratch
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info()
+        return int(total * self.config.gpu_memory_utilization) - peak
+
+    # ---- one step -----------------------------------------------------------------------
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
+        """Flatten the scheduled requests into one varlen batch (see the module docstring)."""
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        query_lens, seq_lens, sample_rows, sample_requests = [], [], [], []
+        for request, num_new in out.scheduled:
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+            table = request.block_ids
+            input_ids += request.token_ids(start, end)
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_lens.append(num_new)
+            seq_lens.append(end)
+            if end == request.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sample_requests.append(request)
+        max_blocks = max(len(r.block_ids) for r, _ in out.scheduled)
+        tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in out.scheduled]
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)   # noqa: E731
+        meta = AttentionMetadata(
+            slot_mapping=as_tensor(slots), query_start_loc=as_tensor(cu), seq_lens=as_tensor(seq_lens),
+            block_tables=as_tensor(tables), query_lens_list=query_lens, seq_lens_list=seq_lens,
+            block_size=bs)
+        return ModelInput(as_tensor(input_ids), as_tensor(positions), meta, sample_rows, sample_requests)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Copy-on-write copies, then one forward pass; logits only for the rows that sample
+        (the lm_head is the largest matmul of a small model)."""
+        self.copy_blocks(out.blocks_to_copy)
+        inputs = self.prepare_inputs(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        return ModelRunnerOutput(inputs.sample_requests, logits)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src's K/V, every layer, into block dst."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))

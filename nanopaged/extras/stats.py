@@ -1,0 +1,126 @@
+"""Engine statistics, gathered by watching the steps: `LLM.get_stats()` and the progress bar.
+
+`EngineStats(engine)` adds itself to `engine.observers` and reads each `StepRecord`, taken
+while the step's blocks are still held. KV utilization is the paper's measure of how much
+reserved KV memory holds real tokens (Fig. 2): tokens with K/V stored / slots of the blocks
+held, summed over steps; the sharing saving is its section 6.3 measure. docs/07_benchmarks.md
+explains every figure.
+"""
+from __future__ import annotations
+
+import time
+
+from tqdm.auto import tqdm
+
+from nanopaged.core.engine import LLMEngine, StepRecord
+
+
+class EngineStats:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.reset()
+        engine.observers.append(self)
+
+    def reset(self) -> None:
+        """Start counting afresh (the bench does, after its warm-up)."""
+        self.num_steps = self.num_preemptions = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0      # tokens looked up / found
+        self.num_prompt_tokens_computed = self.num_generated_tokens = 0
+        self.peak_kv_blocks_used = self.kv_blocks_in_use = 0        # blocks taken from the pool
+        self.kv_tokens_stored = self.kv_slots_held = 0              # tokens with K/V / slots of the tables
+        self.max_num_running = 0
+        self.model_time_s = self.schedule_time_s = 0.0
+
+    def __call__(self, step: StepRecord) -> None:
+        out, pool = step.scheduler_output, self.engine.scheduler.block_pool
+        self.num_steps += 1
+        self.num_preemptions += len(out.preempted)
+        if pool.enable_caching:   # tokens looked up: the count at admission, before this step's token
+            self.prefix_cache_queries += sum(r.num_tokens - (r in step.sampled) for r, _ in out.admitted)
+            self.prefix_cache_hits += sum(num_cached for _, num_cached in out.admitted)
+        # prompt tokens among this step's [computed - n, computed): prefill work, recompute included
+        self.num_prompt_tokens_computed += sum(
+            max(0, min(r.num_computed_tokens, r.num_prompt_tokens) - (r.num_computed_tokens - n))
+            for r, n in out.scheduled)
+        self.num_generated_tokens += len(step.sampled)
+        t0, t1, t2, t3 = step.times
+        self.model_time_s += t2 - t1
+        self.schedule_time_s += (t1 - t0) + (t3 - t2)
+        self._memory(step)
+
+    def _memory(self, step: StepRecord) -> None:
+        """KV figures of the requests that held blocks during the step (samples forked
+        off a parent in this very step join the next one)."""
+        pool = self.engine.scheduler.block_pool
+        forked = {r for r, s in step.sampled.items() if s.parent is not None}
+        held = [r for r in step.running if r not in forked]
+        in_use = pool.num_blocks - pool.num_free_blocks
+        self.peak_kv_blocks_used = max(self.peak_kv_blocks_used, in_use)
+        self.kv_blocks_in_use += in_use
+        self.kv_tokens_stored += sum(r.num_computed_tokens for r in held)
+        self.kv_slots_held += sum(len(r.block_ids) for r in held) * pool.block_size
+        self.max_num_running = max(self.max_num_running, len(held))
+
+    def as_dict(self) -> dict:
+        pool, scheduler = self.engine.scheduler.block_pool, self.engine.scheduler
+        steps = self.num_steps
+        return {
+            "num_steps": steps,
+            "num_preemptions": self.num_preemptions,
+            "kv_cache_usage": pool.usage(),
+            "peak_kv_cache_usage": self.peak_kv_blocks_used / pool.num_blocks,
+            "peak_kv_blocks_used": self.peak_kv_blocks_used,
+            "num_kv_blocks": pool.num_blocks,
+            "block_size": pool.block_size,
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "num_evicted_blocks": pool.num_evicted_blocks,
+            "kv_utilization": self.kv_tokens_stored / self.kv_slots_held if self.kv_slots_held else 0.0,
+            "mean_kv_blocks_used": self.kv_blocks_in_use / steps if steps else 0.0,
+            # Blocks saved by sharing (fork, beams, prefix hits) / blocks the same block tables
+            # would hold without it: the paper's measure of sharing (section 6.3).
+            "kv_sharing_saving": (1 - self.kv_blocks_in_use * pool.block_size / self.kv_slots_held
+                                  if self.kv_slots_held else 0.0),
+            "max_num_running": self.max_num_running,
+            "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "num_generated_tokens": self.num_generated_tokens,
+            "model_time_s": self.model_time_s,
+            "schedule_time_s": self.schedule_time_s,
+        }
+
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
+
+
+class ProgressBar:
+    """The bar of one generate call, with the figures a user watches after every step:
+    output tokens/s, KV cache usage, prefix-cache hit rate, preemptions."""
+
+    def __init__(self, stats: EngineStats, total: int, enabled: bool) -> None:
+        self.stats, self.enabled = stats, enabled
+        self.bar = tqdm(total=total, desc="Processed prompts", disable=not enabled, dynamic_ncols=True)
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def __enter__(self) -> "ProgressBar":
+        self.stats.engine.observers.append(self.on_step)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stats.engine.observers.remove(self.on_step)
+        self.bar.close()
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+
+    def on_step(self, step: StepRecord) -> None:
+        self.tokens += len(step.sampled)
+        if self.enabled:
+            s = self.stats
+            self.bar.set_postfix_str(
+                f"out {self.tokens / (time.perf_counter() - self.start):.1f} tok/s, "
+                f"KV {s.engine.scheduler.block_pool.usage():.1%}, "
+                f"prefix hit {s.prefix_cache_hit_rate():.0%}, "
+                f"preempted {s.num_preemptions}", refresh=False)

@@ -1,0 +1,86 @@
+"""Input processing: a user's prompt and SamplingParams become validated Requests.
+
+Every check a request can fail happens here, before it touches the scheduler (vLLM:
+v1/engine/processor.py): a request that can never run is a ValueError naming the limit,
+and the engine goes on serving the others. `max_tokens` past the context is clipped, not
+refused, as vLLM does: the request then finishes with finish_reason "length". Why every
+admitted request must fit the pool alone: docs/04_scheduler.md, "Why nothing deadlocks".
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from nanopaged.config import EngineConfig
+from nanopaged.core.block_pool import cdiv
+from nanopaged.core.request import Request
+from nanopaged.sampling_params import SamplingParams
+
+PromptType = str | dict   # a string, {"prompt_token_ids": [...]} or {"prompt": "..."}, maybe with "cache_salt"
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer, num_kv_blocks: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.num_kv_blocks = num_kv_blocks
+        self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
+
+    def process(self, request_id: str, prompt: PromptType,
+                params: SamplingParams | None = None) -> list[Request]:
+        """The n sequences of one request (n = params.n), validated; ValueError if it can never run."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        cfg = self.config
+        if params.n > cfg.max_num_seqs:
+            raise ValueError(f"n={params.n} samples cannot run at once with max_num_seqs={cfg.max_num_seqs}")
+        text, ids = self._tokenize(prompt)
+        self._check_prompt(ids)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        room = cfg.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        # The last sampled token never needs K/V: a request stores at most prompt + max_tokens - 1.
+        need = cdiv(len(ids) + max_tokens - 1, cfg.block_size)
+        if need > self.num_kv_blocks:
+            raise ValueError(
+                f"request {request_id!r} needs {need} KV blocks (prompt {len(ids)} + max_tokens "
+                f"{max_tokens} tokens, block_size {cfg.block_size}) but the whole cache has "
+                f"{self.num_kv_blocks} blocks; lower max_tokens or raise num_kv_blocks")
+        return [Request(request_id=request_id if i == 0 else f"{request_id}#{i}", prompt_token_ids=ids,
+                        sampling_params=_sample_params(params, i), max_tokens=max_tokens,
+                        eos_token_ids=self.eos_token_ids, prompt=text, cache_salt=cache_salt)
+                for i in range(params.n)]
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        limit = self.config.max_model_len
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens); give at least one token")
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={limit} leaves no room "
+                             f"for a generated token (a prompt may be at most {limit - 1} tokens)")
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample i of n: one sequence, with its own seed (seed + i) so the n samples differ."""
+    if params.n == 1:
+        return params
+    return replace(params, n=1, seed=None if params.seed is None else params.seed + index)

@@ -1,0 +1,125 @@
+"""Output processing: the tokens of a step become text, logprobs and RequestOutputs.
+
+Whether a request stops is decided here and nowhere else (`check_stop`): EOS and stop
+tokens, stop strings (which need the detokenized text) and length, in vLLM's order and
+with vLLM's `stop_reason`. The engine then takes the stopped requests out of the
+scheduler. The n samples of one request (n > 1) are gathered into one RequestOutput.
+vLLM: v1/engine/output_processor.py, v1/engine/detokenizer.py, v1/core/sched/utils.py.
+docs/04_scheduler.md, "Stopping".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanopaged.core.request import Request, RequestStatus, SampledToken
+from nanopaged.detokenizer import IncrementalDetokenizer, find_stop_string
+from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
+
+FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                  RequestStatus.FINISHED_ABORTED: "abort"}
+
+
+def check_stop(request: Request, detokenizer: IncrementalDetokenizer | None = None
+               ) -> tuple[RequestStatus, int | str | None] | None:
+    """Does the request stop with the token it just got? (status, stop_reason), or None.
+
+    1. EOS (unless ignore_eos) or a stop token id, once min_tokens are out: "stop"; the
+       token's text is left out of the output unless include_stop_str_in_output;
+    2. a stop string the new text completes, once min_tokens are out: "stop", the text cut
+       before it (after it with include_stop_str_in_output); it may span several tokens;
+    3. max_tokens (clipped to the context by the input processor): "length".
+    With a detokenizer, the token's text is added to it here, where rule 1 says whether it belongs.
+    """
+    params, token = request.sampling_params, request.output_token_ids[-1]
+    ready = request.num_output_tokens >= params.min_tokens   # before that the sampler blocks stop tokens
+    stop = None
+    if ready and not params.ignore_eos and token in request.eos_token_ids:
+        stop = (RequestStatus.FINISHED_STOPPED, None)
+    elif ready and token in params.stop_token_ids:
+        stop = (RequestStatus.FINISHED_STOPPED, token)
+    if detokenizer is not None and (stop is None or params.include_stop_str_in_output):
+        new_chars = len(detokenizer.add(token))
+        hit = params.stop and ready and find_stop_string(
+            detokenizer.text, new_chars, params.stop, params.include_stop_str_in_output)
+        if hit:
+            detokenizer.text = detokenizer.text[:hit[1]]
+            return RequestStatus.FINISHED_STOPPED, hit[0]
+    if stop is None and request.num_output_tokens >= request.max_tokens:
+        stop = (RequestStatus.FINISHED_LENGTH, None)
+    if stop is not None and detokenizer is not None:
+        detokenizer.flush()
+    return stop
+
+
+@dataclass
+class SampleState:
+    """What the user sees of one sequence."""
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, list[SampleState]] = {}   # user request id -> its n samples
+        self.samples: dict[Request, tuple[str, SampleState]] = {}
+
+    def add(self, samples: list[Request]) -> None:
+        states = [SampleState(seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                          seq.sampling_params.skip_special_tokens))
+                  for seq in samples]
+        self.requests[samples[0].request_id] = states
+        self.samples.update((s.request, (samples[0].request_id, s)) for s in states)
+
+    def process(self, sampled: dict[Request, SampledToken]
+                ) -> tuple[list[RequestOutput], list[tuple[Request, RequestStatus]]]:
+        """The outputs of the requests that advanced, and the sequences that stop."""
+        advanced, stopped = {}, []
+        for request, sample in sampled.items():
+            request_id, state = self.samples[request]
+            state.cumulative_logprob += sample.logprob
+            if sample.top_logprobs is not None:
+                state.logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
+                                       for t, lp, rank in sample.top_logprobs})
+            stop = check_stop(request, state.detokenizer)
+            if stop is not None:
+                status, state.stop_reason = stop
+                state.finish_reason = FINISH_REASONS[status]
+                stopped.append((request, status))
+            advanced[request_id] = True
+        outputs = [self._output(request_id) for request_id in advanced]
+        for o in outputs:
+            if o.finished:
+                self._forget(o.request_id)
+        return outputs, stopped
+
+    def abort(self, request_id: str) -> list[Request]:
+        """Forget a request; its sequences that had not finished yet."""
+        states = self._forget(request_id)
+        return [s.request for s in states if s.finish_reason is None]
+
+    def _output(self, request_id: str) -> RequestOutput:
+        states = self.requests[request_id]
+        first = states[0].request
+        return RequestOutput(
+            request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=[self._completion(i, s) for i, s in enumerate(states)],
+            finished=all(s.finish_reason is not None for s in states),
+            num_cached_tokens=first.num_cached_tokens)
+
+    def _completion(self, index: int, s: SampleState) -> CompletionOutput:
+        wants_logprobs = s.request.sampling_params.logprobs is not None
+        return CompletionOutput(
+            index=index, text=s.detokenizer.text, token_ids=list(s.request.output_token_ids),
+            cumulative_logprob=s.cumulative_logprob, logprobs=list(s.logprobs) if wants_logprobs else None,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+
+    def _forget(self, request_id: str) -> list[SampleState]:
+        states = self.requests.pop(request_id, [])
+        for s in states:
+            self.samples.pop(s.request, None)
+        return states
