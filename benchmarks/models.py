@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.tokenizer import train_tokenizer
 from nanopaged.extras.demo_model import cache_dir, demo_model_path
 from nanopaged.models.config import ModelConfig
 
@@ -34,10 +35,11 @@ def resolve_model(args) -> str:
 def build_random_model(name: str) -> Path:
     """A Hugging Face folder with `name`'s shape and random weights, made once and cached.
 
-    The tokenizer is the demo model's (vocab 49152); a bigger model vocab (Qwen3: 151936)
-    is kept for its true cost, and make_trace draws ids below the tokenizer's size.
+    The tokenizer is trained in-process (benchmarks/tokenizer.py, a few thousand tokens), so a bare
+    GPU machine needs neither the demo model nor a download; the model's own vocabulary
+    (Qwen3: 151936) is kept for its true cost, and make_trace draws ids below the tokenizer's.
     """
-    folder = cache_dir() / "bench" / f"{name}-random"
+    folder = cache_dir() / "bench" / f"{name}-random-v2"   # v2: its own tokenizer
     if (folder / "model.safetensors").is_file():
         return folder
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -49,10 +51,7 @@ def build_random_model(name: str) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
     model.save_pretrained(tmp, safe_serialization=True)   # writes generation_config.json too
-    demo = demo_model_path()
-    for f in demo.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(f, tmp / f.name)
+    train_tokenizer(4096, model_max_length=cfg["max_position_embeddings"]).save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     os.rename(tmp, folder)                                # a half-written folder is never used
     return folder

@@ -107,3 +107,18 @@ def test_sharing_workload_smoke(tiny_model_dirs):
     r = bench.main(["--workload", "sharing", "--model", tiny_model_dirs["llama"], "--num-requests", "2"])
     assert len(r["rows"]) == 12
     assert all(0.0 < row["saving"] < 1.0 for row in r["rows"])
+
+
+def test_random_weights_need_no_demo_model(tmp_path, monkeypatch):
+    """A bare GPU machine has no demo model: --random-weights brings its own tokenizer."""
+    import benchmarks.models
+
+    def no_demo_model():
+        raise ValueError("the demo model is not installed")
+
+    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path))
+    monkeypatch.setattr(benchmarks.models, "demo_model_path", no_demo_model)
+    r = bench.main(["--random-weights", "tiny-qwen3", "--peers", "none", "--num-requests", "3",
+                    "--input-len", "4", "8", "--output-len", "2", "4", "--num-kv-blocks", "32"])
+    assert r["engine"]["output_tokens"] > 0
+    assert (tmp_path / "bench" / "tiny-qwen3-random-v2" / "tokenizer.json").is_file()

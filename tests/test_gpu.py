@@ -55,3 +55,23 @@ def test_demo_model_on_cuda_in_bfloat16(demo_model_dir):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", ["decode_only", "mixed_with_prefix_context"])
+def test_paged_attention_in_half_precision_on_cuda(dtype, batch):
+    """The compiled kernel in bf16/fp16 against the float32 torch reference (the CPU tests
+    cannot check bf16: Triton's interpreter multiplies bf16 tl.dot operands as raw bits)."""
+    pytest.importorskip("triton")
+    from test_triton_kernels import BATCHES, make_batch
+    from nanopaged.core.attention import TorchAttentionBackend
+    from nanopaged.extras import triton_kernels as tk
+
+    q, k, v, pool, meta = make_batch(*BATCHES[batch], 16, 4, 2, 128)   # GQA 4, head_dim 128
+    pool_ref = pool.clone()
+    want = TorchAttentionBackend().forward(q, k, v, pool_ref[1, 0], pool_ref[1, 1], meta, 128 ** -0.5)
+    half = pool.to(dtype)
+    tk.store_kvcache(k.to(dtype), v.to(dtype), half[1, 0], half[1, 1], meta.slot_mapping)
+    got = tk.paged_attention(q.to(dtype), half[1, 0], half[1, 1], meta, 128 ** -0.5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

@@ -28,6 +28,7 @@ from nanopaged.core.request import Request
 from nanopaged.core.scheduler import SchedulerOutput
 from nanopaged.models.llama import LlamaForCausalLM
 from nanopaged.models.loader import load_weights
+from nanopaged.sampling_params import SamplingParams
 
 
 @dataclass
@@ -90,28 +91,39 @@ class ModelRunner:
         return min(num_blocks, cfg.max_num_seqs * cdiv(cfg.max_model_len, self.block_size))
 
     def _free_gpu_memory(self) -> int:
-        """CUDA: total x gpu_memory_utilization, minus the peak of one forward of the largest
-        batch (weights + activations): what the model needs besides the KV cache."""
-        n = self.config.max_num_batched_tokens
+        """CUDA: the memory gpu_memory_utilization leaves for the KV cache. From total x
+        utilization go what is used outside torch (the CUDA context, other processes) and
+        the peak of one forward of the largest batch (weights + activations)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        scratch = self._allocate_kv_cache(cdiv(n, self.block_size))
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=self.device),
-            query_start_loc=torch.tensor([0, n], device=self.device),
-            seq_lens=torch.tensor([n], device=self.device),
-            block_tables=torch.arange(cdiv(n, self.block_size), device=self.device)[None],
-            query_lens_list=[n], seq_lens_list=[n], block_size=self.block_size)
-        positions = torch.arange(n, device=self.device)
-        with torch.inference_mode():
-            hidden = self.model(torch.zeros_like(positions), positions, scratch, meta)
-            self.model.compute_logits(hidden[-1:])
+        scratch_bytes = self.profile_forward()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - scratch.numel() * scratch.element_size()
-        del scratch
+        free, total = torch.cuda.mem_get_info()
+        used_outside_torch = total - free - torch.cuda.memory_reserved()
+        peak = torch.cuda.max_memory_allocated() - scratch_bytes
         torch.cuda.empty_cache()
-        _, total = torch.cuda.mem_get_info()
-        return int(total * self.config.gpu_memory_utilization) - peak
+        return int(total * self.config.gpu_memory_utilization) - used_outside_torch - peak
+
+    def profile_forward(self) -> int:
+        """One forward of the largest batch a step can hold, on a scratch KV cache; its bytes.
+
+        The batch is max_num_batched_tokens tokens cut into sequences of at most max_model_len,
+        so no position runs past the rotary tables, each with a logits row as if it sampled.
+        """
+        cfg, bs = self.config, self.block_size
+        n, out, num_blocks = cfg.max_num_batched_tokens, SchedulerOutput(), 0
+        for i, start in enumerate(range(0, n, cfg.max_model_len)):
+            length = min(cfg.max_model_len, n - start)
+            blocks = list(range(num_blocks, num_blocks + cdiv(length, bs)))
+            num_blocks += len(blocks)
+            seq = Request(f"profile-{i}", [0] * length, SamplingParams(), max_tokens=1, block_ids=blocks)
+            out.scheduled.append((seq, length))
+        scratch = self._allocate_kv_cache(num_blocks)
+        inputs = self.prepare_inputs(out)
+        with torch.inference_mode():
+            hidden = self.model(inputs.input_ids, inputs.positions, scratch, inputs.meta)
+            self.model.compute_logits(hidden[inputs.sample_rows])
+        return scratch.numel() * scratch.element_size()
 
     # ---- one step -----------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:

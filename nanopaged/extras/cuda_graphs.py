@@ -55,6 +55,12 @@ class CUDAGraphModel:
         self.max_blocks = max_blocks
         self.sizes = capture_sizes(max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        self._capture()
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """One graph per size. Under inference_mode, as every step runs: with autograd on, each
+        graph's output would keep a grad_fn and, through it, its activations alive."""
         pool = None
         for size in reversed(self.sizes):          # largest first: the others reuse its memory pool
             static = self._static_inputs(size)

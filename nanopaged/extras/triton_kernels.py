@@ -35,6 +35,13 @@ def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(n))
 
 
+def _check_grid(grid: tuple[int, int, int]) -> None:
+    """CUDA launches at most 2^31 - 1 programs along grid axis 0 and 65,535 along axes 1 and 2."""
+    if grid[0] > 2**31 - 1 or grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"launch grid {grid} exceeds CUDA's limits (2^31 - 1, 65535, 65535); "
+                         "lower max_num_seqs or the number of kv heads per kernel")
+
+
 # ---- store: new K/V -> their slots in the pool --------------------------------------------
 @triton.jit
 def _store_kvcache_kernel(
@@ -45,8 +52,8 @@ def _store_kvcache_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One program per new token: it copies that token's (kv_heads, head_dim) tile of K and V.
-    t = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + t)
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:   # a padding token (e.g. a CUDA-graph batch padded to a captured size)
         return
     block, offset = slot // block_size, slot % block_size
@@ -86,12 +93,14 @@ def _gather_kvcache_kernel(
     head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # One program per (request, logical block, kv head): copy that block's tokens for one head.
-    r, i, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # One program per (logical block, request, kv head): copy that block's tokens for one head.
+    # The block index comes first: grid axis 0 may be 2^31 - 1 long, axes 1 and 2 only 65,535.
+    i, r, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + r)
     if i * BLOCK_SIZE >= seq_len:   # this request has fewer blocks than the longest one
         return
-    physical = tl.load(block_tables_ptr + r * bt_stride + i)
+    # int64: a block id (int32 in flash-attn's tables) times a block's stride passes 2^31 in a large pool
+    physical = tl.load(block_tables_ptr + r * bt_stride + i).to(tl.int64)
     pos = i * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE).to(tl.int64)[:, None]   # positions in the request
     d = tl.arange(0, BLOCK_D).to(tl.int64)[None, :]
     mask = (pos < seq_len) & (d < head_dim)                      # the last block may be partial
@@ -118,7 +127,8 @@ def gather_kvcache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: t
         total_tokens = int(cu_seqlens_k[-1])
     k = k_cache.new_empty(total_tokens, kv_heads, head_dim)
     v = v_cache.new_empty(total_tokens, kv_heads, head_dim)
-    grid = (seq_lens.shape[0], triton.cdiv(max_seq_len, block_size), kv_heads)
+    grid = (triton.cdiv(max_seq_len, block_size), seq_lens.shape[0], kv_heads)
+    _check_grid(grid)
     _gather_kvcache_kernel[grid](
         k_cache, v_cache, k, v, block_tables, seq_lens, cu_seqlens_k,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k.stride(0), k.stride(1),
@@ -146,8 +156,9 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,          # head_dim, padded to a power of two
     DOT_PRECISION: tl.constexpr,
 ):
-    # Grid: (request, kv head, block of the request's new query tokens).
-    r, kv_h, qb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Grid: (block of the request's new query tokens, request, kv head). The query blocks come
+    # first: grid axis 0 may be 2^31 - 1 long, axes 1 and 2 only 65,535.
+    qb, r, kv_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + r)
     query_len = tl.load(query_start_loc_ptr + r + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + r)
@@ -185,7 +196,7 @@ def _paged_attention_kernel(
         # The paper's block table lookup: logical position -> (physical block, offset).
         k_pos = start + tl.arange(0, BLOCK_N).to(tl.int64)
         k_ok = k_pos < kv_end
-        physical = tl.load(block_tables_ptr + r * bt_stride + k_pos // block_size, mask=k_ok, other=0)
+        physical = tl.load(block_tables_ptr + r * bt_stride + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
         kv_off = (physical * c_stride_b + (k_pos % block_size) * c_stride_o
                   + kv_h * c_stride_h)[:, None] + d[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
@@ -231,7 +242,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = block_m // queries_per_kv
     # One physical block per iteration where that fits: >= 16 keys for tl.dot, <= 64 for registers.
     block_n = min(64, _pow2(block_size, at_least=16))
-    grid = (meta.num_reqs, kv_heads, triton.cdiv(max(meta.query_lens_list), block_q))
+    grid = (triton.cdiv(max(meta.query_lens_list), block_q), meta.num_reqs, kv_heads)
+    _check_grid(grid)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -1,0 +1,46 @@
+"""A tiny byte-level BPE tokenizer, trained in-process in well under a second.
+
+For models that come without tokenizer files: the random-weight bench models (so a bare GPU
+machine needs no demo model) and the tiny test models (tests/conftest.py). It works like
+GPT-2's and SmolLM2's tokenizers (byte-level BPE), keeps SmolLM2's special tokens at ids
+0, 1, 2 and its chat template, and is trained on some of Python's own sources, so it is the
+same on every machine.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import random
+import textwrap
+
+UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [UNK_TOKEN, BOS_TOKEN, EOS_TOKEN]     # ids 0, 1, 2, as in SmolLM2
+EOS_TOKEN_ID = 2
+# The chat template of SmolLM2-Instruct, without its default system prompt.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def train_tokenizer(vocab_size: int = 512, model_max_length: int = 512):
+    """A PreTrainedTokenizerFast of `vocab_size` tokens (specials included)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [inspect.getsource(m) for m in (textwrap, json, random)]   # any English-ish text
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=UNK_TOKEN, bos_token=BOS_TOKEN,
+                                        eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+                                        model_max_length=model_max_length)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    assert tokenizer.convert_tokens_to_ids(EOS_TOKEN) == EOS_TOKEN_ID
+    return tokenizer
