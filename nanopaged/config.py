@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -30,8 +31,10 @@ ATTENTION_BACKENDS = {
     "triton": "nanopaged.extras.triton_backend:TritonAttentionBackend",
     "flash": "nanopaged.extras.flash_backend:FlashAttentionBackend",
 }
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 CPU_KV_CACHE_BYTES = 1 << 30   # default KV budget on CPU (zeroing it takes ~3 s per GiB on a 2-core VM)
 MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}   # default token budget per step
+SEED_RANGE = (-2**63, 2**64 - 1)    # what torch.Generator.manual_seed accepts
 
 
 @dataclass
@@ -62,7 +65,7 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "num_kv_blocks"):
             check_range(name, getattr(self, name), 1, integer=True, optional=True)
         check_range("max_num_seqs", self.max_num_seqs, 1, integer=True)
-        check_range("seed", self.seed, integer=True)
+        check_range("seed", self.seed, *SEED_RANGE, integer=True)
         check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, lo_open=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("enforce_eager", self.enforce_eager)
@@ -152,11 +155,14 @@ def _cuda_available() -> bool:
 # ---- checks, shared by every settings object ----------------------------------------------
 def check_range(name: str, value, lo=None, hi=None, *, integer: bool = False, lo_open: bool = False,
                 optional: bool = False) -> None:
-    """The one range check: a ValueError that names the field, its range and the value."""
+    """The one range check: a ValueError that names the field, its range and the value.
+    A number must be finite (NaN and infinities pass no comparison a kernel can trust)."""
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or value != value:
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if not integer and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
         raise ValueError(f"{name} must be in {'(' if lo_open else '['}{'-inf' if lo is None else lo}, "
                          f"{'inf' if hi is None else hi}], got {value!r}")
@@ -181,3 +187,27 @@ def check_model_folder(model: str) -> None:
         raise ValueError(f"model folder {model!r} has no config.json")
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {model!r} has no *.safetensors weights")
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"model folder {model!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+
+
+def check_memory_fits(nbytes: int, device: str, what: str) -> None:
+    """A ValueError before allocating `nbytes` on `device` if they are not free there."""
+    free = _free_memory(device)
+    if free is not None and nbytes > free:
+        raise ValueError(f"{what} needs {nbytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB "
+                         f"of {device} memory is free; lower num_kv_blocks or kv_cache_memory_bytes")
+
+
+def _free_memory(device: str) -> int | None:
+    """Bytes free on the device: CUDA's own count, or the kernel's MemAvailable; None if unknown."""
+    if device == "cuda":
+        import torch
+        return torch.cuda.mem_get_info()[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

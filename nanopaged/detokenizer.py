@@ -49,16 +49,20 @@ class IncrementalDetokenizer:
 
 def find_stop_string(text: str, new_chars: int, stops: list[str],
                      include: bool) -> tuple[str, int] | None:
-    """The first stop string that the last `new_chars` characters completed, and where to cut.
+    """The stop string that the last `new_chars` characters completed, and where to cut.
 
     Only the tail can hold a new match: a stop string ends inside the new characters, so it
     starts at most len(stop) - 1 characters before them; this finds a stop string that spans
-    several tokens. The text is cut before the stop string, or after it with
+    several tokens. If several complete in the same step, the one whose match ends first in
+    the text wins. The text is cut before the stop string, or after it with
     include_stop_str_in_output (vLLM: v1/engine/detokenizer.py, `check_stop_strings`).
     """
+    best = None                     # (end of the match, its start, the stop string)
     for stop in stops:
-        start = max(0, len(text) - new_chars - len(stop) + 1)
-        i = text.find(stop, start)
-        if i != -1:
-            return stop, i + len(stop) if include else i
-    return None
+        start = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+        if start != -1 and (best is None or start + len(stop) < best[0]):
+            best = (start + len(stop), start, stop)
+    if best is None:
+        return None
+    end, start, stop = best
+    return stop, end if include else start

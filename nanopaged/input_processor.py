@@ -36,9 +36,15 @@ class InputProcessor:
             raise ValueError(f"n={params.n} samples cannot run at once with max_num_seqs={cfg.max_num_seqs}")
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids)
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab})")
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if cache_salt is not None and not _encodes(cache_salt):
+            raise ValueError(f"cache_salt must encode as UTF-8, got {cache_salt!r}")
         room = cfg.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         # The last sampled token never needs K/V: a request stores at most prompt + max_tokens - 1.
@@ -55,6 +61,8 @@ class InputProcessor:
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if not _encodes(prompt):
+                raise ValueError("the prompt must encode as UTF-8 (it holds a lone surrogate)")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -77,6 +85,58 @@ class InputProcessor:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+
+def load_tokenizer(folder: str):
+    """The model folder's tokenizer, or a ValueError that names the folder and the problem."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as e:   # a broken file surfaces as whatever its parser raises
+        raise ValueError(f"cannot load the tokenizer in {folder!r}: {type(e).__name__}: {e}") from e
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def render_chat(tokenizer, conversation, chat_template: str | None = None) -> dict:
+    """One conversation as a prompt, through the model's chat template, after checking it.
+
+    A message is {"role", "content"}; content is a string or, as vLLM (and OpenAI) accept,
+    a list of parts of which the text parts ({"type": "text", "text": ...}) are joined.
+    """
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise ValueError(f"a conversation is a non-empty list of messages, got {conversation!r}")
+    messages = [_message(m) for m in conversation]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         chat_template=chat_template)
+    # The template already wrote the special tokens; do not add a BOS again.
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def _message(m) -> dict:
+    if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        raise ValueError(f"a chat message is a dict with 'role' and 'content', got {m!r}")
+    if m["role"] not in CHAT_ROLES:
+        raise ValueError(f"a chat message's role must be one of {list(CHAT_ROLES)}, got {m['role']!r}")
+    content = m["content"]
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
+            raise ValueError(f"only text parts ({{'type': 'text', 'text': ...}}) are supported, got {content!r}")
+        content = "\n".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ValueError(f"a chat message's content must be a string or a list of text parts, got {content!r}")
+    if not _encodes(content):
+        raise ValueError(f"a chat message's content must encode as UTF-8, got {content!r}")
+    return {**m, "content": content}
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:

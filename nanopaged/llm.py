@@ -26,7 +26,8 @@ class LLM(core.LLM):
     def beam_search(self, prompts: PromptType | list[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search with Hugging Face's rule; beams share blocks (extras/beam_search.py)."""
-        return beam_search(self.llm_engine, prompts, params)
+        with self.one_call_at_a_time():
+            return beam_search(self.llm_engine, prompts, params)
 
     def get_stats(self) -> dict:
         return self.stats.as_dict()

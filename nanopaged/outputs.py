@@ -38,3 +38,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache
+    # prompt_logprobs=k: per prompt token, None for the first, then {token: Logprob} for the
+    # token itself and the k most likely in its place
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -54,7 +54,8 @@ class Sampler:
             idx = torch.tensor(random_rows, device=logits.device)
             tokens[idx] = self._sample(logits[idx], [requests[i] for i in random_rows])
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        return SamplerOutput(tokens.tolist(), chosen.tolist(), top_logprobs(logprobs, tokens, params))
+        return SamplerOutput(tokens.tolist(), chosen.tolist(),
+                             top_logprobs(logprobs, tokens, [p.logprobs for p in params]))
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
@@ -140,11 +141,11 @@ def top_k_top_p_min_p(probs: torch.Tensor, top_k: list[int], top_p: list[float],
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)
 
 
-def top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, params) -> list:
-    """For rows that asked for logprobs=k: the k best (token, logprob, rank) plus the chosen token."""
-    want = [p.logprobs for p in params]
+def top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, want: list[int | None]) -> list:
+    """For each row that wants k (not None): the chosen token's (token, logprob, rank), then the
+    k best that are not it; rank 1 = the most likely token. Sampled and prompt logprobs alike."""
     if all(w is None for w in want):
-        return [None] * len(params)
+        return [None] * len(want)
     k = max(w or 0 for w in want)
     top_val, top_idx = logprobs.topk(max(k, 1), dim=-1)
     chosen = logprobs.gather(1, tokens[:, None])

@@ -1,4 +1,7 @@
 """The user-facing API: vLLM's LLM / SamplingParams / RequestOutput, and the lower LLMEngine."""
+import json
+import shutil
+
 import pytest
 
 from conftest import EOS_TOKEN_ID, make_prompts
@@ -22,20 +25,50 @@ def test_generate_accepts_strings_token_ids_and_a_mix(llm):
 
 
 def test_outputs_come_back_in_input_order_with_vllm_fields(llm):
-    prompts = make_prompts(512, n=8, seed=3)
+    """Outputs in the order of the prompts, not the order they finish in: here the first
+    prompt finishes last and the second first."""
+    prompts = make_prompts(512, n=6, seed=3)
+    lengths = [12, 1, 7, 3, 9, 2]
+    finish_order = []
+    llm.llm_engine.observers.append(lambda step: finish_order.extend(r.request_id for r, _ in step.stopped))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],
+                        use_tqdm=False)
+    llm.llm_engine.observers.clear()
+    assert finish_order != sorted(finish_order, key=int)       # they did finish out of order
     assert [o.prompt_token_ids for o in outs] == prompts
+    assert [len(o.outputs[0].token_ids) for o in outs] == lengths
     for o in outs:
         assert isinstance(o, RequestOutput) and o.finished and o.num_cached_tokens == 0
         c = o.outputs[0]
-        assert c.index == 0 and c.finish_reason in ("stop", "length")
-        assert isinstance(c.cumulative_logprob, float) and c.cumulative_logprob <= 0
+        assert c.index == 0 and c.finish_reason == "length" and c.stop_reason is None
+        assert c.cumulative_logprob is None and c.logprobs is None     # vLLM: None unless logprobs=k
         assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
-        if c.finish_reason == "length":
-            assert len(c.token_ids) == 6 and c.stop_reason is None
-        else:
-            assert c.token_ids[-1] == EOS_TOKEN_ID and c.stop_reason is None   # vLLM: None for EOS
+
+
+def with_eos_ids(folder, tmp_path, eos_ids):
+    """A copy of a model folder whose generation_config.json lists these EOS ids."""
+    copy = tmp_path / "model"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "generation_config.json").read_text())
+    (copy / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": eos_ids}))
+    return str(copy)
+
+
+def test_every_eos_id_of_generation_config_stops_with_no_stop_reason(tiny_model_dirs, tmp_path):
+    """Llama 3 lists several EOS ids; generation stops at whichever comes first, with
+    finish_reason "stop", stop_reason None (vLLM's convention for EOS), the EOS kept in token_ids."""
+    prompt = {"prompt_token_ids": make_prompts(512, n=1, seed=5)[0]}
+    free = LLM(tiny_model_dirs["llama"], num_kv_blocks=64).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    tokens = free.outputs[0].token_ids
+    first, later = tokens[3], tokens[7]
+    assert first not in tokens[:3] and later not in tokens[:7], "pick other positions"
+    for eos_ids, stop_at in (([later, first], 3), ([later, 511], 7)):
+        llm = LLM(with_eos_ids(tiny_model_dirs["llama"], tmp_path / str(stop_at), eos_ids), num_kv_blocks=64)
+        c = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+        assert c.token_ids == tokens[:stop_at + 1]
+        assert c.finish_reason == "stop" and c.stop_reason is None
 
 
 def test_one_sampling_params_per_prompt(llm):

@@ -9,7 +9,8 @@ never their contents, and imports no torch (paper section 4.1; vLLM: v1/core/blo
 - `free_block_queue`: a deque of free block ids. Allocation takes from the head, freeing
   appends to the tail, so the queue's order is also the prefix cache's LRU eviction order;
 - the prefix cache (paper section 4.4; vLLM: v1/core/kv_cache_utils.py): a full block is
-  named by a chained hash of its whole prefix, and `cached_block_hash_to_block` finds it.
+  named by a chained hash of its whole prefix, and `cached_block_hash_to_block` finds it
+  (every block that holds that prefix, so losing one to eviction does not lose the prefix).
   A freed block keeps its name and its K/V until allocation hands it out again.
 
 Chapters: docs/02_block_pool.md and docs/03_prefix_caching.md.
@@ -71,7 +72,7 @@ class BlockPool:
         self.free_block_queue: deque[int] = deque(range(num_blocks))
         self.enable_caching = enable_caching
         self.hash_fn = HASH_FUNCTIONS[prefix_hash]
-        self.cached_block_hash_to_block: dict[bytes, int] = {}
+        self.cached_block_hash_to_block: dict[bytes, list[int]] = {}   # hash -> the blocks holding it
         self.num_evicted_blocks = 0       # cached blocks handed out again, their prefix lost
 
     @property
@@ -140,17 +141,20 @@ class BlockPool:
 
     def max_cache_hit_blocks(self, request: Request) -> int:
         """At most num_tokens - 1 tokens can hit: the last one is computed for its logits
-        (vLLM: kv_cache_manager.py, `max_cache_hit_length`)."""
-        return (request.num_tokens - 1) // self.block_size if self.enable_caching else 0
+        (vLLM: kv_cache_manager.py, `max_cache_hit_length`). A request that wants prompt
+        logprobs needs the logits of every prompt token: it reads nothing from the cache."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        return (request.num_tokens - 1) // self.block_size
 
     def find_cached_blocks(self, block_hashes: list[bytes]) -> list[int]:
         """The cached blocks of the longest run of these hashes from the start; stops at a miss."""
         hits = []
         for h in block_hashes:
-            block_id = self.cached_block_hash_to_block.get(h)
-            if block_id is None:
+            block_ids = self.cached_block_hash_to_block.get(h)
+            if not block_ids:
                 break
-            hits.append(block_id)
+            hits.append(block_ids[0])
         return hits
 
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -159,12 +163,12 @@ class BlockPool:
         return self.find_cached_blocks(self.block_hashes(request)[:n]) if n else []
 
     def cache_block(self, block_id: int, block_hash: bytes) -> None:
-        """Name a full block, so later requests can find it."""
+        """Name a full block, so later requests can find it (beside any other block that
+        holds the same prefix: when one of them is evicted, the prefix stays cached)."""
         block = self.blocks[block_id]
-        if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
-            return     # already named, or another block holds the same prefix: keep that one
-        block.block_hash = block_hash
-        self.cached_block_hash_to_block[block_hash] = block_id
+        if block.block_hash is None:
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block.setdefault(block_hash, []).append(block_id)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Name the request's blocks whose every slot now holds computed K/V."""
@@ -180,7 +184,9 @@ class BlockPool:
         """The block is about to be overwritten: it no longer holds its cached prefix."""
         if block.block_hash is None:
             return
-        if self.cached_block_hash_to_block.get(block.block_hash) == block.block_id:
+        holders = self.cached_block_hash_to_block[block.block_hash]
+        holders.remove(block.block_id)
+        if not holders:
             del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
         self.num_evicted_blocks += 1
@@ -194,5 +200,7 @@ class BlockPool:
                 assert block.ref_count == 0, f"free block {block.block_id} has ref_count {block.ref_count}"
             else:
                 assert block.ref_count > 0, f"block {block.block_id} is neither free nor held"
-        for h, i in self.cached_block_hash_to_block.items():
-            assert self.blocks[i].block_hash == h, f"hash map points at block {i}, which holds another prefix"
+        for h, ids in self.cached_block_hash_to_block.items():
+            assert ids, "a hash with no block left is still in the map"
+            for i in ids:
+                assert self.blocks[i].block_hash == h, f"hash map points at block {i}, which holds another prefix"

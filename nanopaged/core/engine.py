@@ -17,14 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from transformers import AutoTokenizer
-
 from nanopaged.config import EngineConfig
 from nanopaged.core.block_pool import BlockPool
 from nanopaged.core.model_runner import ModelRunner, ModelRunnerOutput
 from nanopaged.core.request import Request, RequestStatus, SampledToken
 from nanopaged.core.scheduler import Scheduler, SchedulerOutput
-from nanopaged.input_processor import InputProcessor, PromptType
+from nanopaged.input_processor import InputProcessor, PromptType, load_tokenizer
 from nanopaged.output_processor import OutputProcessor
 from nanopaged.outputs import RequestOutput
 from nanopaged.parallel_sampling import ParallelSampler
@@ -48,7 +46,7 @@ class StepRecord:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.runner = ModelRunner(config)
         block_pool = BlockPool(self.runner.num_kv_blocks, config.block_size,
                                config.enable_prefix_caching, config.prefix_hash)
@@ -65,6 +63,8 @@ class LLMEngine:
     def process_request(self, request_id: str, prompt: PromptType,
                         params: SamplingParams | None = None) -> list[Request]:
         """Tokenize and validate without queueing: the request's n sequences, or a ValueError."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
         return self.input_processor.process(request_id, prompt, params)
 
     def queue(self, samples: list[Request]) -> None:
@@ -76,34 +76,66 @@ class LLMEngine:
         self.scheduler.add_request(samples[0])
 
     def abort_request(self, request_id: str) -> None:
+        """Its blocks go back now; the next step returns its final output ("abort")."""
         for request in self.output_processor.abort(request_id):
             self._finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.output_processor.aborted)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self, select_tokens: SelectTokens | None = None) -> list[RequestOutput]:
         """Schedule, run the model once, choose tokens, update; the outputs of the requests
-        that advanced. `select_tokens` replaces the sampler (beam search chooses its own)."""
+        that advanced. `select_tokens` replaces the sampler (beam search chooses its own).
+        If the step fails, its requests end with "abort" and the error goes on to the caller."""
+        aborted, self.output_processor.aborted = self.output_processor.aborted, []
         t0 = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule()                                 # 1. schedule
         if not scheduler_output.scheduled:
-            return []
-        t1 = time.perf_counter()
-        runner_output = self.runner.execute(scheduler_output)
-        sampled = (select_tokens or self.sampler)(runner_output)
-        t2 = time.perf_counter()
-        self.scheduler.update(scheduler_output, sampled)
-        t3 = time.perf_counter()
-        outputs, stopped = self.output_processor.process(sampled)
-        record = StepRecord(scheduler_output, sampled, outputs, stopped, self.scheduler.running, (t0, t1, t2, t3))
-        for observer in self.observers:
-            observer(record)
-        for request, status in stopped:
-            self._finish(request, status)
-        return outputs
+            if self.scheduler.has_unfinished_requests() and not aborted:
+                raise EngineStalled(self._why_stalled())
+            return aborted
+        try:
+            t1 = time.perf_counter()
+            runner_output = self.runner.execute(scheduler_output)                    # 2. execute
+            sampled = (select_tokens or self.sampler)(runner_output)
+            t2 = time.perf_counter()
+            self.scheduler.update(scheduler_output, sampled)                         # 3. update
+            t3 = time.perf_counter()
+            outputs, stopped = self.output_processor.process(sampled, runner_output.prompt_logits)  # 4. outputs
+            record = StepRecord(scheduler_output, sampled, outputs, stopped, self.scheduler.running,
+                                (t0, t1, t2, t3))
+            for observer in self.observers:
+                observer(record)
+            for request, status in stopped:
+                self._finish(request, status)
+        except BaseException:
+            self._abort_step(scheduler_output)
+            raise
+        return aborted + outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(request, status)
         self.sampler.forget(request)
+
+    def _abort_step(self, scheduler_output: SchedulerOutput) -> None:
+        """A step failed (a bug, out of memory, Ctrl-C): its requests end with "abort" and give
+        their blocks back, so the engine serves the others, and later calls, correctly."""
+        for request, _ in scheduler_output.scheduled:
+            request_id = self.output_processor.request_id_of(request)
+            if request_id is not None:
+                self.abort_request(request_id)
+            elif not request.is_finished:          # an extension's own request (a beam)
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def _why_stalled(self) -> str:
+        s, pool = self.scheduler, self.scheduler.block_pool
+        first = s.waiting[0] if s.waiting else None
+        return (f"no request can be scheduled: {len(s.waiting)} waiting, {len(s.running)} running, "
+                f"{pool.num_free_blocks} of {pool.num_blocks} KV blocks free, max_num_seqs "
+                f"{s.max_num_seqs}" + (f"; the oldest waiting request {first.request_id!r} has "
+                                      f"{first.num_tokens} tokens" if first else ""))
+
+
+class EngineStalled(RuntimeError):
+    """Requests are queued but no step can schedule any of them: waiting would not help."""

@@ -17,11 +17,12 @@ middle of a chunked prompt has nothing to sample yet). docs/05_model_runner_and_
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from nanopaged.config import EngineConfig, load_attention_backend
+from nanopaged.config import EngineConfig, check_memory_fits, load_attention_backend
 from nanopaged.core.attention import AttentionMetadata
 from nanopaged.core.block_pool import cdiv
 from nanopaged.core.request import Request
@@ -39,12 +40,14 @@ class ModelInput:
     meta: AttentionMetadata
     sample_rows: list[int]         # the last row of each request whose step reaches its end
     sample_requests: list[Request]
+    prompt_rows: list[tuple[Request, int, list[int]]]   # prompt_logprobs: (request, first position, rows)
 
 
 @dataclass
 class ModelRunnerOutput:
     requests: list[Request]        # the requests that sample this step, in row order
     logits: torch.Tensor           # (len(requests), vocab_size)
+    prompt_logits: list[tuple[Request, int, torch.Tensor]]   # (request, first position, its rows' logits)
 
 
 class ModelRunner:
@@ -71,8 +74,9 @@ class ModelRunner:
         to probability 0), and 0 * NaN from uninitialised memory would still be NaN.
         """
         m = self.model_config
-        return torch.zeros(m.num_hidden_layers, 2, num_blocks, self.block_size,
-                           m.num_key_value_heads, m.head_dim, dtype=self.dtype, device=self.device)
+        shape = (m.num_hidden_layers, 2, num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
+        check_memory_fits(math.prod(shape) * self.dtype.itemsize, self.device.type, f"a KV cache of {num_blocks} blocks")
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _num_kv_blocks(self) -> int:
         """The memory budget (docs/01_kv_cache_arithmetic.md) cut into blocks."""
@@ -83,6 +87,8 @@ class ModelRunner:
         budget = cfg.kv_cache_memory_bytes
         if budget is None:
             budget = self._free_gpu_memory()
+        else:
+            check_memory_fits(budget, self.device.type, "kv_cache_memory_bytes")
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
@@ -130,10 +136,14 @@ class ModelRunner:
         """Flatten the scheduled requests into one varlen batch (see the module docstring)."""
         bs = self.block_size
         input_ids, positions, slots = [], [], []
-        query_lens, seq_lens, sample_rows, sample_requests = [], [], [], []
+        query_lens, seq_lens, sample_rows, sample_requests, prompt_rows = [], [], [], [], []
         for request, num_new in out.scheduled:
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             table = request.block_ids
+            # The logits at prompt position p score prompt token p + 1 (prompt_logprobs).
+            last = min(end, request.num_prompt_tokens - 1)
+            if request.sampling_params.prompt_logprobs is not None and start < last:
+                prompt_rows.append((request, start, list(range(len(input_ids), len(input_ids) + last - start))))
             input_ids += request.token_ids(start, end)
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -152,7 +162,8 @@ class ModelRunner:
             slot_mapping=as_tensor(slots), query_start_loc=as_tensor(cu), seq_lens=as_tensor(seq_lens),
             block_tables=as_tensor(tables), query_lens_list=query_lens, seq_lens_list=seq_lens,
             block_size=bs)
-        return ModelInput(as_tensor(input_ids), as_tensor(positions), meta, sample_rows, sample_requests)
+        return ModelInput(as_tensor(input_ids), as_tensor(positions), meta, sample_rows, sample_requests,
+                          prompt_rows)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -162,7 +173,8 @@ class ModelRunner:
         inputs = self.prepare_inputs(out)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        return ModelRunnerOutput(inputs.sample_requests, logits)
+        prompt_logits = [(r, start, self.model.compute_logits(hidden[rows])) for r, start, rows in inputs.prompt_rows]
+        return ModelRunnerOutput(inputs.sample_requests, logits, prompt_logits)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's K/V, every layer, into block dst."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanopaged.config import check_range
-from nanopaged.core.engine import LLMEngine
+from nanopaged.core.engine import EngineStalled, LLMEngine
 from nanopaged.core.model_runner import ModelRunnerOutput
 from nanopaged.core.request import Request, RequestStatus, SampledToken
 from nanopaged.input_processor import PromptType
@@ -49,7 +49,9 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         check_range("beam_width", self.beam_width, 1, integer=True)
         check_range("max_tokens", self.max_tokens, 1, integer=True)
-        check_range("length_penalty", self.length_penalty)
+        # Scores divide by generated_len ** length_penalty: past +-10 that power overflows a float.
+        check_range("length_penalty", self.length_penalty, -10.0, 10.0)
+        self.length_penalty = float(self.length_penalty)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class _Beam:
 class _Search:
     """One prompt's search: its running beams and its finished hypotheses."""
     prompt: list[int]
+    max_tokens: int              # the search's max_tokens, clipped to the context
     beams: list[_Beam]
     finished: list[BeamSearchSequence] = field(default_factory=list)
     generated: int = 0           # tokens generated so far by every running beam
@@ -88,16 +91,22 @@ def beam_search(engine: LLMEngine, prompts: PromptType | list[PromptType],
     """Beam search over each prompt (`LLM.beam_search`); the same checks as generate, first."""
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a prompt or a list of them, got {type(prompts).__name__}")
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     if params.beam_width > engine.config.max_num_seqs:
         raise ValueError(f"beam_width={params.beam_width} is larger than max_num_seqs="
                          f"{engine.config.max_num_seqs}")
-    if engine.has_unfinished_requests():
+    vocab = engine.config.model_config.vocab_size
+    if 2 * params.beam_width > vocab:      # each step keeps the best 2 x beam_width tokens
+        raise ValueError(f"2 x beam_width={2 * params.beam_width} is larger than the vocabulary ({vocab})")
+    if engine.scheduler.has_unfinished_requests():
         raise ValueError("beam_search needs an idle engine; finish the queued requests first")
+    # Every prompt must fit, before any work; max_tokens past the context is clipped, as generate does.
     checked = [engine.process_request(f"beam-check-{i}", p, SamplingParams(max_tokens=params.max_tokens))
-               for i, p in enumerate(prompts)]          # every prompt must fit, before any work
-    return BeamSearcher(engine, params).run([samples[0].prompt_token_ids for samples in checked])
+               for i, p in enumerate(prompts)]
+    return BeamSearcher(engine, params).run([(seqs[0].prompt_token_ids, seqs[0].max_tokens) for seqs in checked])
 
 
 class BeamSearcher:
@@ -108,16 +117,25 @@ class BeamSearcher:
         self.eos = frozenset(engine.config.model_config.eos_token_ids)
         self.num_requests = 0
         self.top: dict[Request, tuple[list[float], list[int]]] = {}   # filled by select_tokens
-        self.stepped = False
 
-    def run(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
-        searches = [_Search(p, [_Beam(self._new_request(p), 0.0)]) for p in prompts]
+    def run(self, prompts: list[tuple[list[int], int]]) -> list[BeamSearchOutput]:
+        """Search each (prompt, max_tokens); if anything fails, no beam is left in the engine."""
+        searches = [_Search(p, n, [_Beam(self._new_request(p), 0.0)]) for p, n in prompts]
+        try:
+            return self._run(searches)
+        except BaseException:
+            for b in (b for s in searches for b in s.beams):
+                if not b.request.is_finished:
+                    self.scheduler.finish_request(b.request, RequestStatus.FINISHED_ABORTED)
+            raise
+
+    def _run(self, searches: list[_Search]) -> list[BeamSearchOutput]:
         for s in searches:
             self.scheduler.add_request(s.beams[0].request)
         while not all(s.done for s in searches):
-            self.stepped = False
-            self.engine.step(self.select_tokens)
-            if not self.stepped:          # nothing could be scheduled
+            try:
+                self.engine.step(self.select_tokens)
+            except EngineStalled:
                 self._unstall(searches)
                 continue
             for s in searches:
@@ -132,7 +150,6 @@ class BeamSearcher:
     def select_tokens(self, runner_output: ModelRunnerOutput) -> dict[Request, SampledToken]:
         """The rule handed to LLMEngine.step: note each beam's best 2 x beam_width next
         tokens and choose none; the search appends the tokens it picks (`_advance`)."""
-        self.stepped = True
         if runner_output.requests:
             logprobs = torch.log_softmax(runner_output.logits.float(), dim=-1)
             values, tokens = logprobs.topk(2 * self.params.beam_width, dim=-1)
@@ -171,7 +188,7 @@ class BeamSearcher:
         cands.sort(key=lambda c: -c[0])
         cands = cands[:2 * width]
         length = s.generated + 1
-        hits = [(not p.ignore_eos and t in self.eos) or length >= p.max_tokens for _, _, t, _ in cands]
+        hits = [(not p.ignore_eos and t in self.eos) or length >= s.max_tokens for _, _, t, _ in cands]
 
         for j, ((score, i, t, _), hit) in enumerate(zip(cands, hits)):
             if j < width and hit:
@@ -182,7 +199,7 @@ class BeamSearcher:
         chosen = [c for c, hit in zip(cands, hits) if not hit][:width]
         s.beams = self._advance(s.beams, chosen)
         s.generated = length
-        if length >= p.max_tokens or self._cannot_improve(s):
+        if length >= s.max_tokens or self._cannot_improve(s):
             for b in s.beams:
                 self.scheduler.finish_request(b.request, RequestStatus.FINISHED_LENGTH)
             s.beams, s.done = [], True

@@ -19,6 +19,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": (False, True),
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# config.json's model_type -> its architecture, for configs that leave out "architectures"
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
@@ -43,12 +47,18 @@ class ModelConfig:
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
         folder = Path(folder)
-        cfg = json.loads((folder / "config.json").read_text())
-        return cls.from_dict(cfg, _generation_eos(folder) or _as_tuple(cfg.get("eos_token_id")))
+        cfg = read_json(folder / "config.json")
+        try:
+            return cls.from_dict(cfg, _generation_eos(folder) or _as_tuple(cfg.get("eos_token_id")))
+        except ValueError as e:
+            raise ValueError(f"{folder / 'config.json'}: {e}") from e
 
     @classmethod
     def from_dict(cls, cfg: dict, eos_token_ids: tuple[int, ...] = ()) -> "ModelConfig":
-        arch = (cfg.get("architectures") or ["?"])[0]
+        archs = cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type"), "?")]
+        if not isinstance(archs, list):
+            raise ValueError(f"'architectures' must be a list of class names, got {archs!r}")
+        arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported model architecture {arch!r}; nanopaged runs "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -58,6 +68,14 @@ class ModelConfig:
         if window is not None and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
             raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported")
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        for name in REQUIRED_FIELDS:
+            if not isinstance(cfg.get(name), int) or isinstance(cfg.get(name), bool) or cfg[name] < 1:
+                raise ValueError(f"field {name!r} must be a positive integer, got {cfg.get(name)!r}")
+        kv_heads = cfg.get("num_key_value_heads")
+        if kv_heads is not None and (not isinstance(kv_heads, int) or kv_heads < 1
+                                     or cfg["num_attention_heads"] % kv_heads):
+            raise ValueError(f"field 'num_key_value_heads' must divide num_attention_heads="
+                             f"{cfg['num_attention_heads']}, got {kv_heads!r}")
         heads = cfg["num_attention_heads"]
         rope_theta, rope_scaling = _rope(cfg)
         return cls(
@@ -106,4 +124,15 @@ def _generation_eos(folder: Path) -> tuple[int, ...]:
     path = folder / "generation_config.json"
     if not path.exists():
         return ()
-    return _as_tuple(json.loads(path.read_text()).get("eos_token_id"))
+    return _as_tuple(read_json(path).get("eos_token_id"))
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a file, or a ValueError that names the file."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a readable JSON file: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data

@@ -29,18 +29,27 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
     params = dict(model.named_parameters())   # a tied lm_head appears once, as embed_tokens
     loaded: set[tuple[str, int | None]] = set()
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue                   # recomputed, never a real weight
-                if name == "lm_head.weight" and "lm_head.weight" not in params:
-                    continue                   # tied embeddings: the checkpoint may still carry it
-                _load_one(params, name, f.get_tensor(name), loaded, model)
+        try:
+            _load_file(file, params, loaded, model)
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from e
+        except Exception as e:   # a truncated or foreign file fails in safetensors' own way
+            raise ValueError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}") from e
     missing = sorted(f"{n}[shard {s}]" if s is not None else n
                      for n, s in _expected(model, params) - loaded)
     if missing:
         raise ValueError(f"weights missing from {folder}: {', '.join(missing[:5])}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def _load_file(file: Path, params, loaded, model) -> None:
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue                   # recomputed, never a real weight
+            if name == "lm_head.weight" and "lm_head.weight" not in params:
+                continue                   # tied embeddings: the checkpoint may still carry it
+            _load_one(params, name, f.get_tensor(name), loaded, model)
 
 
 def _load_one(params, name, tensor, loaded, model) -> None:
