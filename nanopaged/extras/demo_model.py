@@ -125,9 +125,8 @@ def _file_lock(lock_path: pathlib.Path):
 
 
 def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
-    """Load the GGUF file with transformers and write a float32 HF folder."""
+    """Load the GGUF file with transformers, write a float32 HF folder, check it."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # Local folder + file name only: nothing here can reach the model hub.
@@ -136,6 +135,14 @@ def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(**where)
     # Loading a GGUF file de-quantizes every tensor (Q4_1 -> float32 here).
     model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+    write_folder(model, tokenizer, out)
+    check_folder(model, tokenizer, out)
+
+
+def write_folder(model, tokenizer, out: pathlib.Path) -> None:
+    """A float32 Hugging Face folder from an in-memory model and its tokenizer."""
+    import torch
+    from safetensors.torch import save_file
 
     # 1. Weights. `model.save_pretrained` refuses GGUF-quantized models, so we
     #    write the state dict ourselves. With tied embeddings lm_head.weight
@@ -167,3 +174,26 @@ def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     tokenizer.model_max_length = model.config.max_position_embeddings
     tokenizer.save_pretrained(out)
     (out / "model.safetensors").chmod(0o644)  # safetensors writes it as 0600
+
+
+def check_folder(model, tokenizer, out: pathlib.Path) -> None:
+    """The folder, loaded as any Hugging Face folder is, answers as the model it came from:
+    the same greedy tokens for a chat prompt. Run once, where the conversion happens (the
+    GGUF file is read once, not again by the tests). A ValueError if not."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, local_files_only=True)
+    loaded_tokenizer = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    answers = []
+    for m, tok in ((model, tokenizer), (loaded, loaded_tokenizer)):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            answer = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=10, pad_token_id=tok.eos_token_id)
+        answers.append(answer[0].tolist())
+    if answers[0] != answers[1]:
+        raise ValueError(f"the converted folder {out} does not answer as the GGUF model does: "
+                         f"{answers[1]} instead of {answers[0]}")
