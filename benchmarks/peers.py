@@ -64,25 +64,28 @@ def run_hf_static(model_dir: str, trace: Trace, config: EngineConfig, batch_size
     batches = [range(i, min(i + batch_size, len(trace.prompts)))
                for i in range(0, len(trace.prompts), batch_size)]
     hf_generate(model, [WARMUP_PROMPT["prompt_token_ids"]], 4, pad)
-    start = time.perf_counter()
+    start, produced = time.perf_counter(), 0
     for b in batches:
-        hf_generate(model, [trace.prompts[i] for i in b], max(trace.output_lens[i] for i in b), pad)
+        generated = hf_generate(model, [trace.prompts[i] for i in b], max(trace.output_lens[i] for i in b), pad)
+        produced += sum(min(generated, trace.output_lens[i]) for i in b)   # what each request asked for
     wall = time.perf_counter() - start
     held = sum(len(b) * (max(len(trace.prompts[i]) for i in b) + max(trace.output_lens[i] for i in b))
                for b in batches)
     real = trace.num_prompt_tokens + trace.num_output_tokens
-    return Run("hf", wall, trace.num_output_tokens, trace.num_prompt_tokens, len(trace.prompts),
+    return Run("hf", wall, produced, trace.num_prompt_tokens, len(trace.prompts),
                {"batch_size": batch_size, "padding_waste": 1 - real / held,
                 "kv_utilization": hf_static_kv_utilization(trace, batches)})
 
 
 @torch.inference_mode()
-def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad: int) -> None:
+def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad: int) -> int:
+    """One static batch, left-padded; the tokens each row generated."""
     longest = max(map(len, prompts))
     ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=pad,
-                   max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=pad,
+                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+    return out.shape[1] - longest
 
 
 def run_hf_paged(model_dir: str, trace: Trace, config: EngineConfig, engine: dict) -> Run:
