@@ -51,7 +51,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
+            idx = indices(logits, random_rows)
             tokens[idx] = self._sample(logits[idx], [requests[i] for i in random_rows])
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
         return SamplerOutput(tokens.tolist(), chosen.tolist(),
@@ -59,8 +59,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
-        dev = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=dev)
+        temps = logits.new_tensor([p.temperature for p in params])
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         probs = top_k_top_p_min_p(probs, [p.top_k for p in params], [p.top_p for p in params],
                                   [p.min_p for p in params])
@@ -84,27 +83,28 @@ class Sampler:
         self.request_generators.pop(request, None)
 
 
+def indices(like: torch.Tensor, xs: list[int]) -> torch.Tensor:
+    """An index tensor on the device of `like`."""
+    return like.new_tensor(xs, dtype=torch.long)
+
+
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """vLLM's penalties; a row without penalties is left exactly as it was."""
-    rows, vocab = logits.shape
-    dev = logits.device
     out_rows, out_toks, seen_rows, seen_toks = [], [], [], []
     for j, r in enumerate(requests):
         out_rows += [j] * r.num_output_tokens
         out_toks += r.output_token_ids
         seen_rows += [j] * r.num_prompt_tokens
         seen_toks += r.prompt_token_ids
-    counts = torch.zeros(rows, vocab, device=dev)
-    counts.index_put_((torch.tensor(out_rows, dtype=torch.long, device=dev),
-                       torch.tensor(out_toks, dtype=torch.long, device=dev)),
-                      torch.ones(len(out_toks), device=dev), accumulate=True)
+    counts = logits.new_zeros(logits.shape)           # new_*: on the logits' device
+    counts.index_put_((indices(logits, out_rows), indices(logits, out_toks)),
+                      logits.new_ones(len(out_toks)), accumulate=True)
     seen = counts > 0
-    seen[torch.tensor(seen_rows, dtype=torch.long, device=dev),
-         torch.tensor(seen_toks, dtype=torch.long, device=dev)] = True
+    seen[indices(logits, seen_rows), indices(logits, seen_toks)] = True
     p = [r.sampling_params for r in requests]
-    rep = torch.tensor([x.repetition_penalty for x in p], device=dev)[:, None]
-    pres = torch.tensor([x.presence_penalty for x in p], device=dev)[:, None]
-    freq = torch.tensor([x.frequency_penalty for x in p], device=dev)[:, None]
+    rep = logits.new_tensor([x.repetition_penalty for x in p])[:, None]
+    pres = logits.new_tensor([x.presence_penalty for x in p])[:, None]
+    freq = logits.new_tensor([x.frequency_penalty for x in p])[:, None]
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
     return logits - freq * counts - pres * (counts > 0).float()
@@ -120,22 +120,21 @@ def block_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Te
             rows += [j] * len(stop)
             toks += sorted(stop)
     logits = logits.clone()
-    logits[torch.tensor(rows, dtype=torch.long), torch.tensor(toks, dtype=torch.long)] = float("-inf")
+    logits[indices(logits, rows), indices(logits, toks)] = float("-inf")
     return logits
 
 
 def top_k_top_p_min_p(probs: torch.Tensor, top_k: list[int], top_p: list[float],
                       min_p: list[float]) -> torch.Tensor:
     """Zero the tokens each row's top-k / top-p / min-p rule removes (all rows at once)."""
-    dev = probs.device
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[1], device=dev)[None, :]
-    k = torch.tensor([kk if kk > 0 else probs.shape[1] for kk in top_k], device=dev)[:, None]
+    rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    k = probs.new_tensor([kk if kk > 0 else probs.shape[1] for kk in top_k])[:, None]
     drop = rank >= k
     # top-p: drop a token when the mass before it already reaches top_p (the top one stays)
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-    drop |= mass_before >= torch.tensor(top_p, device=dev)[:, None]
-    drop |= sorted_p < torch.tensor(min_p, device=dev)[:, None] * sorted_p[:, :1]
+    drop |= mass_before >= probs.new_tensor(top_p)[:, None]
+    drop |= sorted_p < probs.new_tensor(min_p)[:, None] * sorted_p[:, :1]
     drop[:, 0] = False
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)

@@ -75,3 +75,18 @@ def test_paged_attention_in_half_precision_on_cuda(dtype, batch):
     got = tk.paged_attention(q.to(dtype), half[1, 0], half[1, 1], meta, 128 ** -0.5)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_every_sampling_rule_runs_on_cuda_and_a_seed_reproduces_it(tiny_model_dirs):
+    """The sampler's tensors and generators must live on the logits' device (on CPU, a
+    tensor or generator left on the default device goes unnoticed: see README, Developing)."""
+    llm = LLM(tiny_model_dirs["llama"], device="cuda", dtype="float32", num_kv_blocks=64)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(512, n=4, seed=41)]
+    rules = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
+                 presence_penalty=0.3, frequency_penalty=0.2, min_tokens=4, logprobs=2, max_tokens=12)
+    seeded = [SamplingParams(seed=i, **rules) for i in range(4)]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)]
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)]
+    assert first == again and all(len(t) >= 4 for t in first)
+    unseeded = llm.generate(prompts, SamplingParams(**rules), use_tqdm=False)   # the engine's generator
+    assert all(len(o.outputs[0].token_ids) >= 4 for o in unseeded)
