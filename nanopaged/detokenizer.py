@@ -13,11 +13,12 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         # Start the window inside the prompt so the first output token decodes with the
-        # right leading space, as it would in the whole text.
+        # right leading space, as it would in the whole text (SentencePiece-style decoders
+        # drop the space of a text's first word).
         self.tokens = list(prompt_token_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
@@ -54,8 +55,9 @@ def find_stop_string(text: str, new_chars: int, stops: list[str],
     Only the tail can hold a new match: a stop string ends inside the new characters, so it
     starts at most len(stop) - 1 characters before them; this finds a stop string that spans
     several tokens. If several complete in the same step, the one whose match ends first in
-    the text wins. The text is cut before the stop string, or after it with
-    include_stop_str_in_output (vLLM: v1/engine/detokenizer.py, `check_stop_strings`).
+    the text wins (on a tie, the first in the list). The text is cut before the stop string,
+    or after it with include_stop_str_in_output (vLLM: v1/engine/detokenizer.py,
+    `check_stop_strings`).
     """
     best = None                     # (end of the match, its start, the stop string)
     for stop in stops:
