@@ -66,7 +66,7 @@ def test_usage_is_one_minus_free_over_total():
 
 def test_allocating_more_than_free_is_an_error():
     pool = BlockPool(num_blocks=2, block_size=16)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"asked for 3 blocks, only 2 free"):
         pool.allocate(3)
     assert pool.num_free_blocks == 2
 
@@ -74,3 +74,28 @@ def test_allocating_more_than_free_is_an_error():
 def test_bad_pool_size_is_a_value_error():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(num_blocks=0, block_size=16)
+
+
+def test_freeing_a_free_block_is_caught():
+    pool = BlockPool(num_blocks=2, block_size=16)
+    [b] = pool.allocate(1)
+    pool.free([b])
+    with pytest.raises(AssertionError, match=f"freeing block {b} that is already free"):
+        pool.free([b])
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda pool: pool.free_block_queue.append(3), "a block is in the free queue twice"),
+    (lambda pool: pool.free_block_queue.remove(3), "block 3 is neither free nor held"),
+    (lambda pool: setattr(pool.blocks[3], "ref_count", 1), "free block 3 has ref_count 1"),
+    (lambda pool: pool.cached_block_hash_to_block.update({b"h": []}), "a hash with no block left is still in the map"),
+    (lambda pool: pool.cached_block_hash_to_block.update({b"h": [0]}), "hash map points at block 0, which holds another prefix"),
+])
+def test_check_invariants_names_each_kind_of_broken_book(corrupt, message):
+    """The randomized scheduler test relies on these checks: each must fire on its corruption."""
+    pool = BlockPool(num_blocks=4, block_size=16, enable_caching=True)
+    pool.allocate(2)
+    pool.check_invariants()
+    corrupt(pool)
+    with pytest.raises(AssertionError, match=f"^{message}$"):     # the whole message, exactly
+        pool.check_invariants()

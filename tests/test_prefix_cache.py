@@ -60,6 +60,8 @@ def test_freed_cached_blocks_are_reused_least_recently_used_first():
     assert bytes([1]) not in pool.cached_block_hash_to_block
     assert pool.cached_block_hash_to_block[bytes([0])] == [a[0]]  # the rest still cached
     assert pool.num_evicted_blocks == 1
+    pool.allocate(2)                                           # evicts a[0] and b[1]: the count adds up
+    assert pool.num_evicted_blocks == 3
     pool.check_invariants()
 
 
@@ -68,7 +70,7 @@ def test_a_block_in_use_is_never_evicted():
     held = pool.allocate(1)
     pool.cache_block(held[0], b"h")
     pool.allocate(2)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"asked for 1 blocks, only 0 free"):
         pool.allocate(1)
     assert pool.cached_block_hash_to_block[b"h"] == [held[0]]
 

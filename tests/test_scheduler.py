@@ -191,7 +191,7 @@ def test_random_operations_keep_every_invariant_and_finish_everything(seed, enab
     sched, pool = make_scheduler(num_blocks=num_blocks, block_size=block_size,
                                  max_num_seqs=rng.randint(1, 6), budget=rng.randint(1, 40),
                                  enable_caching=enable_caching)
-    all_requests, next_id, ops, hits = [], 0, 0, 0
+    all_requests, next_id, ops, hits, preemptions = [], 0, 0, 0, {}
     while ops < 3000 or sched.has_unfinished_requests():
         ops += 1
         assert ops < 100_000, "the scheduler stopped making progress"
@@ -219,11 +219,14 @@ def test_random_operations_keep_every_invariant_and_finish_everything(seed, enab
             for r, n in out.scheduled:
                 assert n >= 1 and len(r.block_ids) == cdiv(r.num_computed_tokens + n, block_size)
             hits += sum(num_cached for _, num_cached in out.admitted)
+            for r in out.preempted:
+                preemptions[r] = preemptions.get(r, 0) + 1
             tokens = {r: rng.choice([EOS, 5, 6])
                       for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
             update_and_stop(sched, out, tokens)
         check_books(sched, pool, all_requests)
     assert all(r.is_finished for r in all_requests)
+    assert all(r.num_preemptions == preemptions.get(r, 0) for r in all_requests)
     assert pool.num_free_blocks == pool.num_blocks
     if enable_caching:
         assert hits > 0
@@ -236,10 +239,11 @@ def check_books(sched, pool, all_requests):
         assert r.status == RequestStatus.RUNNING
         assert len(r.block_ids) == cdiv(r.num_computed_tokens, pool.block_size)
         assert len(set(r.block_ids)) == len(r.block_ids), "a block twice in one table"
+        assert r.num_cached_blocks <= len(r.block_ids)
         for b in r.block_ids:
             refs[b] = refs.get(b, 0) + 1
     for r in sched.waiting:
-        assert r.block_ids == [] and r.num_computed_tokens == 0
+        assert r.block_ids == [] and r.num_computed_tokens == 0 and r.num_cached_blocks == 0
     for r in all_requests:
         if r.is_finished:
             assert r.block_ids == []
@@ -249,3 +253,98 @@ def check_books(sched, pool, all_requests):
     if not pool.enable_caching:
         assert all(n == 1 for n in refs.values()), "blocks are shared only through the prefix cache"
     assert pool.num_free_blocks + len(refs) == pool.num_blocks
+
+
+def test_a_preempted_request_goes_to_the_front_of_a_queue_that_holds_others():
+    """It was admitted before every request still waiting, so it is readmitted before them."""
+    sched, pool = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=2)
+    a, b = make_request("a", 8, max_tokens=20), make_request("b", 8, max_tokens=20)
+    c, d = make_request("c", 2, max_tokens=2), make_request("d", 2, max_tokens=2)
+    for r in (a, b, c, d):
+        sched.add_request(r)
+    run_step(sched)                                  # a and b run (max_num_seqs 2); c, d wait
+    assert list(sched.waiting) == [c, d]
+    out, _ = run_step(sched)                         # a needs a block: b is preempted
+    assert out.preempted == [b]
+    assert list(sched.waiting) == [b, c, d]
+
+
+def test_the_last_token_of_the_budget_is_used():
+    """A budget of 2 serves two decoding requests, or one and a 1-token chunk of a new prompt."""
+    sched, _ = make_scheduler(budget=2)
+    a, b, c = make_request("a", 1), make_request("b", 1), make_request("c", 5)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)                                  # a and b prefilled (1 token each)
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 1)]
+    update_and_stop(sched, out, {a: 7, b: 7})
+    sched.finish_request(b, RequestStatus.FINISHED_ABORTED)
+    sched.add_request(c)
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("c", 1)]
+
+
+def test_a_running_request_with_nothing_to_compute_does_not_stop_the_others():
+    """An extension (beam search) may leave a request without its next token for a step."""
+    sched, _ = make_scheduler()
+    a, b = make_request("a", 3), make_request("b", 3)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    sched.update(out, {b: SampledToken(7)})          # a gets no token this step
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("b", 1)]
+
+
+def test_fork_shares_the_parents_blocks_and_counters():
+    sched, pool = make_scheduler(enable_caching=True)
+    parent = make_request("p", 10)
+    sched.add_request(parent)
+    run_step(sched)
+    parent.num_cached_tokens = 8                     # as if its prompt had hit the cache
+    child = make_request("c", 10)
+    child.output_token_ids = list(parent.output_token_ids)
+    sched.fork(parent, child)
+    assert child.block_ids == parent.block_ids and child.block_ids is not parent.block_ids
+    assert all(pool.blocks[b].ref_count == 2 for b in parent.block_ids)
+    assert (child.num_computed_tokens, child.num_cached_blocks, child.num_cached_tokens) == \
+           (parent.num_computed_tokens, parent.num_cached_blocks, 8)
+    assert child.block_hashes == parent.block_hashes
+    assert child.status == RequestStatus.RUNNING and sched.running[-1] is child
+
+
+def test_fork_of_a_preempted_parent_queues_the_child_to_be_computed():
+    sched, pool = make_scheduler()
+    parent = make_request("p", 6)
+    sched.add_request(parent)
+    run_step(sched)
+    sched._preempt(sched.running.pop())
+    child = make_request("c", 6)
+    sched.fork(parent, child)
+    assert child.status == RequestStatus.WAITING and list(sched.waiting) == [parent, child]
+    assert child.block_ids == [] and pool.num_free_blocks == pool.num_blocks
+
+
+def test_copy_on_write_with_no_free_block_preempts_instead_of_failing():
+    """Writing into a shared last block needs one new block for the copy, like any allocation."""
+    sched, pool = make_scheduler(num_blocks=2, block_size=4)
+    parent = make_request("p", 2, max_tokens=4)
+    sched.add_request(parent)
+    run_step(sched)                                  # 3 tokens in block 0, 2 of them computed
+    child = make_request("c", 2, max_tokens=4)
+    child.output_token_ids = list(parent.output_token_ids)
+    sched.fork(parent, child)                        # block 0 shared (ref 2)
+    pool.allocate(1)                                 # someone else holds the last free block
+    out = sched.schedule()                           # parent must copy block 0: no block for it
+    assert out.preempted == [child]                  # the newest gives way, dropping its reference
+    assert out.scheduled == [(parent, 1)] and out.blocks_to_copy == []
+
+
+def test_token_ids_is_a_slice_of_prompt_plus_output():
+    r = make_request("r", 3)
+    r.output_token_ids = [1, 2, 3, 4]
+    everything = r.prompt_token_ids + r.output_token_ids
+    for start in range(len(everything) + 1):
+        for end in range(start, len(everything) + 1):
+            assert r.token_ids(start, end) == everything[start:end], (start, end)
