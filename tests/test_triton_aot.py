@@ -146,6 +146,8 @@ def compile_all() -> list[str]:
 def test_every_kernel_configuration_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"     # Triton 3.9's default, said out loud to silence its warning
+    # the checkout this test runs from, whether or not nanopaged is pip-installed
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     code = ("import sys, test_triton_aot as t; failures = t.compile_all(); "
             "print(*failures, sep='\\n'); sys.exit(1 if failures else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,

@@ -91,59 +91,74 @@ def test_importing_nanopaged_imports_neither_triton_nor_flash_attn():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# ---- the flash backend's plumbing, against a stand-in for flash-attn ---------------------------
-def _fake_flash_attn():
-    """A torch stand-in for flash-attn 2's two calls, following their docstrings: int32
-    index tensors, GQA, causal aligned bottom-right, paged K/V when block_table is given.
-    It checks how FlashAttentionBackend calls flash-attn, not flash-attn itself."""
-    import types
-
+# ---- the flash backend's calls, checked against flash-attn 2's signatures -------------------
+# flash-attn cannot be installed without CUDA. Two checks stand in for it: every call must
+# bind to flash-attn 2's documented signatures (flash_attn/flash_attn_interface.py, v2.6-2.8)
+# with the shapes and dtypes they require, and its result, computed here by the torch
+# reference backend's own functions (so this is not an independent check of the numbers),
+# must equal the torch backend's. tests/test_gpu.py compares against real flash-attn on a GPU.
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn 2's signature; the body checks the call and computes with the torch reference."""
     import torch
     from nanopaged.core.attention import _attend, gather_kv
+    num_reqs = cu_seqlens_q.shape[0] - 1
+    assert q.dim() == 3 and k.dim() == v.dim() == (4 if block_table is not None else 3)
+    assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and cu_seqlens_k.shape == (num_reqs + 1,)
+    assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
+    assert causal is True and softmax_scale is not None and dropout_p == 0.0
+    if block_table is not None:
+        assert block_table.dtype == torch.int32 and block_table.shape[0] == num_reqs
+        assert k.shape[1] % 256 == 0                  # upstream flash-attn's paged-KV rule
+    out = torch.empty_like(q)
+    for b in range(num_reqs):
+        qs, qe = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        seqlen_k = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+        assert qe - qs <= max_seqlen_q and seqlen_k <= max_seqlen_k
+        if block_table is None:
+            kk, vv = (t[int(cu_seqlens_k[b]):int(cu_seqlens_k[b]) + seqlen_k] for t in (k, v))
+        else:
+            kk, vv = (gather_kv(t, block_table[b], seqlen_k) for t in (k, v))
+        out[qs:qe] = _attend(q[qs:qe], kk, vv, seqlen_k - (qe - qs), softmax_scale)
+    return out
 
-    def keys(cache, table, b, seqlen_k, cu_k):
-        if table is None:
-            return cache[cu_k[b]:cu_k[b] + seqlen_k]
-        assert table.dtype == torch.int32 and cache.shape[1] % 256 == 0
-        return gather_kv(cache, table[b], seqlen_k)
 
-    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               softmax_scale=None, causal=False, block_table=None):
-        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and causal
-        out = torch.empty_like(q)
-        for b in range(len(cu_seqlens_q) - 1):
-            qs, qe = cu_seqlens_q[b], cu_seqlens_q[b + 1]
-            seqlen_k = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
-            assert qe - qs <= max_seqlen_q and seqlen_k <= max_seqlen_k
-            kk = keys(k, block_table, b, seqlen_k, cu_seqlens_k)
-            vv = keys(v, block_table, b, seqlen_k, cu_seqlens_k)
-            out[qs:qe] = _attend(q[qs:qe], kk, vv, seqlen_k - int(qe - qs), softmax_scale)
-        return out
-
-    def with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table=None,
-                     softmax_scale=None, causal=False):
-        assert q.dim() == 4 and cache_seqlens.dtype == torch.int32 and causal
-        return torch.stack([
-            _attend(q[b], keys(k_cache, block_table, b, int(s), None),
-                    keys(v_cache, block_table, b, int(s), None), int(s) - q.shape[1], softmax_scale)
-            for b, s in enumerate(cache_seqlens)])
-
-    return types.SimpleNamespace(flash_attn_varlen_func=varlen, flash_attn_with_kvcache=with_kvcache)
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn 2's signature; the body checks the call and computes with the torch reference."""
+    import torch
+    from nanopaged.core.attention import _attend, gather_kv
+    assert q.dim() == 4 and q.shape[1] == 1 and k is None and v is None      # decode rows; K/V already stored
+    assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (q.shape[0],)
+    assert block_table.dtype == torch.int32 and k_cache.shape[1] % 256 == 0 and causal is True
+    return torch.stack([_attend(q[b], gather_kv(k_cache, block_table[b], int(n)),
+                                gather_kv(v_cache, block_table[b], int(n)), int(n) - 1, softmax_scale)
+                        for b, n in enumerate(cache_seqlens)])
 
 
 @pytest.mark.parametrize("block_size", [16, 256])   # gather path; flash-attn's own paged path
 @pytest.mark.parametrize("batch", ["decode_only", "mixed_with_prefix_context"])
-def test_flash_backend_calls_flash_attn_as_documented(monkeypatch, block_size, batch):
+def test_flash_backend_calls_match_flash_attn_signatures_and_a_torch_stand_in(monkeypatch, block_size, batch):
     pytest.importorskip("triton")
+    import types
+
     import torch
     from test_triton_kernels import BATCHES, make_batch
     from nanopaged.core.attention import TorchAttentionBackend
     from nanopaged.extras.flash_backend import FlashAttentionBackend
 
-    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn())
+    calls = []
+    record = lambda fn: lambda *a, **kw: calls.append(fn.__name__) or fn(*a, **kw)   # noqa: E731
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(
+        flash_attn_varlen_func=record(flash_attn_varlen_func), flash_attn_with_kvcache=record(flash_attn_with_kvcache)))
     q, k, v, pool, meta = make_batch(*BATCHES[batch], block_size, 2, 2, 64)
     pool_ref = pool.clone()
     want = TorchAttentionBackend().forward(q, k, v, pool_ref[1, 0], pool_ref[1, 1], meta, 0.125)
     got = FlashAttentionBackend().forward(q, k, v, pool[1, 0], pool[1, 1], meta, 0.125)
+    paged_decode = block_size == 256 and batch == "decode_only"
+    assert calls == ["flash_attn_with_kvcache" if paged_decode else "flash_attn_varlen_func"]
     assert torch.equal(pool, pool_ref)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
