@@ -28,9 +28,11 @@ from benchmarks.machine import machine_info, versions
 from benchmarks.memory import memory_figures
 from benchmarks.models import RANDOM_CONFIGS, resolve_model, vocab_limit
 from benchmarks.nanopaged_run import resolved_settings, run_nanopaged
+from benchmarks.noise import noise_figures
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
 from benchmarks.report import plot, print_shared_prefix, print_sharing, print_table
 from benchmarks.roofline import roofline_figures
+from benchmarks.single_stream import single_stream_figures
 from benchmarks.trace import make_trace
 from benchmarks.workloads import run_shared_prefix, run_sharing
 from nanopaged import EngineConfig
@@ -38,7 +40,7 @@ from nanopaged import EngineConfig
 # ==== settings ===========================================================================
 
 # Sized so the whole default run (nanopaged + hf + hf-paged, loading and warm-ups included)
-# takes about a minute with the demo model on a quiet 2-core CPU (measured: 56-59 s).
+# takes about 1.5 minutes with the demo model on a quiet 2-core CPU (measured 2026-12-01: 80 s).
 DEFAULTS = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))
 # nano-vllm's bench.py: 256 requests, lengths uniform in 100..1024 (a GPU-sized run).
 PRESETS = {"nano-vllm": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))}
@@ -70,7 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"build a model with random weights: {', '.join(RANDOM_CONFIGS)}")
     p.add_argument("--peers", "--peer", default="hf,hf-paged",
                    help=f"comma-separated, from {', '.join(PEERS)}; 'none' for none (default hf,hf-paged)")
-    p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf peer")
+    p.add_argument("--hf-batch-sizes", "--hf-batch-size", default="8,16,32",
+                   help="static batch sizes the hf peer is timed at, comma-separated; it is "
+                        "reported at its fastest (default 8,16,32)")
+    p.add_argument("--noise", action="store_true",
+                   help="time nanopaged and the hf peer again beside a busy process on one core, "
+                        "and report the share of their quiet output tokens/s each keeps")
     p.add_argument("--threads", type=int,
                    help="torch CPU threads for every engine (default: torch's, one per core); "
                         "1 on a shared machine, where threads waiting for a busy core stall every op")
@@ -93,6 +100,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for peer in args.peers:
         if peer not in PEERS:
             p.error(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
+    try:
+        args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
+    except ValueError:
+        p.error(f"--hf-batch-sizes takes integers separated by commas, got {args.hf_batch_sizes!r}")
+    if min(args.hf_batch_sizes) < 1:
+        p.error(f"--hf-batch-sizes must all be >= 1, got {args.hf_batch_sizes}")
     for name in ("input_len", "output_len"):
         lo, hi = getattr(args, name)
         if not 1 <= lo <= hi:
@@ -134,15 +147,19 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
         "published": PUBLISHED,
         "overhead": overhead_figures(stats, run),
         "roofline": roofline_figures(config.model_config, trace, run, device, dtype),
+        "single_stream": single_stream_figures(model_dir, trace, settings, config),
         "machine": machine_info(device),
         "versions": versions(),
         "settings": {"model": model_dir, "num_requests": args.num_requests,
                      "input_len": list(args.input_len), "output_len": list(args.output_len),
-                     "seed": args.seed, "peers": args.peers, "hf_batch_size": args.hf_batch_size,
+                     "seed": args.seed, "peers": args.peers, "hf_batch_sizes": args.hf_batch_sizes,
+                     "noise": args.noise,
                      "threads": torch.get_num_threads(),
                      "random_weights": args.random_weights, "dtype": config.dtype,
                      "sampling": "greedy, ignore_eos", **resolved},
     }
+    if args.noise:
+        result["noise"] = noise_figures(model_dir, trace, settings, config, engine, peers.get("hf"))
     result["kv_utilization"], result["memory"] = memory_figures(
         stats, samples, trace, resolved["max_model_len"], resolved["max_num_seqs"])
     result["targets"] = target_figures(result)

@@ -6,6 +6,8 @@
     memory.py          KV slots held: paged blocks vs the reservation allocators and HF's padded cache
     peers.py           the engines beside it: HF static batching, transformers' paged CB, vLLM
     roofline.py        the matmul FLOP/s ceiling and the FLOPs the trace needs
+    single_stream.py   one request at a time: decode tokens/s against HF generate
+    noise.py           the timed runs again beside a busy process on one core (--noise)
     figures.py         ratios to the peers, where step time goes, the targets, published figures
     workloads.py       the other workloads: prefix caching on vs off, sharing inside a request
     machine.py         the machine and the library versions a result was measured with

@@ -12,9 +12,12 @@ PUBLISHED = {
     "output_tokens_per_s": {"vllm": 1361.84, "nano-vllm": 1434.13},
 }
 
-# What the issue asks nanopaged to reach; reported, met or not.
-TARGETS = {"speedup_vs_hf": 3.0, "roofline_fraction": 0.5, "kv_utilization_paged": 0.9,
-           "schedule_share": 0.05}
+# What the issues ask nanopaged to reach; reported, met or not. Since issue 12: 2x the hf
+# peer at its fastest batch size (it was 3x the hf peer at batch size 16), 55% of the
+# roofline, one request at a time at least Hugging Face generate's decode speed, and half
+# the quiet output tokens/s kept beside a busy core (measured with --noise only).
+TARGETS = {"speedup_vs_hf": 2.0, "roofline_fraction": 0.55, "kv_utilization_paged": 0.9,
+           "schedule_share": 0.05, "single_stream_vs_hf": 1.0, "kept_beside_a_busy_core": 0.5}
 
 
 def ratios(engine: dict, peers: dict) -> dict:
@@ -39,7 +42,9 @@ def target_figures(result: dict) -> dict:
     got = {"speedup_vs_hf": result["ratios"].get("engine_vs_hf"),
            "roofline_fraction": result["roofline"]["fraction"],
            "kv_utilization_paged": result["kv_utilization"]["paged"],
-           "schedule_share": result["overhead"]["schedule_share"]}
+           "schedule_share": result["overhead"]["schedule_share"],
+           "single_stream_vs_hf": result["single_stream"]["ratio"],
+           "kept_beside_a_busy_core": result.get("noise", {}).get("nanopaged", {}).get("kept")}  # --noise
     out = {}
     for name, goal in TARGETS.items():
         value = got[name]

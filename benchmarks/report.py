@@ -22,8 +22,10 @@ def print_table(r: dict) -> None:
         print(f"{name:30} {f['output_tokens_per_s']:10.1f} {f['total_tokens_per_s']:12.1f} "
               f"{f['requests_per_s']:7.2f} {f['wall_s']:8.2f} {rel:12.2f}x")
     if "hf" in r["peers"] and "padding_waste" in r["peers"]["hf"]:
-        print(f"  hf static batches of {r['peers']['hf']['batch_size']}: "
-              f"{r['peers']['hf']['padding_waste']:.1%} of the token slots computed were padding")
+        hf = r["peers"]["hf"]
+        sweep = ", ".join(f"{b}: {v:.1f}" for b, v in hf["sweep"].items())
+        print(f"  hf at its fastest static batch size, {hf['batch_size']} (out tok/s by size: {sweep}); "
+              f"{hf['padding_waste']:.1%} of the token slots computed were padding")
     pub = r["published"]
     print(f"\npublished, NOT measured here ({pub['setup']}):")
     for name, v in pub["output_tokens_per_s"].items():
@@ -52,6 +54,18 @@ def print_table(r: dict) -> None:
           f"outside step(): {o['other_share_of_wall']:.1%} of wall")
     print(f"roofline: matmul {rf['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, {rf['flops_per_token'] / 1e6:.0f} "
           f"MFLOP/token -> {rf['roofline_tokens_per_s']:.0f} tok/s; nanopaged reaches {rf['fraction']:.1%}")
+
+    ss = r["single_stream"]
+    print(f"one request at a time ({ss['prompt_tokens']}-token prompt, {ss['output_tokens']} tokens): decode "
+          f"nanopaged {ss['nanopaged_decode_tokens_per_s']:.1f} tok/s, hf generate "
+          f"{ss['hf_decode_tokens_per_s']:.1f} tok/s ({ss['ratio']:.2f}x)")
+    if "noise" in r:
+        n = r["noise"]
+        for name in ("nanopaged", "hf"):
+            if name in n:
+                k = n[name]
+                print(f"beside a busy core ({n['neighbour_core']}): {name} keeps {k['kept']:.1%} of its quiet "
+                      f"output tokens/s ({k['noisy_output_tokens_per_s']:.1f} of {k['quiet_output_tokens_per_s']:.1f})")
 
     print("\ntargets:")
     for name, t in r["targets"].items():

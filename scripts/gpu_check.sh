@@ -38,7 +38,7 @@ steps=(
   "triton kernels|120|python3 -m pytest -q -rs tests/test_triton_kernels.py"
   "triton backend|90|python3 -m pytest -q -rs tests/test_triton_backend.py"
   "cuda graphs|90|python3 -m pytest -q -rs tests/test_cuda_graphs.py"
-  "bench|200|python3 bench.py --random-weights qwen3-0.6b --device cuda --num-requests 64 --input-len 100 512 --output-len 100 256 --peers hf --json $bench_json"
+  "bench|200|python3 bench.py --random-weights qwen3-0.6b --device cuda --num-requests 64 --input-len 100 512 --output-len 100 256 --peers hf --hf-batch-sizes 32,64 --json $bench_json"
   "kv sizing|90|python3 -m pytest -q -rs tests/test_gpu.py -k kv_cache_sized"
 )
 

@@ -5,6 +5,7 @@ transformers peers, in seconds. It checks the JSON the issue promises and that e
 number is the kind of number it claims to be (rates positive, utilizations in (0, 1]).
 """
 import json
+import os
 import pathlib
 import sys
 
@@ -14,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import bench  # noqa: E402
+from benchmarks.noise import busy_neighbour  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def tiny_run(tiny_model_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     result = bench.main([
         "--model", tiny_model_dirs["llama"], "--num-requests", "5", "--input-len", "4", "16",
-        "--output-len", "8", "24", "--peers", "hf,hf-paged", "--hf-batch-size", "2",
+        "--output-len", "8", "24", "--peers", "hf,hf-paged", "--hf-batch-sizes", "2,3",
         "--block-size", "4", "--num-kv-blocks", "64", "--json", str(out)])
     return result, json.loads(out.read_text())
 
@@ -29,7 +31,7 @@ def tiny_run(tiny_model_dirs, tmp_path_factory):
 def test_json_has_the_promised_keys(tiny_run):
     _, saved = tiny_run
     for key in ("engine", "peers", "kv_utilization", "ratios", "machine", "versions", "settings",
-                "memory", "overhead", "roofline", "published", "targets"):
+                "memory", "overhead", "roofline", "published", "targets", "single_stream"):
         assert key in saved, key
     assert {"output_tokens_per_s", "total_tokens_per_s"} <= saved["engine"].keys()
     assert {"paged", "reserve_max_model_len", "reserve_prompt_plus_max_tokens"} <= saved["kv_utilization"].keys()
@@ -75,6 +77,54 @@ def test_every_request_produced_exactly_its_tokens(tiny_run):
     assert result["engine"]["output_tokens"] == trace.num_output_tokens > 0
     for name, figures in result["peers"].items():
         assert figures["output_tokens"] == trace.num_output_tokens, name
+
+
+def test_the_hf_peer_is_reported_at_its_fastest_batch_size(tiny_run):
+    hf = tiny_run[0]["peers"]["hf"]
+    assert set(hf["sweep"]) == {"2", "3"}
+    assert hf["output_tokens_per_s"] == max(hf["sweep"].values()) == hf["sweep"][str(hf["batch_size"])]
+    assert tiny_run[0]["ratios"]["engine_vs_hf"] == pytest.approx(
+        tiny_run[0]["engine"]["output_tokens_per_s"] / max(hf["sweep"].values()))
+
+
+def test_single_stream_compares_decode_speed_on_one_prompt(tiny_run):
+    ss, s = tiny_run[0]["single_stream"], tiny_run[0]["settings"]
+    trace = bench.make_trace(s["num_requests"], s["input_len"], s["output_len"], s["seed"], vocab_limit=512)
+    assert (ss["prompt_tokens"], ss["output_tokens"]) == (len(trace.prompts[0]), max(trace.output_lens))
+    assert ss["nanopaged_decode_tokens_per_s"] > 0 and ss["hf_decode_tokens_per_s"] > 0
+    assert ss["ratio"] == pytest.approx(ss["nanopaged_decode_tokens_per_s"] / ss["hf_decode_tokens_per_s"])
+    assert tiny_run[0]["targets"]["single_stream_vs_hf"]["value"] == ss["ratio"]
+
+
+def test_noise_times_both_engines_again_beside_a_busy_core(tiny_model_dirs):
+    result = bench.main([
+        "--model", tiny_model_dirs["llama"], "--num-requests", "3", "--input-len", "4", "8",
+        "--output-len", "4", "8", "--peers", "hf", "--hf-batch-sizes", "2", "--noise",
+        "--block-size", "4", "--num-kv-blocks", "32"])
+    n = result["noise"]
+    for name, quiet in (("nanopaged", result["engine"]), ("hf", result["peers"]["hf"])):
+        assert n[name]["quiet_output_tokens_per_s"] == quiet["output_tokens_per_s"]
+        assert n[name]["kept"] == pytest.approx(n[name]["noisy_output_tokens_per_s"] / quiet["output_tokens_per_s"])
+    assert result["targets"]["kept_beside_a_busy_core"]["value"] == n["nanopaged"]["kept"]
+
+
+def test_the_busy_neighbour_burns_a_core_and_is_gone_afterwards():
+    import time
+    with busy_neighbour() as (proc, core):
+        assert proc.poll() is None and core == os.cpu_count() - 1
+        stat = pathlib.Path(f"/proc/{proc.pid}/stat")
+        user_ticks = lambda: int(stat.read_text().rsplit(")", 1)[1].split()[11])   # noqa: E731
+        before = user_ticks()
+        time.sleep(0.5)
+        assert user_ticks() - before >= 0.25 * os.sysconf("SC_CLK_TCK")   # busy at least half the time
+    assert proc.poll() is not None
+
+
+@pytest.mark.parametrize("sizes", ["8,x", "0,8"])
+def test_bad_hf_batch_sizes_are_a_usage_error(sizes, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--hf-batch-sizes", sizes])
+    assert "--hf-batch-sizes" in capsys.readouterr().err
 
 
 def test_trace_is_seeded_and_in_range():

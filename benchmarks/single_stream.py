@@ -1,0 +1,53 @@
+"""One request at a time: the decode tokens/s a single user sees, nanopaged against
+Hugging Face `generate` on the same prompt (issue 12, target 4).
+
+Decode speed is measured apart from the prefill: each engine generates 1 token, then N
+tokens, from the same prompt, and decode tokens/s = (N - 1) / (time(N) - time(1)). Each is
+the best of a few repeats. Prefix caching is off, so both timings compute the whole prompt.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from benchmarks.peers import load_hf
+from benchmarks.trace import Trace
+from nanopaged import LLM, EngineConfig, SamplingParams
+
+REPEATS = 3
+
+
+def single_stream_figures(model_dir: str, trace: Trace, settings: dict, config: EngineConfig) -> dict:
+    prompt, n = trace.prompts[0], max(2, max(trace.output_lens))
+    llm = LLM(model_dir, **{**settings, "enable_prefix_caching": False})
+
+    def nanopaged(tokens: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+
+    model = load_hf(model_dir, config)
+    ids = torch.tensor([prompt], device=model.device)
+
+    @torch.inference_mode()
+    def hf(tokens: int) -> None:
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                       max_new_tokens=tokens, min_new_tokens=tokens,
+                       pad_token_id=model.generation_config.pad_token_id or 0)
+
+    engine, peer = decode_tokens_per_s(nanopaged, n), decode_tokens_per_s(hf, n)
+    return {"prompt_tokens": len(prompt), "output_tokens": n, "nanopaged_decode_tokens_per_s": engine,
+            "hf_decode_tokens_per_s": peer, "ratio": engine / peer}
+
+
+def decode_tokens_per_s(generate, n: int) -> float:
+    generate(n)                                  # warm-up
+    best = 0.0
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        generate(1)
+        t1 = time.perf_counter()
+        generate(n)
+        t2 = time.perf_counter()
+        best = max(best, (n - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
+    return best
