@@ -85,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--block-size",
                  "--max-model-len"):
         p.add_argument(name, type=int, help="nanopaged engine setting (README); default: the engine's")
+    p.add_argument("--cpu-threads", choices=["auto", "none"],
+                   help="nanopaged's CPU threads: auto (the engine's default) follows the free cores; "
+                        "none keeps torch's count fixed")
     p.add_argument("--dtype", help="auto, float32, bfloat16, float16 (all engines)")
     p.add_argument("--device", help="auto, cpu, cuda (all engines)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
@@ -122,8 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def engine_settings(args) -> dict:
     """The engine settings given on the command line (the rest keep nanopaged's defaults)."""
     names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
-             "max_model_len", "dtype", "device")
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+             "max_model_len", "dtype", "device", "cpu_threads")
+    settings = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    if settings.get("cpu_threads") == "none":
+        settings["cpu_threads"] = None
+    return settings
 
 
 # ==== the trace, the timed runs, the figures =============================================

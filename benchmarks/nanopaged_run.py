@@ -35,6 +35,8 @@ def run_nanopaged(model_dir: str, trace: Trace, settings: dict) -> tuple[Run, di
         look_s += time.perf_counter() - t
 
     engine.observers.append(look)
+    if llm.thread_governor is not None:        # cpu_threads="auto": fit the threads, as generate does
+        llm.thread_governor.start()
     start = time.perf_counter()
     for r in requests:
         engine.queue(r)
@@ -42,6 +44,8 @@ def run_nanopaged(model_dir: str, trace: Trace, settings: dict) -> tuple[Run, di
         engine.step()
     wall = time.perf_counter() - start
     engine.observers.remove(look)
+    if llm.thread_governor is not None:        # cpu_threads="auto": the peers get torch's threads back
+        llm.thread_governor.restore()
 
     run = Run("nanopaged", wall, sum(r[0].num_output_tokens for r in requests),
               trace.num_prompt_tokens, len(requests), {"kv_look_s": look_s})

@@ -54,6 +54,7 @@ class EngineConfig:
     attention_backend: str = "auto"         # auto | torch | triton | flash
     enforce_eager: bool = False             # CUDA: no CUDA graphs
     seed: int = 0                           # for requests sampled without their own seed
+    cpu_threads: str | None = "auto"        # CPU: follow the free cores (extras/thread_governor.py); None: torch's
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
 
     def __post_init__(self) -> None:
@@ -71,6 +72,7 @@ class EngineConfig:
         check_bool("enforce_eager", self.enforce_eager)
         check_choice("prefix_hash", self.prefix_hash, tuple(HASH_FUNCTIONS))
         check_choice("attention_backend", self.attention_backend, ("auto", *ATTENTION_BACKENDS))
+        check_choice("cpu_threads", self.cpu_threads, (None, "auto"))
         check_model_folder(self.model)
         self.model_config = ModelConfig.from_folder(self.model)
         self._resolve_defaults()

@@ -4,15 +4,19 @@
     LLM.beam_search          beam search on shared blocks (extras/beam_search.py)
     LLM.get_stats            statistics of every step (extras/stats.py), reset by reset_stats
     the progress bar         shows output tokens/s, KV usage, prefix-cache hit rate, preemptions
+    cpu_threads="auto"       torch's CPU threads follow the free cores (extras/thread_governor.py)
 
 Each reaches the engine only through its hooks (a step observer, a token-selection rule).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from nanopaged.core import llm as core
 from nanopaged.extras.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from nanopaged.extras.demo_model import DEMO_MODEL, demo_model_path
 from nanopaged.extras.stats import EngineStats, ProgressBar
+from nanopaged.extras.thread_governor import ThreadGovernor
 from nanopaged.input_processor import PromptType
 
 
@@ -20,8 +24,26 @@ class LLM(core.LLM):
     def __init__(self, model: str | None = None, **config) -> None:
         if model is None or model == DEMO_MODEL:
             model = str(demo_model_path())
+        governor = ThreadGovernor()          # made first: the model's loading is its first window
         super().__init__(model, **config)
         self.stats = EngineStats(self.llm_engine)
+        self.thread_governor = None
+        if self.llm_engine.config.cpu_threads == "auto" and self.llm_engine.config.device == "cpu":
+            self.thread_governor = governor
+            self.llm_engine.observers.append(governor)
+
+    @contextmanager
+    def one_call_at_a_time(self):
+        """The core's guard; with cpu_threads="auto", the thread count is fitted before the call
+        and given back after it (torch's count is process-wide)."""
+        with super().one_call_at_a_time():
+            try:
+                if self.thread_governor is not None:
+                    self.thread_governor.start()
+                yield
+            finally:
+                if self.thread_governor is not None:
+                    self.thread_governor.restore()
 
     def beam_search(self, prompts: PromptType | list[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
