@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 from benchmarks.memory import kv_sample
-from benchmarks.trace import WARMUP_PROMPT, Run, Trace
+from benchmarks.trace import WARMUP_PROMPT, Run, StepTiming, Trace
 from nanopaged import LLM, EngineConfig, SamplingParams
 from nanopaged.core.engine import StepRecord
 
@@ -26,12 +26,15 @@ def run_nanopaged(model_dir: str, trace: Trace, settings: dict) -> tuple[Run, di
     requests = [engine.process_request(f"bench-{i}", {"prompt_token_ids": p},
                                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
                 for i, (p, n) in enumerate(zip(trace.prompts, trace.output_lens))]
-    samples, look_s = [], 0.0
+    samples, steps, look_s = [], [], 0.0
 
     def look(step: StepRecord) -> None:
         nonlocal look_s
         t = time.perf_counter()
         samples.append(kv_sample(t - start, step.running, engine.config))
+        scheduled = step.scheduler_output.scheduled     # counters already advanced by the step
+        steps.append(StepTiming(len(scheduled), sum(n for _, n in scheduled),
+                                sum(r.num_computed_tokens for r, _ in scheduled), step.times[2] - step.times[1]))
         look_s += time.perf_counter() - t
 
     engine.observers.append(look)
@@ -48,7 +51,7 @@ def run_nanopaged(model_dir: str, trace: Trace, settings: dict) -> tuple[Run, di
         llm.thread_governor.restore()
 
     run = Run("nanopaged", wall, sum(r[0].num_output_tokens for r in requests),
-              trace.num_prompt_tokens, len(requests), {"kv_look_s": look_s})
+              trace.num_prompt_tokens, len(requests), {"kv_look_s": look_s}, steps)
     return run, llm.get_stats(), samples, engine.config
 
 

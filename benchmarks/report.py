@@ -55,6 +55,11 @@ def print_table(r: dict) -> None:
     print(f"roofline: matmul {rf['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, {rf['flops_per_token'] / 1e6:.0f} "
           f"MFLOP/token -> {rf['roofline_tokens_per_s']:.0f} tok/s; nanopaged reaches {rf['fraction']:.1%}")
 
+    d = rf["decode_steps"]
+    if d["num_steps"]:
+        print(f"decode steps ({d['num_steps']}, {d['share_of_model_time']:.0%} of model time, median "
+              f"{d['median_rows']} rows): {d['flops_per_s'] / 1e9:.1f} GFLOP/s; a plain {d['median_rows']}-row "
+              f"matmul {d['plain_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({d['fraction_of_plain_matmul']:.1%})")
     ss = r["single_stream"]
     print(f"one request at a time ({ss['prompt_tokens']}-token prompt, {ss['output_tokens']} tokens): decode "
           f"nanopaged {ss['nanopaged_decode_tokens_per_s']:.1f} tok/s, hf generate "

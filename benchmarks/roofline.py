@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from benchmarks.trace import Run, Trace
+from benchmarks.trace import Run, StepTiming, Trace
 from nanopaged.models.config import ModelConfig
 
 
@@ -18,7 +18,8 @@ def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype:
     return {"matmul_flops_per_s": peak, "flops_per_token": per_token,
             "flops_share": {k: v / flops["total"] for k, v in flops.items() if k != "total"},
             "roofline_tokens_per_s": peak / per_token,
-            "fraction": (tokens / run.wall_s) / (peak / per_token)}
+            "fraction": (tokens / run.wall_s) / (peak / per_token),
+            "decode_steps": decode_figures(m, run.steps, device, dtype)}
 
 
 def measure_matmul_flops(device: str, dtype: torch.dtype) -> float:
@@ -48,11 +49,50 @@ def trace_flops(m: ModelConfig, trace: Trace) -> dict:
     the tokens that are sampled, one per output token. Attention, causal: 4 x layers x heads
     x head_dim x (context length) per token (QK^T and PV). Embedding lookups and norms: none.
     """
-    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
-    layer = m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * m.intermediate_size
-    linear = 2 * m.num_hidden_layers * layer * (trace.num_prompt_tokens + trace.num_output_tokens)
+    q = m.num_attention_heads * m.head_dim
+    linear = 2 * m.num_hidden_layers * layer_weights(m) * (trace.num_prompt_tokens + trace.num_output_tokens)
     logits = 2 * m.vocab_size * m.hidden_size * trace.num_output_tokens
     ctx = sum(n * (n + 1) // 2 for n in (len(p) + o for p, o in zip(trace.prompts, trace.output_lens)))
     attention = 4 * m.num_hidden_layers * q * ctx
     return {"linear": linear, "logits": logits, "attention": attention,
             "total": linear + logits + attention}
+
+
+def layer_weights(m: ModelConfig) -> int:
+    """Weights of one decoder layer's matmuls: q, k, v, o projections and the gated MLP."""
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    return m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * m.intermediate_size
+
+
+def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: torch.dtype) -> dict:
+    """Decode-only steps (one new token per row): the model's FLOP/s in their forward passes,
+    against a plain matmul with the same number of rows (the median step's), the MLP's shape.
+    A decode step of few rows streams every weight for little arithmetic, so even the plain
+    matmul is far from the square-matmul peak; what the step adds on top is the engine's."""
+    decode = [s for s in steps if s.num_tokens == s.num_rows]
+    if not decode:
+        return {"num_steps": 0}
+    q = m.num_attention_heads * m.head_dim
+    flops = sum(2 * m.num_hidden_layers * layer_weights(m) * s.num_rows + 2 * m.vocab_size * m.hidden_size
+                * s.num_rows + 4 * m.num_hidden_layers * q * s.context_tokens for s in decode)
+    seconds = sum(s.model_s for s in decode)
+    rows = sorted(s.num_rows for s in decode)[len(decode) // 2]
+    plain = measure_rows_matmul_flops(rows, m.hidden_size, m.intermediate_size, device, dtype)
+    return {"num_steps": len(decode), "share_of_model_time": seconds / sum(s.model_s for s in steps),
+            "median_rows": rows, "flops_per_s": flops / seconds, "plain_matmul_flops_per_s": plain,
+            "fraction_of_plain_matmul": flops / seconds / plain}
+
+
+def measure_rows_matmul_flops(rows: int, k: int, n: int, device: str, dtype: torch.dtype) -> float:
+    """Best FLOP/s of (rows x k) @ (k x n), timed over batches of 20 (one is too short to time)."""
+    a = torch.randn(rows, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    best = 0.0
+    for _ in range(5):
+        _sync(device)
+        t = time.perf_counter()
+        for _ in range(20):
+            a @ b
+        _sync(device)
+        best = max(best, 20 * 2 * rows * k * n / (time.perf_counter() - t))
+    return best

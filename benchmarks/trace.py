@@ -3,7 +3,7 @@ one engine's timed generation of it yields."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -38,6 +38,15 @@ WARMUP_PROMPT = {"prompt_token_ids": list(range(3, 19))}
 
 
 @dataclass
+class StepTiming:
+    """One engine step as the roofline sees it: its rows, tokens, context and forward time."""
+    num_rows: int                # requests in the step
+    num_tokens: int              # new tokens computed (a decode-only step: one per row)
+    context_tokens: int          # sum over rows of the context each row attends over
+    model_s: float               # the forward pass and sampling (StepRecord.times[2] - [1])
+
+
+@dataclass
 class Run:
     """One engine's timed generation."""
     name: str
@@ -46,6 +55,7 @@ class Run:
     prompt_tokens: int
     num_requests: int
     extra: dict
+    steps: list = field(default_factory=list, repr=False)   # StepTiming per step (nanopaged only)
 
     def figures(self) -> dict:
         return {"output_tokens_per_s": self.output_tokens / self.wall_s,

@@ -120,6 +120,26 @@ def test_the_busy_neighbour_burns_a_core_and_is_gone_afterwards():
     assert proc.poll() is not None
 
 
+def test_decode_steps_are_compared_with_a_plain_matmul_of_as_many_rows(tiny_run):
+    result = tiny_run[0]
+    d = result["roofline"]["decode_steps"]
+    assert 0 < d["num_steps"] < result["overhead"]["num_steps"]       # the first steps prefill
+    assert 1 <= d["median_rows"] <= 5 and 0 < d["share_of_model_time"] < 1
+    assert d["fraction_of_plain_matmul"] == pytest.approx(d["flops_per_s"] / d["plain_matmul_flops_per_s"])
+    assert result["targets"]["decode_vs_plain_matmul"]["value"] == d["fraction_of_plain_matmul"]
+
+
+def test_step_timings_add_up_to_the_tokens_computed(tiny_model_dirs):
+    from benchmarks.nanopaged_run import run_nanopaged
+    trace = bench.make_trace(4, (4, 12), (3, 9), seed=1, vocab_limit=512)
+    run = run_nanopaged(tiny_model_dirs["llama"], trace, {"block_size": 4, "num_kv_blocks": 64,
+                                                          "enable_prefix_caching": False})[0]
+    # every prompt token and every output token but the last (sampled, never fed back)
+    assert sum(s.num_tokens for s in run.steps) == trace.num_prompt_tokens + trace.num_output_tokens - 4
+    decode = [s for s in run.steps if s.num_tokens == s.num_rows]
+    assert decode and all(s.context_tokens >= s.num_rows and s.model_s > 0 for s in decode)
+
+
 @pytest.mark.parametrize("sizes", ["8,x", "0,8"])
 def test_bad_hf_batch_sizes_are_a_usage_error(sizes, capsys):
     with pytest.raises(SystemExit):
