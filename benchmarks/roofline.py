@@ -24,17 +24,7 @@ def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype:
 
 def measure_matmul_flops(device: str, dtype: torch.dtype) -> float:
     """Best FLOP/s of square matmuls on this machine: the ceiling the model's matmuls work under."""
-    best = 0.0
-    for n in (1024, 2048):
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        for _ in range(4):
-            _sync(device)
-            t = time.perf_counter()
-            a @ b
-            _sync(device)
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - t))
-    return best
+    return max(measure_rows_matmul_flops(n, n, n, device, dtype, repeat=1, tries=4) for n in (1024, 2048))
 
 
 def _sync(device: str) -> None:
@@ -83,16 +73,18 @@ def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: 
             "fraction_of_plain_matmul": flops / seconds / plain}
 
 
-def measure_rows_matmul_flops(rows: int, k: int, n: int, device: str, dtype: torch.dtype) -> float:
-    """Best FLOP/s of (rows x k) @ (k x n), timed over batches of 20 (one is too short to time)."""
+def measure_rows_matmul_flops(rows: int, k: int, n: int, device: str, dtype: torch.dtype,
+                              repeat: int = 20, tries: int = 5) -> float:
+    """Best FLOP/s of (rows x k) @ (k x n) over `tries` timings of `repeat` matmuls each (a small
+    one is too short to time alone)."""
     a = torch.randn(rows, k, device=device, dtype=dtype)
     b = torch.randn(k, n, device=device, dtype=dtype)
     best = 0.0
-    for _ in range(5):
+    for _ in range(tries):
         _sync(device)
         t = time.perf_counter()
-        for _ in range(20):
+        for _ in range(repeat):
             a @ b
         _sync(device)
-        best = max(best, 20 * 2 * rows * k * n / (time.perf_counter() - t))
+        best = max(best, repeat * 2 * rows * k * n / (time.perf_counter() - t))
     return best
