@@ -34,21 +34,20 @@ def run_nanopaged(model_dir: str, trace: Trace, settings: dict) -> tuple[Run, di
         samples.append(kv_sample(t - start, step.running, engine.config))
         scheduled = step.scheduler_output.scheduled     # counters already advanced by the step
         steps.append(StepTiming(len(scheduled), sum(n for _, n in scheduled),
-                                sum(r.num_computed_tokens for r, _ in scheduled), step.times[2] - step.times[1]))
+                                sum(r.num_computed_tokens for r, _ in scheduled),
+                                step.times[2] - step.times[1]))
         look_s += time.perf_counter() - t
 
     engine.observers.append(look)
-    if llm.thread_governor is not None:        # cpu_threads="auto": fit the threads, as generate does
-        llm.thread_governor.start()
-    start = time.perf_counter()
-    for r in requests:
-        engine.queue(r)
-    while engine.has_unfinished_requests():
-        engine.step()
-    wall = time.perf_counter() - start
+    # as in generate: one call at a time, and cpu_threads="auto" fits the threads, then gives them back
+    with llm.one_call_at_a_time():
+        start = time.perf_counter()
+        for r in requests:
+            engine.queue(r)
+        while engine.has_unfinished_requests():
+            engine.step()
+        wall = time.perf_counter() - start
     engine.observers.remove(look)
-    if llm.thread_governor is not None:        # cpu_threads="auto": the peers get torch's threads back
-        llm.thread_governor.restore()
 
     run = Run("nanopaged", wall, sum(r[0].num_output_tokens for r in requests),
               trace.num_prompt_tokens, len(requests), {"kv_look_s": look_s}, steps)
