@@ -35,10 +35,40 @@ class AttentionMetadata:
     query_lens_list: list[int]     # the same lengths as Python ints: slicing needs no device sync
     seq_lens_list: list[int]
     block_size: int
+    plan: "StepPlan | None" = None  # the torch backend's, made at the step's first layer
 
     @property
     def num_reqs(self) -> int:
         return len(self.query_lens_list)
+
+
+@dataclass
+class StepPlan:
+    """How the torch backend splits a step, worked out once and shared by every layer: the
+    index tensors and the mask depend on the step, not on the layer."""
+    prefills: list[tuple[int, int, int, int]]  # (request, first row, query_len, seq_len), query_len > 1
+    decode_rows: torch.Tensor | None           # (B,) the flat-batch row of each one-token request
+    decode_blocks: torch.Tensor | None         # (B * max_blocks,) their block tables, padded, flattened
+    decode_mask: torch.Tensor | None           # (B, 1, 1, max_blocks * block_size) key inside the request
+
+
+def plan_step(meta: AttentionMetadata) -> StepPlan:
+    prefills, decodes, start = [], [], 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        if q_len == 1:
+            decodes.append(i)
+        else:
+            prefills.append((i, start, q_len, seq_len))
+        start += q_len
+    if not decodes:
+        return StepPlan(prefills, None, None, None)
+    device = meta.slot_mapping.device
+    idx = torch.tensor(decodes, device=device)
+    max_blocks = cdiv(max(meta.seq_lens_list[i] for i in decodes), meta.block_size)
+    key_pos = torch.arange(max_blocks * meta.block_size, device=device)
+    mask = key_pos[None, :] < meta.seq_lens[idx][:, None]
+    return StepPlan(prefills, meta.query_start_loc[idx], meta.block_tables[idx, :max_blocks].flatten(),
+                    mask[:, None, None, :])
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -68,37 +98,33 @@ class TorchAttentionBackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim)."""
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        decode_rows, start = [], 0
-        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
-            if q_len == 1:
-                decode_rows.append(i)
-            else:
+        if meta.plan is None:
+            meta.plan = plan_step(meta)
+        plan, out = meta.plan, torch.empty_like(q)
+        for i, start, q_len, seq_len in plan.prefills:
+            rows = slice(start, start + q_len)
+            if seq_len == q_len:        # nothing earlier in the cache: its own new K/V is all of it
+                kk, vv = k[rows], v[rows]
+            else:                       # a later chunk, or a prefix-cache hit: read the blocks
                 kk = gather_kv(k_cache, meta.block_tables[i], seq_len)
                 vv = gather_kv(v_cache, meta.block_tables[i], seq_len)
-                out[start:start + q_len] = _attend(q[start:start + q_len], kk, vv, seq_len - q_len, scale)
-            start += q_len
-        if decode_rows:
-            self._decode(q, k_cache, v_cache, meta, decode_rows, scale, out)
+            out[rows] = _attend(q[rows], kk, vv, seq_len - q_len, scale)
+        if plan.decode_rows is not None:
+            self._decode(q, k_cache, v_cache, plan, scale, out)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta, rows, scale, out) -> None:
+    def _decode(self, q, k_cache, v_cache, plan: StepPlan, scale, out) -> None:
         """All one-token requests at once: gather their blocks padded to the longest."""
-        starts = meta.query_start_loc[:-1]
-        idx = torch.tensor(rows, device=q.device)
-        seq_lens = meta.seq_lens[idx]
-        max_blocks = cdiv(max(meta.seq_lens_list[i] for i in rows), meta.block_size)
-        tables = meta.block_tables[idx, :max_blocks].flatten()
+        rows, mask = plan.decode_rows, plan.decode_mask
         # index_select on the block axis: several times faster on CPU than cache[tables]
-        shape = (len(rows), max_blocks * meta.block_size) + k_cache.shape[2:]
-        kk = k_cache.index_select(0, tables).view(shape)   # (B, max_blocks * block_size, kv_heads, D)
-        vv = v_cache.index_select(0, tables).view(shape)
-        key_pos = torch.arange(kk.shape[1], device=q.device)
-        mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]   # (B, 1, 1, L)
-        qq = q[starts[idx]].unsqueeze(2)             # (B, heads, 1, D)
-        o = F.scaled_dot_product_attention(qq, kk.transpose(1, 2), vv.transpose(1, 2),
-                                           attn_mask=mask, scale=scale, enable_gqa=True)
-        out[starts[idx]] = o.squeeze(2)
+        shape = (len(rows), mask.shape[-1]) + k_cache.shape[2:]
+        kk = k_cache.index_select(0, plan.decode_blocks).view(shape)   # (B, max_blocks * block_size, kv_heads, D)
+        vv = v_cache.index_select(0, plan.decode_blocks).view(shape)
+        # GQA: the query heads that share a KV head become that head's queries, (B, kv_heads,
+        # group, D), so K/V are read as they are, never repeated per query head.
+        qq = q[rows].view(len(rows), kk.shape[2], -1, q.shape[-1])
+        o = F.scaled_dot_product_attention(qq, kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=mask, scale=scale)
+        out[rows] = o.flatten(1, 2)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int,
