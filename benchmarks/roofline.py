@@ -68,9 +68,33 @@ def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: 
     seconds = sum(s.model_s for s in decode)
     rows = sorted(s.num_rows for s in decode)[len(decode) // 2]
     plain = measure_rows_matmul_flops(rows, m.hidden_size, m.intermediate_size, device, dtype)
+    own = measure_model_matmuls_flops(m, rows, device, dtype)
     return {"num_steps": len(decode), "share_of_model_time": seconds / sum(s.model_s for s in steps),
             "median_rows": rows, "flops_per_s": flops / seconds, "plain_matmul_flops_per_s": plain,
-            "fraction_of_plain_matmul": flops / seconds / plain}
+            "fraction_of_plain_matmul": flops / seconds / plain,
+            "model_matmuls_flops_per_s": own, "fraction_of_model_matmuls": flops / seconds / own}
+
+
+def measure_model_matmuls_flops(m: ModelConfig, rows: int, device: str, dtype: torch.dtype,
+                                tries: int = 3) -> float:
+    """Best FLOP/s of one pass of the decode step's own matmuls and nothing else: every layer's
+    q/k/v, o, gate/up and down weights and the lm_head, each its own tensor as in the model.
+    Unlike the plain matmul above, whose one small weight stays in the CPU's cache, these
+    stream from memory as a real step's do: the ceiling a decode step of `rows` rows works under."""
+    q, kv, h, i = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.hidden_size, m.intermediate_size
+    shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * m.num_hidden_layers + [(m.vocab_size, h)]
+    weights = [torch.randn(n, k, device=device, dtype=dtype) for n, k in shapes]
+    inputs = {k: torch.randn(rows, k, device=device, dtype=dtype) for _, k in shapes}
+    flops = sum(2 * rows * n * k for n, k in shapes)
+    best = 0.0
+    for _ in range(tries):
+        _sync(device)
+        t = time.perf_counter()
+        for w in weights:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
+        _sync(device)
+        best = max(best, flops / (time.perf_counter() - t))
+    return best
 
 
 def measure_rows_matmul_flops(rows: int, k: int, n: int, device: str, dtype: torch.dtype,

@@ -126,6 +126,7 @@ def test_decode_steps_are_compared_with_a_plain_matmul_of_as_many_rows(tiny_run)
     assert 0 < d["num_steps"] < result["overhead"]["num_steps"]       # the first steps prefill
     assert 1 <= d["median_rows"] <= 5 and 0 < d["share_of_model_time"] < 1
     assert d["fraction_of_plain_matmul"] == pytest.approx(d["flops_per_s"] / d["plain_matmul_flops_per_s"])
+    assert d["fraction_of_model_matmuls"] == pytest.approx(d["flops_per_s"] / d["model_matmuls_flops_per_s"])
     assert result["targets"]["decode_vs_plain_matmul"]["value"] == d["fraction_of_plain_matmul"]
 
 
@@ -195,3 +196,12 @@ def test_random_weights_need_no_demo_model(tmp_path, monkeypatch):
                     "--input-len", "4", "8", "--output-len", "2", "4", "--num-kv-blocks", "32"])
     assert r["engine"]["output_tokens"] > 0
     assert (tmp_path / "bench" / "tiny-qwen3-random-v2" / "tokenizer.json").is_file()
+
+
+def test_a_decode_step_launches_as_many_torch_ops_for_two_rows_as_for_six(tiny_model_dirs):
+    """The decode path has no per-request loop: the op count is per layer, not per request."""
+    from benchmarks.profile_step import profile_decode_step
+    two, six = (profile_decode_step(tiny_model_dirs["qwen3"], rows) for rows in (2, 6))
+    assert two["num_ops"] == six["num_ops"] > 0
+    assert two["self_ms_by_group"]["matmul"] > 0 and six["step_ms"] > 0
+    assert sum(c for n, c in six["ops_by_name"].items()) == six["num_ops"]
