@@ -25,9 +25,9 @@ def test_profiling_forward_keeps_positions_inside_the_rotary_tables(tiny_model_d
     (on CUDA a device-side assert that poisons the process). It is cut into sequences."""
     llm = LLM(tiny_model_dirs["llama"], max_model_len=40, max_num_batched_tokens=100, num_kv_blocks=8)
     runner = llm.llm_engine.runner
-    assert runner.model.model.layers[0].self_attn.rotary.cos.shape[0] == 40
+    assert runner.model.model.rotary.cos.shape[0] == 40
     with pytest.raises(IndexError, match="out of bounds"):      # what one sequence of 100 positions would do
-        runner.model.model.layers[0].self_attn.rotary.cos[torch.arange(100)]
+        runner.model.model.rotary.cos[torch.arange(100)]
     scratch_bytes = runner.profile_forward()               # 100 tokens as 40 + 40 + 20
     bytes_per_block = runner.model_config.kv_bytes_per_token(4) * 16
     assert scratch_bytes == (3 + 3 + 2) * bytes_per_block
