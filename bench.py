@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "1 on a shared machine, where threads waiting for a busy core stall every op")
     # engine settings, passed through to nanopaged (and mirrored in the peers where they exist)
     for name in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--block-size",
-                 "--max-model-len"):
+                 "--max-model-len", "--tensor-parallel-size"):
         p.add_argument(name, type=int, help="nanopaged engine setting (README); default: the engine's")
     p.add_argument("--cpu-threads", choices=["auto", "none"],
                    help="nanopaged's CPU threads: auto (the engine's default) follows the free cores; "
@@ -125,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def engine_settings(args) -> dict:
     """The engine settings given on the command line (the rest keep nanopaged's defaults)."""
     names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
-             "max_model_len", "dtype", "device", "cpu_threads")
+             "max_model_len", "dtype", "device", "cpu_threads", "tensor_parallel_size")
     settings = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if settings.get("cpu_threads") == "none":
         settings["cpu_threads"] = None

@@ -11,6 +11,7 @@
     figures.py         ratios to the peers, where step time goes, the targets, published figures
     workloads.py       the other workloads: prefix caching on vs off, sharing inside a request
     serve.py           --workload serve: streaming clients at a Poisson rate against nanopaged serve and transformers serve
+    tensor_parallel.py per-rank weight and KV memory, the step message's bytes, tok/s at N = 1 and 2
     profile_step.py    one decode step under the torch profiler: its op count and where its time goes
     machine.py         the machine and the library versions a result was measured with
     report.py          the tables printed and the plot drawn

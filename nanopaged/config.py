@@ -55,6 +55,7 @@ class EngineConfig:
     enforce_eager: bool = False             # CUDA: no CUDA graphs
     seed: int = 0                           # for requests sampled without their own seed
     cpu_threads: str | None = "auto"        # CPU: follow the free cores (extras/thread_governor.py); None: torch's
+    tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
 
     def __post_init__(self) -> None:
@@ -73,9 +74,11 @@ class EngineConfig:
         check_choice("prefix_hash", self.prefix_hash, tuple(HASH_FUNCTIONS))
         check_choice("attention_backend", self.attention_backend, ("auto", *ATTENTION_BACKENDS))
         check_choice("cpu_threads", self.cpu_threads, (None, "auto"))
+        check_range("tensor_parallel_size", self.tensor_parallel_size, 1, integer=True)
         check_model_folder(self.model)
         self.model_config = ModelConfig.from_folder(self.model)
         self._resolve_defaults()
+        check_tensor_parallel(self.model_config, self.tensor_parallel_size, self.device)
 
     def _resolve_defaults(self) -> None:
         if self.device == "auto":
@@ -191,6 +194,19 @@ def check_model_folder(model: str) -> None:
         raise ValueError(f"model folder {model!r} has no *.safetensors weights")
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"model folder {model!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+
+
+def check_tensor_parallel(m: ModelConfig, size: int, device: str) -> None:
+    """Before any process starts: every rank must get whole heads and an equal share of the MLP
+    (Megatron's split, the paper's section 4.6), and on CUDA a device of its own."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(m, name) % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide the model's {name}={getattr(m, name)}")
+    if device == "cuda" and size > 1:
+        import torch
+        if size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={size} is larger than the {torch.cuda.device_count()} "
+                             "CUDA devices here (one rank per device)")
 
 
 def check_memory_fits(nbytes: int, device: str, what: str) -> None:

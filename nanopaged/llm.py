@@ -5,13 +5,16 @@
     LLM.get_stats            statistics of every step (extras/stats.py), reset by reset_stats
     the progress bar         shows output tokens/s, KV usage, prefix-cache hit rate, preemptions
     cpu_threads="auto"       torch's CPU threads follow the free cores (extras/thread_governor.py)
+    tensor_parallel_size=N   N ranks, 1/N of the heads each, behind the runner (extras/tensor_parallel/)
 
 Each reaches the engine only through its hooks (a step observer, a token-selection rule).
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
+from nanopaged.config import EngineConfig
 from nanopaged.core import llm as core
 from nanopaged.extras.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from nanopaged.extras.demo_model import DEMO_MODEL, demo_model_path
@@ -28,9 +31,20 @@ class LLM(core.LLM):
         super().__init__(model, **config)
         self.stats = EngineStats(self.llm_engine)
         self.thread_governor = None
-        if self.llm_engine.config.cpu_threads == "auto" and self.llm_engine.config.device == "cpu":
+        cfg = self.llm_engine.config
+        if cfg.cpu_threads == "auto" and cfg.device == "cpu" and cfg.tensor_parallel_size == 1:
             self.thread_governor = governor
             self.llm_engine.observers.append(governor)
+
+    def make_runner(self, config: EngineConfig):
+        """tensor_parallel_size > 1: the driver's runner with N ranks behind it (each rank has
+        cores // N threads, so no governor); the workers stop when this LLM is deleted."""
+        if config.tensor_parallel_size == 1:
+            return super().make_runner(config)
+        from nanopaged.extras.tensor_parallel import TensorParallelRunner   # torch.distributed only when used
+        runner = TensorParallelRunner(config)
+        weakref.finalize(self, runner.shutdown)
+        return runner
 
     @contextmanager
     def one_call_at_a_time(self):

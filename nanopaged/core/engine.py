@@ -7,9 +7,10 @@ All validation happens before a request is queued: one that can never run raises
 ValueError and the engine goes on serving the others. `LLM.generate` (llm.py) is a loop
 over `step`; drive the engine directly to stream. docs/00_how_to_read.md walks one step.
 
-Extensions reach the engine through two hooks: `step(select_tokens)` takes a
-token-selection rule in place of the sampler (beam search), and every function in
-`observers` sees each step's `StepRecord` (statistics, the bench).
+Extensions reach the engine through three hooks: `step(select_tokens)` takes a
+token-selection rule in place of the sampler (beam search), every function in
+`observers` sees each step's `StepRecord` (statistics, the bench), and `make_runner`
+builds another runner with ModelRunner's interface (tensor parallelism: N ranks behind it).
 """
 from __future__ import annotations
 
@@ -44,10 +45,11 @@ class StepRecord:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig,
+                 make_runner: Callable[[EngineConfig], ModelRunner] = ModelRunner) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
-        self.runner = ModelRunner(config)
+        self.runner = make_runner(config)
         block_pool = BlockPool(self.runner.num_kv_blocks, config.block_size,
                                config.enable_prefix_caching, config.prefix_hash)
         self.scheduler = Scheduler(block_pool, config.max_num_seqs, config.max_num_batched_tokens)

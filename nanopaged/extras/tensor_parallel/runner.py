@@ -1,0 +1,213 @@
+"""The driver's runner: ModelRunner's interface for the engine, N ranks behind it.
+
+    LLM(model, tensor_parallel_size=N)
+      driver process = rank 0: engine, scheduler, block pool, sampler, and 1/N of the model
+      N - 1 workers  = ranks 1..N-1 (worker.py), spawned here, or started by torchrun
+
+One step (`execute`): prepare the inputs as ModelRunner does, broadcast them to every rank
+(step_message.py), run rank 0's share (the all-reduces inside the model keep the ranks in
+lockstep), and sample on the gathered logits as a single-process engine would. The engine
+cannot tell the difference (the `make_runner` hook of core/engine.py).
+
+Failure and shutdown: if a step fails in any rank, the ranks are out of step for good, so
+the runner stops every worker and raises (with the worker's traceback when a worker failed);
+later calls raise too: make a new LLM. The workers also stop when the runner is shut down,
+garbage-collected, or the program exits (weakref.finalize): a STOP message, a join with a
+timeout, then terminate; the process groups are destroyed, so no process and no port is
+left behind. One tensor-parallel LLM at a time per process: torch.distributed has one
+default group. docs/09_tensor_parallel.md.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanopaged.config import EngineConfig
+from nanopaged.core.model_runner import ModelRunnerOutput
+from nanopaged.core.scheduler import SchedulerOutput
+from nanopaged.extras.tensor_parallel import parallel_state as ps
+from nanopaged.extras.tensor_parallel.rank_runner import RankRunner
+from nanopaged.extras.tensor_parallel.step_message import message_bytes, pack, stop_header, unpack
+from nanopaged.extras.tensor_parallel.worker import worker_main
+
+JOIN_TIMEOUT_S = 5.0      # a worker told to stop exits within this, or is terminated
+REPORT_TIMEOUT_S = 0.2    # a failed worker sends its traceback before its sockets close
+
+
+class TensorParallelError(RuntimeError):
+    """A worker failed, or the workers stopped after a failed step."""
+
+
+@dataclass
+class Workers:
+    """The driver's handles on its workers: plain data, so that `stop` needs no runner."""
+    processes: list = field(default_factory=list)
+    pipes: list = field(default_factory=list)        # receiving ends of the workers' pipes (worker.py)
+    store: object = None                             # the TCPStore this process hosts
+    control: object = None                           # the control group, for the STOP message
+    threads_before: int = 0
+    stopped_because: str | None = None
+
+    def reports(self) -> list[str]:
+        """The tracebacks failed workers sent."""
+        out = []
+        for conn in self.pipes:
+            while not conn.closed and conn.poll(REPORT_TIMEOUT_S):
+                try:
+                    kind, text = conn.recv()
+                except EOFError:        # the worker is gone; it said all it had to say
+                    break
+                if kind == "failed":
+                    out.append(text)
+        return out
+
+    def wait_until_joining(self) -> None:
+        """Wait for every worker's "joining" before the rendezvous, so that a worker that dies while
+        starting (an import error, a script without a main guard) is an error now, not a long timeout."""
+        deadline = time.monotonic() + ps.STORE_TIMEOUT.total_seconds()
+        for rank, (p, conn) in enumerate(zip(self.processes, self.pipes), start=1):
+            while not conn.poll(0.1):
+                if not p.is_alive() or time.monotonic() > deadline:
+                    raise TensorParallelError(_not_started(rank, p))
+            try:
+                kind, text = conn.recv()
+            except EOFError:
+                raise TensorParallelError(_not_started(rank, p)) from None
+            if kind == "failed":
+                raise TensorParallelError(text)
+
+
+def _not_started(rank: int, process) -> str:
+    process.join(1.0)             # its exit code, if it is on its way out
+    return (f"tensor-parallel worker rank {rank} did not start (exit code {process.exitcode}). Its own traceback is on "
+            "stderr. A script that creates a tensor-parallel LLM must do it under `if __name__ == "
+            "'__main__':`, since spawned workers import the script's main module (docs/09_tensor_parallel.md)")
+
+
+def stop(workers: Workers, reason: str = "shut down") -> None:
+    """Stop every worker and leave the process groups; safe to call twice, and after a failure."""
+    if workers.stopped_because is not None:
+        return
+    workers.stopped_because = reason
+    if dist.is_initialized() and all(p.is_alive() for p in workers.processes):
+        try:
+            dist.broadcast(stop_header(), src=0, group=workers.control)
+        except Exception:      # a worker died meanwhile: terminated below
+            pass
+    wait_s = JOIN_TIMEOUT_S if reason == "shut down" else 1.0   # after a failure a worker may be stuck mid-step
+    for p in workers.processes:
+        p.join(wait_s)
+        if p.is_alive():
+            p.terminate()
+            p.join(JOIN_TIMEOUT_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    ps.leave()
+    for conn in workers.pipes:
+        conn.close()
+    workers.store = workers.control = None    # the store's listening socket closes with it
+    if workers.threads_before:
+        torch.set_num_threads(workers.threads_before)
+
+
+class TensorParallelRunner(RankRunner):
+    """Rank 0's share of the model, plus the driver's job: start the workers, send each step."""
+
+    def __init__(self, config: EngineConfig, rank_runner_class: type[RankRunner] = RankRunner) -> None:
+        if dist.is_initialized():
+            gc.collect()              # an unreachable earlier LLM (e.g. a re-run notebook cell) stops now
+        if dist.is_initialized():
+            raise RuntimeError("a tensor-parallel LLM (or another torch.distributed job) is already running "
+                               "in this process; delete it first (one default process group per process)")
+        n = config.tensor_parallel_size
+        self.workers = Workers(threads_before=torch.get_num_threads() if config.device == "cpu" else 0)
+        self._finalizer = weakref.finalize(self, stop, self.workers)
+        self.bytes_sent, self.steps_sent = 0, 0
+        try:
+            group = self._start(config, n, rank_runner_class)
+            self.workers.control = group.control
+            super().__init__(config, group)
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _start(self, config: EngineConfig, n: int, rank_runner_class) -> ps.RankGroup:
+        """Join the job as rank 0, starting the workers first unless torchrun started them."""
+        if config.device == "cpu":
+            torch.set_num_threads(ps.threads_per_rank(n))
+        if ps.launched_by_torchrun():
+            return self._join_torchrun(config, n, rank_runner_class)
+        self.workers.store, address = ps.host_store(n)
+        ctx = mp.get_context("spawn")
+        for rank in range(1, n):
+            receive, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=worker_main, args=(config, rank, address, send, rank_runner_class),
+                            name=f"nanopaged-tp-rank{rank}", daemon=True)
+            p.start()
+            send.close()              # the worker holds the sending end now: its death is an EOF here
+            self.workers.processes.append(p)
+            self.workers.pipes.append(receive)
+        self.workers.wait_until_joining()
+        return ps.join(0, n, config.device, address, self.workers.store)
+
+    def _join_torchrun(self, config: EngineConfig, n: int, rank_runner_class) -> ps.RankGroup:
+        """torchrun started every rank running the same script: rank 0 drives, the others serve
+        steps inside this constructor and exit the program when the driver stops."""
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world_size != n:
+            raise ValueError(f"tensor_parallel_size={n} but torchrun started WORLD_SIZE={world_size} ranks")
+        if rank != 0:
+            worker_main(config, rank, None, None, rank_runner_class)
+            raise SystemExit(0)
+        return ps.join(0, n, config.device, None)
+
+    # ---- one step --------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self.workers.stopped_because is not None:
+            raise TensorParallelError(f"the tensor-parallel workers have stopped ({self.workers.stopped_because}); "
+                                      "create a new LLM")
+        inputs = self.prepare_inputs(out)
+        prompt_rows = [row for _, _, rows in inputs.prompt_rows for row in rows]
+        header, body = pack(inputs.input_ids, inputs.positions, inputs.meta,
+                            inputs.sample_rows + prompt_rows, out.blocks_to_copy)
+        try:
+            self.group.broadcast_from_driver(header)
+            self.group.broadcast_from_driver(body)
+            logits = self.run(unpack(header, body, self.block_size, self.device))
+        except BaseException as e:
+            self._fail(e)
+            raise
+        self.bytes_sent += message_bytes(header, body)
+        self.steps_sent += 1
+        return self._split(inputs, logits)
+
+    def _split(self, inputs, logits: torch.Tensor | None) -> ModelRunnerOutput:
+        """The gathered logits back into sampling rows and each request's prompt rows."""
+        if logits is None:
+            logits = torch.empty((0, self.config.model_config.vocab_size), dtype=self.dtype, device=self.device)
+        start, prompt_logits = len(inputs.sample_rows), []
+        for request, first, rows in inputs.prompt_rows:
+            prompt_logits.append((request, first, logits[start:start + len(rows)]))
+            start += len(rows)
+        return ModelRunnerOutput(inputs.sample_requests, logits[:len(inputs.sample_rows)], prompt_logits)
+
+    # ---- failure and shutdown --------------------------------------------------------
+    def _fail(self, error: BaseException) -> None:
+        """A step (or the start) failed: stop everything; raise a worker's traceback if one came."""
+        reports = self.workers.reports()
+        stop(self.workers, reason=f"after {type(error).__name__}: {error}"[:300])
+        if reports:
+            raise TensorParallelError("\n".join(reports)) from error
+
+    def shutdown(self) -> None:
+        """Stop the workers now (also happens when the runner is collected or the program exits)."""
+        self._finalizer()

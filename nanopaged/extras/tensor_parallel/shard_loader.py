@@ -1,0 +1,75 @@
+"""Each rank reads only its own slices of the safetensors files.
+
+safetensors maps a file into memory and `safe_open(...).get_slice(name)[a:b]` copies out only
+rows a..b (or columns, `[:, a:b]`), so a rank never holds a whole weight, let alone the whole
+model (vLLM's weight loaders narrow each tensor the same way: `weight_loader` in
+vllm/model_executor/layers/linear.py). Where a tensor goes is the plain loader's rule
+(models/loader.py: q/k/v and gate/up into their slice of the fused weight); which slice to
+read is the layer's `tp_dim` (layers.py):
+
+    tp_dim 0   rows  [r * n, (r + 1) * n)   column-parallel weights and biases, vocab rows
+    tp_dim 1   cols  [r * n, (r + 1) * n)   row-parallel weights
+    none       the whole tensor             norms: every rank holds a copy
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from nanopaged.models.loader import PACKED, _expected, _load_one
+
+
+def load_shard(model: nn.Module, folder: str | Path, rank: int) -> None:
+    """Fill a `parallelize`d model with rank `rank`'s slices; every parameter exactly once."""
+    folder = Path(folder)
+    params = dict(model.named_parameters())
+    loaded: set = set()
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in params):
+                        continue   # recomputed / tied, as in the plain loader
+                    dim, length = shard_of(model, name)
+                    _load_one(params, name, read_shard(f.get_slice(name), dim, length, rank), loaded, model)
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from e
+    missing = sorted(str(x) for x in _expected(model, params) - loaded)
+    if missing:
+        raise ValueError(f"weights missing from {folder} for rank {rank}: {', '.join(missing[:5])}")
+
+
+def shard_of(model: nn.Module, name: str) -> tuple[int | None, int]:
+    """(axis to cut, rows or columns per rank) for a checkpoint tensor; (None, 0): read it whole."""
+    parts = name.split(".")
+    try:
+        for i, part in enumerate(parts):
+            if part in PACKED:   # q_proj -> its width inside this rank's qkv_proj
+                fused, shard = PACKED[part]
+                return 0, model.get_submodule(".".join(parts[:i] + [fused])).shard_sizes[shard]
+        module = model.get_submodule(".".join(parts[:-1]))
+    except AttributeError:
+        return None, 0           # not in the model: the plain loader names the tensor in its error
+    dim = getattr(module, "tp_dim", None)
+    if dim is None or (parts[-1] != "weight" and dim != 0):
+        return None, 0
+    return dim, getattr(module, parts[-1]).shape[dim]
+
+
+def read_shard(tensor_slice, dim: int | None, length: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s `length` rows (dim 0) or columns (dim 1), zero-padded past the end
+    (the vocabulary's last rows when N does not divide it)."""
+    if dim is None:
+        return tensor_slice[:]
+    full = tensor_slice.get_shape()[dim]
+    start = min(rank * length, full)
+    end = min(start + length, full)
+    part = tensor_slice[start:end] if dim == 0 else tensor_slice[:, start:end]
+    if end - start < length:
+        shape = list(part.shape)
+        shape[dim] = length - (end - start)
+        part = torch.cat([part, part.new_zeros(shape)], dim=dim)
+    return part
