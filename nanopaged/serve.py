@@ -95,7 +95,10 @@ def main(argv: list[str] | None = None) -> None:
 
     engine_loop.start()
     try:
-        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)).run()
+        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                              lifespan="off")).run()   # no startup hooks; "on" logs a traceback on Ctrl-C
+    except KeyboardInterrupt:                   # Ctrl-C: uvicorn has shut down gracefully, then re-raises it
+        print("nanopaged: stopped", flush=True)
     finally:
         engine_loop.stop()
 

@@ -408,3 +408,14 @@ def test_the_serve_benchmark_runs(tiny_model_dirs, tmp_path):
     assert figures["completed"] == 4 and figures["failed"] == 0
     assert figures["output_tokens_per_s"] > 0 and figures["ttft_ms_p50"] > 0
     assert json.loads(out.read_text())["servers"]["nanopaged"]["completed"] == 4
+
+
+def test_ctrl_c_stops_the_server_without_a_traceback(tiny_model_dirs):
+    """SIGINT (Ctrl-C in a terminal): uvicorn shuts down, then re-raises it; the server says
+    it stopped and exits 0, with no traceback in its output."""
+    import signal
+    with start_nanopaged(tiny_model_dirs["llama"], ENGINE_ARGS, timeout_s=120) as s:
+        s.process.send_signal(signal.SIGINT)
+        assert s.process.wait(timeout=30) == 0
+    out = s.log.read_text(errors="replace")
+    assert "nanopaged: stopped" in out and "Traceback" not in out, out[-2000:]
