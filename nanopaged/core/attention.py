@@ -53,6 +53,7 @@ class StepPlan:
 
 
 def plan_step(meta: AttentionMetadata) -> StepPlan:
+    """Sort the step's requests into prefill chunks and one-token rows; index the latter once."""
     prefills, decodes, start = [], [], 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
         if q_len == 1:
