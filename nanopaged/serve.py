@@ -97,10 +97,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                               lifespan="off")).run()   # no startup hooks; "on" logs a traceback on Ctrl-C
-    except KeyboardInterrupt:                   # Ctrl-C: uvicorn has shut down gracefully, then re-raises it
-        print("nanopaged: stopped", flush=True)
+    except KeyboardInterrupt:       # Ctrl-C: uvicorn shuts down gracefully, then may re-raise it
+        pass
     finally:
         engine_loop.stop()
+    print("nanopaged: stopped", flush=True)
 
 
 def cli() -> None:
