@@ -36,7 +36,7 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
         except Exception as e:   # a truncated or foreign file fails in safetensors' own way
             raise ValueError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}") from e
     missing = sorted(f"{n}[shard {s}]" if s is not None else n
-                     for n, s in _expected(model, params) - loaded)
+                     for n, s in expected_tensors(model, params) - loaded)
     if missing:
         raise ValueError(f"weights missing from {folder}: {', '.join(missing[:5])}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
@@ -49,10 +49,12 @@ def _load_file(file: Path, params, loaded, model) -> None:
                 continue                   # recomputed, never a real weight
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 continue                   # tied embeddings: the checkpoint may still carry it
-            _load_one(params, name, f.get_tensor(name), loaded, model)
+            load_tensor(params, name, f.get_tensor(name), loaded, model)
 
 
-def _load_one(params, name, tensor, loaded, model) -> None:
+def load_tensor(params, name, tensor, loaded, model) -> None:
+    """One checkpoint tensor into its parameter (or its shard of a fused q/k/v or gate/up one);
+    records (parameter, shard) in `loaded`. The tensor-parallel loader passes a rank's slice."""
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in PACKED:
@@ -68,7 +70,7 @@ def _load_one(params, name, tensor, loaded, model) -> None:
     loaded.add((name, None))
 
 
-def _expected(model, params) -> set:
+def expected_tensors(model, params) -> set:
     """(parameter, shard) pairs a complete checkpoint fills; shard None for unfused ones."""
     expected = set()
     for name in params:

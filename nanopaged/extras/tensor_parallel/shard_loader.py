@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from nanopaged.models.loader import PACKED, _expected, _load_one
+from nanopaged.models.loader import PACKED, expected_tensors, load_tensor
 
 
 def load_shard(model: nn.Module, folder: str | Path, rank: int) -> None:
@@ -34,10 +34,10 @@ def load_shard(model: nn.Module, folder: str | Path, rank: int) -> None:
                     if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in params):
                         continue   # recomputed / tied, as in the plain loader
                     dim, length = shard_of(model, name)
-                    _load_one(params, name, read_shard(f.get_slice(name), dim, length, rank), loaded, model)
+                    load_tensor(params, name, read_shard(f.get_slice(name), dim, length, rank), loaded, model)
         except ValueError as e:
             raise ValueError(f"{file}: {e}") from e
-    missing = sorted(str(x) for x in _expected(model, params) - loaded)
+    missing = sorted(str(x) for x in expected_tensors(model, params) - loaded)
     if missing:
         raise ValueError(f"weights missing from {folder} for rank {rank}: {', '.join(missing[:5])}")
 
