@@ -45,11 +45,14 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
 def _load_file(file: Path, params, loaded, model) -> None:
     with safe_open(str(file), framework="pt") as f:
         for name in f.keys():
-            if name.endswith("rotary_emb.inv_freq"):
-                continue                   # recomputed, never a real weight
-            if name == "lm_head.weight" and "lm_head.weight" not in params:
-                continue                   # tied embeddings: the checkpoint may still carry it
-            load_tensor(params, name, f.get_tensor(name), loaded, model)
+            if not is_skipped(name, params):
+                load_tensor(params, name, f.get_tensor(name), loaded, model)
+
+
+def is_skipped(name: str, params) -> bool:
+    """Checkpoint tensors that are not weights of this model."""
+    return (name.endswith("rotary_emb.inv_freq")                           # recomputed, never a real weight
+            or (name == "lm_head.weight" and "lm_head.weight" not in params))   # tied: may still be carried
 
 
 def load_tensor(params, name, tensor, loaded, model) -> None:

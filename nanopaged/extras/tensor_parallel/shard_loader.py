@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from nanopaged.models.loader import PACKED, expected_tensors, load_tensor
+from nanopaged.models.loader import PACKED, expected_tensors, is_skipped, load_tensor
 
 
 def load_shard(model: nn.Module, folder: str | Path, rank: int) -> None:
@@ -31,8 +31,8 @@ def load_shard(model: nn.Module, folder: str | Path, rank: int) -> None:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in params):
-                        continue   # recomputed / tied, as in the plain loader
+                    if is_skipped(name, params):
+                        continue
                     dim, length = shard_of(model, name)
                     load_tensor(params, name, read_shard(f.get_slice(name), dim, length, rank), loaded, model)
         except ValueError as e:
