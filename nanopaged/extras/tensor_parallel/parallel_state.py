@@ -10,7 +10,7 @@ Every rank (the driver is rank 0) joins one torch.distributed job of N processes
 The two groups mirror vLLM's `GroupCoordinator` (vllm/distributed/parallel_state.py), which
 keeps a gloo `cpu_group` for metadata beside the device group. A rank that dies closes its
 sockets, and gloo fails the peers' pending call at once ("Connection closed by peer"): that,
-not the timeout, is how an error in one rank reaches the others within a second.
+not the timeout, is how an error in one rank reaches the others within seconds.
 
 Rendezvous: under torchrun the standard variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
 say everything (`env://`). Otherwise the driver hosts a TCPStore on MASTER_ADDR:MASTER_PORT

@@ -34,7 +34,7 @@ from nanopaged.core.model_runner import ModelRunnerOutput
 from nanopaged.core.scheduler import SchedulerOutput
 from nanopaged.extras.tensor_parallel import parallel_state as ps
 from nanopaged.extras.tensor_parallel.rank_runner import RankRunner
-from nanopaged.extras.tensor_parallel.step_message import message_bytes, pack, stop_header, unpack
+from nanopaged.extras.tensor_parallel.step_message import StepInputs, message_bytes, pack, stop_header
 from nanopaged.extras.tensor_parallel.worker import worker_main
 
 JOIN_TIMEOUT_S = 5.0      # a worker told to stop exits within this, or is terminated
@@ -176,13 +176,14 @@ class TensorParallelRunner(RankRunner):
             raise TensorParallelError(f"the tensor-parallel workers have stopped ({self.workers.stopped_because}); "
                                       "create a new LLM")
         inputs = self.prepare_inputs(out)
-        prompt_rows = [row for _, _, rows in inputs.prompt_rows for row in rows]
-        header, body = pack(inputs.input_ids, inputs.positions, inputs.meta,
-                            inputs.sample_rows + prompt_rows, out.blocks_to_copy)
+        logit_rows = inputs.sample_rows + [row for _, _, rows in inputs.prompt_rows for row in rows]
+        header, body = pack(inputs.input_ids, inputs.positions, inputs.meta, logit_rows, out.blocks_to_copy)
         try:
             self.group.broadcast_from_driver(header)
             self.group.broadcast_from_driver(body)
-            logits = self.run(unpack(header, body, self.block_size, self.device))
+            # The workers unpack the message into these same inputs; rank 0 already has them.
+            logits = self.run(StepInputs(inputs.input_ids, inputs.positions, inputs.meta, logit_rows,
+                                         out.blocks_to_copy))
         except BaseException as e:
             self._fail(e)
             raise
