@@ -13,6 +13,7 @@
     serve.py           --workload serve: streaming clients at a Poisson rate against nanopaged serve and transformers serve
     tensor_parallel.py per-rank weight and KV memory, the step message's bytes, tok/s at N = 1 and 2
     profile_step.py    one decode step under the torch profiler: its op count and where its time goes
+    skinny_matmul.py   one pass of the model's matmuls at a few row and thread counts, against a copy of the same bytes
     machine.py         the machine and the library versions a result was measured with
     report.py          the tables printed and the plot drawn
 """

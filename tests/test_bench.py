@@ -205,3 +205,19 @@ def test_a_decode_step_launches_as_many_torch_ops_for_two_rows_as_for_six(tiny_m
     assert two["num_ops"] == six["num_ops"] > 0
     assert two["self_ms_by_group"]["matmul"] > 0 and six["step_ms"] > 0
     assert sum(c for n, c in six["ops_by_name"].items()) == six["num_ops"]
+
+
+def test_the_skinny_matmul_probe_times_every_row_and_thread_count(tiny_model_dirs):
+    import torch
+    from benchmarks.roofline import layer_weights
+    from benchmarks.skinny_matmul import main, weight_bytes
+    from nanopaged.models.config import ModelConfig
+    m = ModelConfig.from_folder(tiny_model_dirs["llama"])
+    assert weight_bytes(m) == 4 * (m.num_hidden_layers * layer_weights(m) + m.vocab_size * m.hidden_size)
+    threads = torch.get_num_threads()
+    figs = main(["--model", tiny_model_dirs["llama"], "--rows", "1", "4", "--threads", "1"])
+    assert [(f["threads"], f["rows"]) for f in figs] == [(1, 1), (1, 4), (1, 0)]
+    assert all(f["ms"] > 0 and f["flops_per_s"] > 0 for f in figs[:2]) and figs[2]["copy_bytes_per_s"] > 0
+    # one timing, two readings: FLOP/s = 2 x rows x weights/s, weights/s = bytes/s / 4
+    assert figs[1]["flops_per_s"] == pytest.approx(2 * 4 * figs[1]["weight_bytes_per_s"] / 4)
+    assert torch.get_num_threads() == threads          # the probe gives the thread count back
