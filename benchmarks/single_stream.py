@@ -3,7 +3,9 @@ Hugging Face `generate` on the same prompt (issue 12, target 4).
 
 Decode speed is measured apart from the prefill: each engine generates 1 token, then N
 tokens, from the same prompt, and decode tokens/s = (N - 1) / (time(N) - time(1)). Each is
-the best of a few repeats. Prefix caching is off, so both timings compute the whole prompt.
+the best of a few repeats, and the repeats alternate between the two engines, so a host
+that slows down part-way slows both alike. Prefix caching is off, so both timings compute
+the whole prompt.
 """
 from __future__ import annotations
 
@@ -35,19 +37,22 @@ def single_stream_figures(model_dir: str, trace: Trace, settings: dict, config: 
                        max_new_tokens=tokens, min_new_tokens=tokens,
                        pad_token_id=model.generation_config.pad_token_id or 0)
 
-    engine, peer = decode_tokens_per_s(nanopaged, n), decode_tokens_per_s(hf, n)
+    engine, peer = decode_tokens_per_s([nanopaged, hf], n)
     return {"prompt_tokens": len(prompt), "output_tokens": n, "nanopaged_decode_tokens_per_s": engine,
             "hf_decode_tokens_per_s": peer, "ratio": engine / peer}
 
 
-def decode_tokens_per_s(generate, n: int) -> float:
-    generate(n)                                  # warm-up
-    best = 0.0
+def decode_tokens_per_s(generates: list, n: int) -> list[float]:
+    """Each engine's best decode tokens/s over REPEATS rounds; each round times every engine."""
+    for generate in generates:
+        generate(n)                              # warm-up
+    best = [0.0] * len(generates)
     for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        generate(1)
-        t1 = time.perf_counter()
-        generate(n)
-        t2 = time.perf_counter()
-        best = max(best, (n - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
+        for i, generate in enumerate(generates):
+            t0 = time.perf_counter()
+            generate(1)
+            t1 = time.perf_counter()
+            generate(n)
+            t2 = time.perf_counter()
+            best[i] = max(best[i], (n - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
     return best
