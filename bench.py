@@ -31,7 +31,7 @@ from benchmarks.nanopaged_run import resolved_settings, run_nanopaged
 from benchmarks.noise import noise_figures
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
 from benchmarks.report import plot, print_shared_prefix, print_sharing, print_table
-from benchmarks.roofline import roofline_figures
+from benchmarks.roofline import measure_matmul_flops, roofline_figures
 from benchmarks.single_stream import single_stream_figures
 from benchmarks.trace import make_trace
 from benchmarks.workloads import run_shared_prefix, run_sharing
@@ -140,11 +140,12 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
                        vocab_limit(model_dir))
 
     run, stats, samples, config = run_nanopaged(model_dir, trace, settings)
+    device, dtype = hf_device_dtype(config)
+    peak_after_engine = measure_matmul_flops(device, dtype)   # the roofline's ceiling, timed twice
     resolved = resolved_settings(config, stats)
     peers = {name: run_peer(name, model_dir, trace, args, settings, config, resolved)
              for name in args.peers}
 
-    device, dtype = hf_device_dtype(config)
     engine = run.figures()
     result = {
         "engine": engine,
@@ -152,7 +153,7 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
         "ratios": ratios(engine, peers),
         "published": PUBLISHED,
         "overhead": overhead_figures(stats, run),
-        "roofline": roofline_figures(config.model_config, trace, run, device, dtype),
+        "roofline": roofline_figures(config.model_config, trace, run, device, dtype, (peak_after_engine,)),
         "single_stream": single_stream_figures(model_dir, trace, settings, config),
         "machine": machine_info(device),
         "versions": versions(),
