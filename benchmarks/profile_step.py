@@ -2,13 +2,20 @@
 time goes (issue 12: "a profile of one decode step before and after, and the per-step
 count of torch ops").
 
-    python -m benchmarks.profile_step [--rows 24] [--model DIR] [--threads 2]
+    python -m benchmarks.profile_step [--rows 24] [--model DIR] [--threads 2] [--without]
 
 It queues `--rows` requests with prompts of the default trace's lengths, steps until every
 one of them decodes, times a few decode-only steps, then profiles one more. Ops are
 counted at the top level (an aten op called from Python, not the ones it calls inside),
 and their self time is grouped into what a reader can act on: the matmuls, attention
 (gathering K/V from the blocks and the attention kernel), storing K/V, and the rest.
+
+The profiler slows small ops more than large ones, so `--without` also answers "what if this
+piece cost nothing" unprofiled: it times the decode step again with each piece of the layer
+replaced by a pass-through (attention returns its queries, RMSNorm, rotary and SiLU-times-up
+return their input), one piece at a time, then all four (what is left: the matmuls, the
+residual adds, the embedding, sampling and the engine). The tokens are garbage then; the
+timing is what counts.
 """
 from __future__ import annotations
 
@@ -21,7 +28,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import nanopaged.models.llama as llama
 from nanopaged import LLM, SamplingParams
+from nanopaged.core.attention import TorchAttentionBackend
 from nanopaged.extras.demo_model import demo_model_path
 
 GROUPS = {
@@ -34,9 +43,9 @@ GROUPS = {
 }
 
 
-def profile_decode_step(model: str, rows: int, seed: int = 0) -> dict:
-    llm = LLM(model, cpu_threads=None)
-    engine = llm.llm_engine
+def decoding_engine(model: str, rows: int, seed: int = 0):
+    """An engine with `rows` requests past their prompts: every further step is decode-only."""
+    engine = LLM(model, cpu_threads=None).llm_engine
     rng = random.Random(seed)
     vocab = min(engine.runner.model_config.vocab_size, len(engine.tokenizer))
     for i in range(rows):
@@ -46,16 +55,61 @@ def profile_decode_step(model: str, rows: int, seed: int = 0) -> dict:
     scheduler = engine.scheduler
     while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         engine.step()
+    return engine
+
+
+def step_ms(engine, steps: int = 7) -> float:
     times = []
-    for _ in range(7):
+    for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def profile_decode_step(model: str, rows: int, seed: int = 0) -> dict:
+    engine = decoding_engine(model, rows, seed)
+    ms = step_ms(engine)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step()
     for request_id in list(engine.output_processor.requests):
         engine.abort_request(request_id)
-    return {"rows": rows, "step_ms": statistics.median(times) * 1e3, **op_figures(prof.events())}
+    return {"rows": rows, "step_ms": ms, **op_figures(prof.events())}
+
+
+# Each piece of a decoder layer, and the pass-through that stands in for it in `--without`.
+PASS_THROUGH = {
+    "attention": (TorchAttentionBackend, "forward", lambda self, q, k, v, k_cache, v_cache, meta, scale: q),
+    "rmsnorm": (llama.RMSNorm, "forward", lambda self, x: x),
+    "rotary": (llama, "apply_rotary", lambda x, rope: x),
+    "silu_mul": (llama.MLP, "forward",
+                 lambda self, x: self.down_proj(self.gate_up_proj(x)[:, :self.down_proj.in_features])),
+}
+
+
+def step_without(model: str, rows: int, seed: int = 0) -> dict:
+    """Decode step time (median of 7, unprofiled) with everything, then without each piece,
+    then without all of them; the pieces are put back before returning."""
+    engine = decoding_engine(model, rows, seed)
+    originals = {name: getattr(owner, attr) for name, (owner, attr, _) in PASS_THROUGH.items()}
+
+    def timed(names: list[str]) -> float:
+        for name in names:
+            owner, attr, stand_in = PASS_THROUGH[name]
+            setattr(owner, attr, stand_in)
+        try:
+            return step_ms(engine)
+        finally:
+            for name in names:
+                owner, attr, _ = PASS_THROUGH[name]
+                setattr(owner, attr, originals[name])
+
+    figures = {"rows": rows, "step_ms": timed([])}
+    figures["without_ms"] = {name: timed([name]) for name in PASS_THROUGH}
+    figures["without_all_ms"] = timed(list(PASS_THROUGH))
+    for request_id in list(engine.output_processor.requests):
+        engine.abort_request(request_id)
+    return figures
 
 
 def op_figures(events) -> dict:
@@ -86,14 +140,28 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rows", type=int, default=24, help="requests decoding together (default 24)")
     p.add_argument("--model", help="a Hugging Face folder (default: the demo model)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
+    p.add_argument("--without", action="store_true",
+                   help="also time the step without each piece of the layer (unprofiled)")
     args = p.parse_args(argv)
     if args.rows < 1:
         p.error(f"--rows must be >= 1, got {args.rows}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    fig = profile_decode_step(args.model or str(demo_model_path()), args.rows)
+    model = args.model or str(demo_model_path())
+    fig = profile_decode_step(model, args.rows)
     print_profile(fig)
+    if args.without:
+        fig["without"] = step_without(model, args.rows)
+        print_without(fig["without"])
     return fig
+
+
+def print_without(fig: dict) -> None:
+    base = fig["step_ms"]
+    print(f"unprofiled, {fig['rows']} rows: {base:.1f} ms with everything")
+    for name, ms in fig["without_ms"].items():
+        print(f"  without {name:9s} {ms:6.1f} ms  (the piece costs {base - ms:+5.1f} ms)")
+    print(f"  without all four  {fig['without_all_ms']:6.1f} ms  (matmuls, residual adds, embedding, sampling, engine)")
 
 
 if __name__ == "__main__":

@@ -221,3 +221,12 @@ def test_the_skinny_matmul_probe_times_every_row_and_thread_count(tiny_model_dir
     # one timing, two readings: FLOP/s = 2 x rows x weights/s, weights/s = bytes/s / 4
     assert figs[1]["flops_per_s"] == pytest.approx(2 * 4 * figs[1]["weight_bytes_per_s"] / 4)
     assert torch.get_num_threads() == threads          # the probe gives the thread count back
+
+
+def test_the_step_is_timed_without_each_piece_and_every_piece_is_put_back(tiny_model_dirs):
+    from benchmarks.profile_step import PASS_THROUGH, step_without
+    before = {name: getattr(owner, attr) for name, (owner, attr, _) in PASS_THROUGH.items()}
+    fig = step_without(tiny_model_dirs["llama"], rows=2)
+    assert set(fig["without_ms"]) == {"attention", "rmsnorm", "rotary", "silu_mul"}
+    assert fig["step_ms"] > 0 and fig["without_all_ms"] > 0 and min(fig["without_ms"].values()) > 0
+    assert {name: getattr(owner, attr) for name, (owner, attr, _) in PASS_THROUGH.items()} == before
