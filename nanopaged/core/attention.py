@@ -52,7 +52,7 @@ class StepPlan:
     decode_mask: torch.Tensor | None           # (B, 1, 1, max_blocks * block_size) 0 inside the request, -inf past it
 
 
-def plan_step(meta: AttentionMetadata) -> StepPlan:
+def plan_step(meta: AttentionMetadata, dtype: torch.dtype) -> StepPlan:
     """Sort the step's requests into prefill chunks and one-token rows; index the latter once."""
     prefills, decodes, start = [], [], 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
@@ -68,8 +68,9 @@ def plan_step(meta: AttentionMetadata) -> StepPlan:
     max_blocks = cdiv(max(meta.seq_lens_list[i] for i in decodes), meta.block_size)
     key_pos = torch.arange(max_blocks * meta.block_size, device=device)
     outside = key_pos[None, :] >= meta.seq_lens[idx][:, None]
-    # an additive mask (0 or -inf): SDPA on CPU takes it faster than a bool one, same result
-    mask = torch.zeros(outside.shape, device=device).masked_fill_(outside, float("-inf"))
+    # an additive mask (0 or -inf, in the queries' dtype): SDPA on CPU takes it faster than a
+    # bool one, with the same result
+    mask = torch.zeros(outside.shape, dtype=dtype, device=device).masked_fill_(outside, float("-inf"))
     return StepPlan(prefills, meta.query_start_loc[idx], meta.block_tables[idx, :max_blocks].flatten(),
                     mask[:, None, None, :])
 
@@ -102,7 +103,7 @@ class TorchAttentionBackend:
         """q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim)."""
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.plan is None:
-            meta.plan = plan_step(meta)
+            meta.plan = plan_step(meta, q.dtype)
         plan, out = meta.plan, torch.empty_like(q)
         for i, start, q_len, seq_len in plan.prefills:
             rows = slice(start, start + q_len)
