@@ -21,7 +21,10 @@ PACKED = {
 }
 
 
-def load_weights(model: nn.Module, folder: str | Path) -> None:
+def load_weights(model: nn.Module, folder: str | Path, read=None) -> None:
+    """`read(f, name)`: what to load of checkpoint tensor `name` in the open file `f`; by default
+    all of it (the tensor-parallel loader reads one rank's slice)."""
+    read = read or (lambda f, name: f.get_tensor(name))
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -30,34 +33,29 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
     loaded: set[tuple[str, int | None]] = set()
     for file in files:
         try:
-            _load_file(file, params, loaded, model)
+            _load_file(file, params, loaded, model, read)
         except ValueError as e:
             raise ValueError(f"{file}: {e}") from e
         except Exception as e:   # a truncated or foreign file fails in safetensors' own way
             raise ValueError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}") from e
     missing = sorted(f"{n}[shard {s}]" if s is not None else n
-                     for n, s in expected_tensors(model, params) - loaded)
+                     for n, s in _expected(model, params) - loaded)
     if missing:
         raise ValueError(f"weights missing from {folder}: {', '.join(missing[:5])}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
 
-def _load_file(file: Path, params, loaded, model) -> None:
+def _load_file(file: Path, params, loaded, model, read) -> None:
     with safe_open(str(file), framework="pt") as f:
         for name in f.keys():
-            if not is_skipped(name, params):
-                load_tensor(params, name, f.get_tensor(name), loaded, model)
+            if name.endswith("rotary_emb.inv_freq"):
+                continue                   # recomputed, never a real weight
+            if name == "lm_head.weight" and "lm_head.weight" not in params:
+                continue                   # tied embeddings: the checkpoint may still carry it
+            _load_one(params, name, read(f, name), loaded, model)
 
 
-def is_skipped(name: str, params) -> bool:
-    """Checkpoint tensors that are not weights of this model."""
-    return (name.endswith("rotary_emb.inv_freq")                           # recomputed, never a real weight
-            or (name == "lm_head.weight" and "lm_head.weight" not in params))   # tied: may still be carried
-
-
-def load_tensor(params, name, tensor, loaded, model) -> None:
-    """One checkpoint tensor into its parameter (or its shard of a fused q/k/v or gate/up one);
-    records (parameter, shard) in `loaded`. The tensor-parallel loader passes a rank's slice."""
+def _load_one(params, name, tensor, loaded, model) -> None:
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in PACKED:
@@ -73,7 +71,7 @@ def load_tensor(params, name, tensor, loaded, model) -> None:
     loaded.add((name, None))
 
 
-def expected_tensors(model, params) -> set:
+def _expected(model, params) -> set:
     """(parameter, shard) pairs a complete checkpoint fills; shard None for unfused ones."""
     expected = set()
     for name in params:
