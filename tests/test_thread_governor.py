@@ -35,7 +35,8 @@ class FakeMachine:
 def test_the_governor_follows_a_neighbour_that_comes_and_goes(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     machine, calls = FakeMachine(), []
-    gov = ThreadGovernor(read=machine.read, num_cores=2, set_threads=calls.append)
+    gov = ThreadGovernor(read=machine.read, num_cores=2, set_threads=calls.append,
+                         clock=lambda: machine.t)
     gov.tick = TICK
     machine.run(0.2, other_cores=1.0)
     gov()
@@ -60,7 +61,8 @@ def test_start_fits_the_threads_before_the_first_step(monkeypatch):
     time since the last reading, without waiting; a window too short keeps the last decision."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     machine, calls = FakeMachine(), []
-    gov = ThreadGovernor(read=machine.read, num_cores=2, set_threads=calls.append)
+    gov = ThreadGovernor(read=machine.read, num_cores=2, set_threads=calls.append,
+                         clock=lambda: machine.t)
     gov.tick = TICK
     machine.run(1.0, other_cores=1.0)            # the model loads beside a busy neighbour
     gov.start()

@@ -44,8 +44,8 @@ def threads_for(num_cores: int, other_busy_cores: float, max_threads: int) -> in
 
 class ThreadGovernor:
     def __init__(self, read=read_cpu_times, num_cores: int | None = None,
-                 set_threads=torch.set_num_threads) -> None:
-        self.read, self.set_threads = read, set_threads   # fakes in the tests
+                 set_threads=torch.set_num_threads, clock=time.monotonic) -> None:
+        self.read, self.set_threads, self.clock = read, set_threads, clock   # fakes in the tests
         self.num_cores = num_cores or os.cpu_count()    # /proc/stat's first line sums every core
         self.max_threads = self.threads = self.want = torch.get_num_threads()
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -70,10 +70,10 @@ class ThreadGovernor:
 
     def check(self, min_interval: float) -> None:
         """Fit the thread count to the cores left free since the last reading."""
-        if self.last is None:
-            return
+        if self.last is None or self.clock() - self.last[0] < min_interval:
+            return                  # checked after every step: no /proc read until it is due
         now = self.read()
-        if now is None or now[0] - self.last[0] < min_interval:
+        if now is None:
             return
         wall = now[0] - self.last[0]
         other = ((now[1] - self.last[1]) - (now[2] - self.last[2])) / self.tick / wall
