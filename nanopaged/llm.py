@@ -7,7 +7,8 @@
     cpu_threads="auto"       torch's CPU threads follow the free cores (extras/thread_governor.py)
     tensor_parallel_size=N   N ranks, 1/N of the heads each, behind the runner (extras/tensor_parallel/)
 
-Each reaches the engine only through its hooks (a step observer, a token-selection rule).
+Each reaches the engine only through its hooks (a step observer, a token-selection rule,
+`make_runner`).
 """
 from __future__ import annotations
 
