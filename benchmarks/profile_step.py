@@ -24,6 +24,7 @@ import collections
 import random
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -43,8 +44,10 @@ GROUPS = {
 }
 
 
+@contextmanager
 def decoding_engine(model: str, rows: int, seed: int = 0):
-    """An engine with `rows` requests past their prompts: every further step is decode-only."""
+    """An engine with `rows` requests past their prompts: every further step is decode-only.
+    The requests are aborted on the way out."""
     engine = LLM(model, cpu_threads=None).llm_engine
     rng = random.Random(seed)
     vocab = min(engine.runner.model_config.vocab_size, len(engine.tokenizer))
@@ -55,7 +58,11 @@ def decoding_engine(model: str, rows: int, seed: int = 0):
     scheduler = engine.scheduler
     while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         engine.step()
-    return engine
+    try:
+        yield engine
+    finally:
+        for request_id in list(engine.output_processor.requests):
+            engine.abort_request(request_id)
 
 
 def step_ms(engine, steps: int = 7) -> float:
@@ -67,14 +74,16 @@ def step_ms(engine, steps: int = 7) -> float:
     return statistics.median(times) * 1e3
 
 
-def profile_decode_step(model: str, rows: int, seed: int = 0) -> dict:
-    engine = decoding_engine(model, rows, seed)
-    ms = step_ms(engine)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.step()
-    for request_id in list(engine.output_processor.requests):
-        engine.abort_request(request_id)
-    return {"rows": rows, "step_ms": ms, **op_figures(prof.events())}
+def profile_decode_step(model: str, rows: int, seed: int = 0, without: bool = False) -> dict:
+    """The step's time and profile; with `without`, also `times_without` on the same engine."""
+    with decoding_engine(model, rows, seed) as engine:
+        ms = step_ms(engine)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+        fig = {"rows": rows, "step_ms": ms, **op_figures(prof.events())}
+        if without:
+            fig["without"] = times_without(engine, rows)
+    return fig
 
 
 # Each piece of a decoder layer, and the pass-through that stands in for it in `--without`.
@@ -87,10 +96,9 @@ PASS_THROUGH = {
 }
 
 
-def step_without(model: str, rows: int, seed: int = 0) -> dict:
+def times_without(engine, rows: int) -> dict:
     """Decode step time (median of 7, unprofiled) with everything, then without each piece,
     then without all of them; the pieces are put back before returning."""
-    engine = decoding_engine(model, rows, seed)
     originals = {name: getattr(owner, attr) for name, (owner, attr, _) in PASS_THROUGH.items()}
 
     def timed(names: list[str]) -> float:
@@ -107,8 +115,6 @@ def step_without(model: str, rows: int, seed: int = 0) -> dict:
     figures = {"rows": rows, "step_ms": timed([])}
     figures["without_ms"] = {name: timed([name]) for name in PASS_THROUGH}
     figures["without_all_ms"] = timed(list(PASS_THROUGH))
-    for request_id in list(engine.output_processor.requests):
-        engine.abort_request(request_id)
     return figures
 
 
@@ -148,10 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = args.model or str(demo_model_path())
-    fig = profile_decode_step(model, args.rows)
+    fig = profile_decode_step(model, args.rows, without=args.without)
     print_profile(fig)
     if args.without:
-        fig["without"] = step_without(model, args.rows)
         print_without(fig["without"])
     return fig
 

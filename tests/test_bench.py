@@ -224,9 +224,9 @@ def test_the_skinny_matmul_probe_times_every_row_and_thread_count(tiny_model_dir
 
 
 def test_the_step_is_timed_without_each_piece_and_every_piece_is_put_back(tiny_model_dirs):
-    from benchmarks.profile_step import PASS_THROUGH, step_without
+    from benchmarks.profile_step import PASS_THROUGH, profile_decode_step
     before = {name: getattr(owner, attr) for name, (owner, attr, _) in PASS_THROUGH.items()}
-    fig = step_without(tiny_model_dirs["llama"], rows=2)
+    fig = profile_decode_step(tiny_model_dirs["llama"], rows=2, without=True)["without"]
     assert set(fig["without_ms"]) == {"attention", "rmsnorm", "rotary", "silu_mul"}
     assert fig["step_ms"] > 0 and fig["without_all_ms"] > 0 and min(fig["without_ms"].values()) > 0
     assert {name: getattr(owner, attr) for name, (owner, attr, _) in PASS_THROUGH.items()} == before
