@@ -11,9 +11,9 @@
     figures.py         ratios to the peers, where step time goes, the targets, published figures
     workloads.py       the other workloads: prefix caching on vs off, sharing inside a request
     serve.py           --workload serve: streaming clients at a Poisson rate against nanopaged serve and transformers serve
-    tensor_parallel.py per-rank weight and KV memory, the step message's bytes, tok/s at N = 1 and 2
-    profile_step.py    one decode step under the torch profiler: its op count and where its time goes
-    skinny_matmul.py   one pass of the model's matmuls at a few row and thread counts, against a copy of the same bytes
     machine.py         the machine and the library versions a result was measured with
     report.py          the tables printed and the plot drawn
+
+research/ holds the tools bench.py does not use: the step profile, the skinny-matmul probe and
+the tensor-parallel figures (tests/test_bench.py checks that bench.py uses every module here).
 """

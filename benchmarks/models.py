@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.tokenizer import train_tokenizer
-from nanopaged.extras.demo_model import cache_dir, demo_model_path
+from nanopaged.models.demo_model import cache_dir, demo_model_path
 from nanopaged.models.config import ModelConfig
 
 # Random-weight models for machines with no model files: a config written inline, weights

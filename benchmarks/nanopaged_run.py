@@ -6,7 +6,7 @@ import time
 from benchmarks.memory import kv_sample
 from benchmarks.trace import WARMUP_PROMPT, Run, StepTiming, Trace
 from nanopaged import LLM, EngineConfig, SamplingParams
-from nanopaged.core.engine import StepRecord
+from nanopaged.engine.llm_engine import StepRecord
 
 
 def run_nanopaged(model_dir: str, trace: Trace, settings: dict) -> tuple[Run, dict, list, EngineConfig]:

@@ -75,9 +75,9 @@ class ServerProcess:
 
 def start_nanopaged(model: str | None, engine_args: list[str] = (), served_model_name: str | None = None,
                     timeout_s: float = START_TIMEOUT_S) -> ServerProcess:
-    """`python -m nanopaged.serve MODEL --port 0 ...`; ready when it prints its address."""
+    """`python -m nanopaged.entrypoints.serve MODEL --port 0 ...`; ready when it prints its address."""
     log = Path(tempfile.mkstemp(prefix="nanopaged-serve-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "nanopaged.serve", *([model] if model else []), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "nanopaged.entrypoints.serve", *([model] if model else []), "--host", "127.0.0.1",
            "--port", "0", *(["--served-model-name", served_model_name] if served_model_name else []),
            *engine_args]
     process = _spawn(cmd, log)
@@ -242,7 +242,7 @@ def bench_server(server: ServerProcess, prompts, rate: float, seed: int) -> dict
 
 def run(args) -> dict:
     """Every server on the same prompts and arrivals; the figures of each, or why it was skipped."""
-    from nanopaged.extras.demo_model import demo_model_path
+    from nanopaged.models.demo_model import demo_model_path
     model = str(args.model) if args.model else str(demo_model_path())
     prompts = make_prompts(args.num_requests, tuple(args.input_len), tuple(args.output_len), args.seed)
     result = {"workload": "serve", "settings": {

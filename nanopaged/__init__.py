@@ -4,15 +4,26 @@
     llm = LLM()                       # the demo model, SmolLM2-135M-Instruct
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20))
 
-Reading order: nanopaged/core/ (its __init__ lists the files), then docs/README.md.
+Reading order: docs/00_how_to_read.md lists the reading path file by file.
 """
 from nanopaged.config import EngineConfig
-from nanopaged.core.engine import LLMEngine
-from nanopaged.extras.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from nanopaged.extras.demo_model import DEMO_MODEL
+from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.llm import LLM
 from nanopaged.outputs import CompletionOutput, RequestOutput
 from nanopaged.sampling_params import SamplingParams
+
+# Names of code that `LLM.generate` never runs, imported when first used, so `import
+# nanopaged` loads the reading path and nothing else (PEP 562: a module's __getattr__).
+_ON_FIRST_USE = {"BeamSearchParams": "nanopaged.extras.beam_search", "BeamSearchOutput": "nanopaged.extras.beam_search",
+                 "BeamSearchSequence": "nanopaged.extras.beam_search", "DEMO_MODEL": "nanopaged.models.demo_model"}
+
+
+def __getattr__(name: str):
+    if name not in _ON_FIRST_USE:
+        raise AttributeError(f"module 'nanopaged' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
+
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
            "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "DEMO_MODEL"]

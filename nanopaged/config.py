@@ -3,38 +3,28 @@
 A wrong value is a ValueError that names the setting, the value and what is allowed,
 raised before a model is loaded or a byte of KV cache is allocated. Every "auto" and every
 default is resolved here, in `__post_init__`, so the engine and the runner only read
-final values. The tables below are the one list of each kind of setting (the prefix-cache
-hash functions live with the block pool: `nanopaged/core/block_pool.py: HASH_FUNCTIONS`),
-and `check_range` is the one range check, shared with SamplingParams and BeamSearchParams.
-The README's settings table says what each setting means.
+final values. Each table of choices lives with its users: the dtypes and devices here, the
+prefix-cache hash functions with the block pool (`nanopaged/core/block_pool.py: HASH_FUNCTIONS`),
+the attention backends beside them (`nanopaged/attention/backends.py: ATTENTION_BACKENDS`);
+the checks are `nanopaged/validation.py`'s. The README's settings table says what each means.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import math
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from nanopaged.attention.backends import ATTENTION_BACKENDS, resolve_attention_backend
 from nanopaged.core.block_pool import HASH_FUNCTIONS
 from nanopaged.models.config import ModelConfig
+from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_range
 
 # dtype name (aliases included) -> (torch dtype name, bytes per value)
 DTYPES = {"float32": ("float32", 4), "float": ("float32", 4), "bfloat16": ("bfloat16", 2),
           "float16": ("float16", 2), "half": ("float16", 2)}
 DEVICES = ("auto", "cpu", "cuda")
-# backend name -> "module:class"; imported only when chosen, so nanopaged imports without
-# triton or flash-attn installed (docs/05_model_runner_and_kernels.md, "Backends").
-ATTENTION_BACKENDS = {
-    "torch": "nanopaged.core.attention:TorchAttentionBackend",
-    "triton": "nanopaged.extras.triton_backend:TritonAttentionBackend",
-    "flash": "nanopaged.extras.flash_backend:FlashAttentionBackend",
-}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 CPU_KV_CACHE_BYTES = 1 << 30   # default KV budget on CPU (zeroing it takes ~3 s per GiB on a 2-core VM)
 MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}   # default token budget per step
-SEED_RANGE = (-2**63, 2**64 - 1)    # what torch.Generator.manual_seed accepts
 
 
 @dataclass
@@ -110,79 +100,12 @@ class EngineConfig:
         return cls(model=model, **kwargs)
 
 
-# ---- attention backends -------------------------------------------------------------------
-def resolve_attention_backend(name: str, device: str, dtype: str) -> str:
-    """The backend `name` means on `device`, or a ValueError saying what is missing.
-
-    auto: flash on CUDA in float16/bfloat16 when flash-attn and triton are installed (flash-attn
-    has no float32 kernels), else triton on CUDA when it is installed, else the torch reference.
-    """
-    check_choice("attention_backend", name, ("auto", *ATTENTION_BACKENDS))
-    cuda = device == "cuda"
-    if name == "auto":
-        if cuda and dtype != "float32" and _installed("flash_attn") and _installed("triton"):
-            return "flash"
-        return "triton" if cuda and _installed("triton") else "torch"
-    if name == "triton":
-        if not _installed("triton"):
-            raise ValueError("attention_backend='triton' needs triton: pip install -e '.[triton]'")
-        # Triton's interpreter runs kernels on CPU tensors; it must be on before triton is imported.
-        if not (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-            raise ValueError(f"attention_backend='triton' needs CUDA (device is {device!r}) "
-                             "or TRITON_INTERPRET=1 set before triton is imported (CPU, tests only)")
-    if name == "flash":
-        if not cuda:
-            raise ValueError(f"attention_backend='flash' needs CUDA (device is {device!r}); "
-                             "on CUDA install it with: pip install -e '.[flash]'")
-        if not _installed("flash_attn"):
-            raise ValueError("attention_backend='flash' needs flash-attn: pip install -e '.[flash]'")
-        if not _installed("triton"):   # its store kernel is Triton's
-            raise ValueError("attention_backend='flash' needs triton too: pip install -e '.[triton]'")
-    return name
-
-
-def load_attention_backend(name: str):
-    """An instance of the backend class the table names (importing its module only now)."""
-    module, cls = ATTENTION_BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
-
-
-def _installed(package: str) -> bool:
-    """Whether `package` can be imported, without importing it (find_spec only looks)."""
-    return importlib.util.find_spec(package) is not None
-
-
 def _cuda_available() -> bool:
     import torch
     return torch.cuda.is_available()
 
 
-# ---- checks, shared by every settings object ----------------------------------------------
-def check_range(name: str, value, lo=None, hi=None, *, integer: bool = False, lo_open: bool = False,
-                optional: bool = False) -> None:
-    """The one range check: a ValueError that names the field, its range and the value.
-    A number must be finite (NaN and infinities pass no comparison a kernel can trust)."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
-    if not integer and not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
-        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{'-inf' if lo is None else lo}, "
-                         f"{'inf' if hi is None else hi}], got {value!r}")
-
-
-def check_choice(name: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-
-
-def check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
+# ---- checks of the model folder and the machine ----------------------------------------
 def check_model_folder(model: str) -> None:
     folder = Path(model)
     if not folder.is_dir():

@@ -1,35 +1,45 @@
-"""The `LLM` you import: the core's generate and chat (core/llm.py), plus the extensions.
+"""LLM: vLLM's offline API. `LLM(model).generate(prompts, params)` -> list[RequestOutput].
 
-    LLM()                    the demo model when no model is given (extras/demo_model.py)
-    LLM.beam_search          beam search on shared blocks (extras/beam_search.py)
-    LLM.get_stats            statistics of every step (extras/stats.py), reset by reset_stats
-    the progress bar         shows output tokens/s, KV usage, prefix-cache hit rate, preemptions
-    cpu_threads="auto"       torch's CPU threads follow the free cores (extras/thread_governor.py)
-    tensor_parallel_size=N   N ranks, 1/N of the heads each, behind the runner (extras/tensor_parallel/)
+A thin loop over LLMEngine: validate every prompt (all of them before any work, so one bad
+prompt fails the call before anything runs), queue them, then step until all are done.
+The extensions are wired in here, each through one of the engine's hooks:
 
-Each reaches the engine only through its hooks (a step observer, a token-selection rule,
-`make_runner`).
+    LLM()                    no model given: the demo model (models/demo_model.py)
+    get_stats, the bar       a step observer: statistics and the live figures (extras/stats.py)
+    cpu_threads="auto"       a step observer: torch's threads follow the free cores (extras/thread_governor.py)
+    tensor_parallel_size=N   `make_runner`: N ranks behind the runner (extras/tensor_parallel/)
+    beam_search              a token-selection rule for `LLMEngine.step` (extras/beam_search.py)
+
+docs/00_how_to_read.md walks one call from here down to the attention kernels.
 """
 from __future__ import annotations
 
+import itertools
+import threading
 import weakref
 from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 from nanopaged.config import EngineConfig
-from nanopaged.core import llm as core
-from nanopaged.extras.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from nanopaged.extras.demo_model import DEMO_MODEL, demo_model_path
+from nanopaged.engine.input_processor import PromptType, render_chat
+from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.extras.stats import EngineStats, ProgressBar
 from nanopaged.extras.thread_governor import ThreadGovernor
-from nanopaged.input_processor import PromptType
+from nanopaged.outputs import RequestOutput
+from nanopaged.sampling_params import SamplingParams
+from nanopaged.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from nanopaged.extras.beam_search import BeamSearchOutput, BeamSearchParams
 
 
-class LLM(core.LLM):
+class LLM:
     def __init__(self, model: str | None = None, **config) -> None:
-        if model is None or model == DEMO_MODEL:
-            model = str(demo_model_path())
         governor = ThreadGovernor()          # made first: the model's loading is its first window
-        super().__init__(model, **config)
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model_folder(model), **config), self.make_runner)
+        self._request_ids = itertools.count()
+        self._busy = threading.Lock()
         self.stats = EngineStats(self.llm_engine)
         self.thread_governor = None
         cfg = self.llm_engine.config
@@ -37,32 +47,103 @@ class LLM(core.LLM):
             self.thread_governor = governor
             self.llm_engine.observers.append(governor)
 
-    def make_runner(self, config: EngineConfig):
-        """tensor_parallel_size > 1: the driver's runner with N ranks behind it (each rank has
-        cores // N threads, so no governor); the workers stop when this LLM is deleted."""
+    def make_runner(self, config: EngineConfig) -> ModelRunner:
+        """The engine's runner. tensor_parallel_size > 1: the driver's runner with N ranks behind
+        it (each rank has cores // N threads, so no governor); the workers stop when this LLM is deleted."""
         if config.tensor_parallel_size == 1:
-            return super().make_runner(config)
+            return ModelRunner(config)
         from nanopaged.extras.tensor_parallel import TensorParallelRunner   # torch.distributed only when used
         runner = TensorParallelRunner(config)
         weakref.finalize(self, runner.shutdown)
         return runner
 
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt or many; outputs come back in the order of the prompts."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of them, got {type(prompts).__name__}")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                                 "give one, or one per prompt")
+        else:
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
+                             f"got {type(sampling_params).__name__}")
+        with self.one_call_at_a_time():
+            engine = self.llm_engine
+            requests = [engine.process_request(self._new_request_id(), p, sp)
+                        for p, sp in zip(prompts, params)]   # every prompt is checked before any is queued
+            for samples in requests:
+                engine.queue(samples)
+            return self._run([samples[0].request_id for samples in requests], use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        one = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        if not isinstance(conversations, (list, tuple)):
+            raise ValueError(f"messages must be a conversation or a list of them, got {type(messages).__name__}")
+        tokenizer = self.llm_engine.tokenizer
+        prompts = [render_chat(tokenizer, conv, chat_template) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request is done; their final outputs, in the order of request_ids.
+        If anything fails meanwhile (a step, Ctrl-C), these requests are aborted, so the
+        engine holds nothing of this call when the error reaches the caller."""
+        engine, wanted, finished = self.llm_engine, set(request_ids), {}
+        try:
+            with self.progress_bar(len(request_ids), use_tqdm) as bar:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished and output.request_id in wanted:
+                            finished[output.request_id] = output
+                            bar.update(1)
+        except BaseException:
+            for request_id in request_ids:
+                engine.abort_request(request_id)
+            raise
+        return [finished[i] for i in request_ids]
+
+    def _new_request_id(self) -> str:
+        """An id no queued request has (a user may queue their own through llm_engine)."""
+        request_id = str(next(self._request_ids))
+        while request_id in self.llm_engine.output_processor.requests:
+            request_id = str(next(self._request_ids))
+        return request_id
+
     @contextmanager
     def one_call_at_a_time(self):
-        """The core's guard; with cpu_threads="auto", the thread count is fitted before the call
-        and given back after it (torch's count is process-wide)."""
-        with super().one_call_at_a_time():
-            try:
-                if self.thread_governor is not None:
-                    self.thread_governor.start()
-                yield
-            finally:
-                if self.thread_governor is not None:
-                    self.thread_governor.restore()
+        """An LLM is not thread-safe (nor is vLLM's): a second concurrent call is an error,
+        not a silent corruption of the engine's state. With cpu_threads="auto", the thread
+        count is fitted before the call and given back after it (torch's count is process-wide)."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this LLM is already running a call in another thread; an LLM is not "
+                               "thread-safe: use one LLM per thread, or a lock around each call")
+        try:
+            if self.thread_governor is not None:
+                self.thread_governor.start()
+            yield
+        finally:
+            if self.thread_governor is not None:
+                self.thread_governor.restore()
+            self._busy.release()
 
+    # ---- the extensions' entry points -----------------------------------------------------
     def beam_search(self, prompts: PromptType | list[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search with Hugging Face's rule; beams share blocks (extras/beam_search.py)."""
+        from nanopaged.extras.beam_search import beam_search
         with self.one_call_at_a_time():
             return beam_search(self.llm_engine, prompts, params)
 
@@ -73,4 +154,14 @@ class LLM(core.LLM):
         self.stats.reset()
 
     def progress_bar(self, total: int, enabled: bool) -> ProgressBar:
+        """A bar over the prompts, with the figures a user watches (tokens/s, KV usage, ...)."""
         return ProgressBar(self.stats, total, enabled)
+
+
+def model_folder(model: str | None) -> str:
+    """The folder to load: `model` itself, or the demo model's converted folder when no model
+    (or the demo model's name) is given; only then is its converter imported."""
+    if model is not None and Path(model).is_dir():
+        return str(model)
+    from nanopaged.models.demo_model import DEMO_MODEL, demo_model_path
+    return str(demo_model_path()) if model is None or model == DEMO_MODEL else str(model)

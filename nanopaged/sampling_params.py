@@ -1,7 +1,7 @@
 """SamplingParams: how one request picks its next tokens, with vLLM's names and defaults.
 
 Plain data, no torch. Every value a user can get wrong is checked here, when the object is
-built (with the one range check, `nanopaged/config.py: check_range`), so a bad value fails
+built (with the one range check, `nanopaged/validation.py: check_range`), so a bad value fails
 with the field's name and its allowed range before any work. The README's API section
 lists the fields.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from nanopaged.config import SEED_RANGE, check_bool, check_range
+from nanopaged.validation import SEED_RANGE, check_bool, check_range
 
 MAX_LOGPROBS = 20     # vLLM's default max_logprobs
 MIN_TEMPERATURE = 0.01   # vLLM's _MAX_TEMP: below it, float32 logits / T overflow into NaN

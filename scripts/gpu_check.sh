@@ -35,9 +35,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PIP_NO_IN
 steps=(
   "environment|60|python3 -c \"import torch, triton, transformers; assert torch.cuda.is_available(), 'no CUDA'; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())\""
   "gpu tests|120|python3 -m pytest -q -rs tests/test_gpu.py -k 'not kv_cache_sized'"
-  "triton kernels|120|python3 -m pytest -q -rs tests/test_triton_kernels.py"
-  "triton backend|90|python3 -m pytest -q -rs tests/test_triton_backend.py"
-  "cuda graphs|90|python3 -m pytest -q -rs tests/test_cuda_graphs.py"
+  "triton kernels|120|python3 -m pytest -q -rs tests/attention/test_triton_kernels.py"
+  "triton backend|90|python3 -m pytest -q -rs tests/attention/test_triton_backend.py"
+  "cuda graphs|90|python3 -m pytest -q -rs tests/attention/test_cuda_graphs.py"
   "bench|200|python3 bench.py --random-weights qwen3-0.6b --device cuda --num-requests 64 --input-len 100 512 --output-len 100 256 --peers hf --hf-batch-sizes 32,64 --json $bench_json"
   "kv sizing|90|python3 -m pytest -q -rs tests/test_gpu.py -k kv_cache_sized"
 )

@@ -75,7 +75,7 @@ def demo_model_dir():
     machine has no package index), the tests that need it skip, naming the
     pip command; CI installs it, and .ci/run's example.py fails without it.
     """
-    from nanopaged.extras.demo_model import demo_model_path
+    from nanopaged.models.demo_model import demo_model_path
     try:
         return str(demo_model_path())
     except ValueError as e:

@@ -355,7 +355,7 @@ def test_gpu_memory_utilization_true_is_refused(tiny_model_dirs):
 
 
 def test_the_engine_seed_is_checked_before_the_weights_load(tiny_model_dirs, monkeypatch):
-    import nanopaged.core.model_runner as runner
+    import nanopaged.worker.model_runner as runner
 
     def no_loading(*args):
         raise AssertionError("the weights were loaded before the seed was checked")

@@ -200,7 +200,7 @@ def test_random_weights_need_no_demo_model(tmp_path, monkeypatch):
 
 def test_a_decode_step_launches_as_many_torch_ops_for_two_rows_as_for_six(tiny_model_dirs):
     """The decode path has no per-request loop: the op count is per layer, not per request."""
-    from benchmarks.profile_step import profile_decode_step
+    from benchmarks.research.profile_step import profile_decode_step
     two, six = (profile_decode_step(tiny_model_dirs["qwen3"], rows) for rows in (2, 6))
     assert two["num_ops"] == six["num_ops"] > 0
     assert two["self_ms_by_group"]["matmul"] > 0 and six["step_ms"] > 0
@@ -210,7 +210,7 @@ def test_a_decode_step_launches_as_many_torch_ops_for_two_rows_as_for_six(tiny_m
 def test_the_skinny_matmul_probe_times_every_row_and_thread_count(tiny_model_dirs):
     import torch
     from benchmarks.roofline import layer_weights
-    from benchmarks.skinny_matmul import main, weight_bytes
+    from benchmarks.research.skinny_matmul import main, weight_bytes
     from nanopaged.models.config import ModelConfig
     m = ModelConfig.from_folder(tiny_model_dirs["llama"])
     assert weight_bytes(m) == 4 * (m.num_hidden_layers * layer_weights(m) + m.vocab_size * m.hidden_size)
@@ -224,9 +224,37 @@ def test_the_skinny_matmul_probe_times_every_row_and_thread_count(tiny_model_dir
 
 
 def test_the_step_is_timed_without_each_piece_and_every_piece_is_put_back(tiny_model_dirs):
-    from benchmarks.profile_step import PASS_THROUGH, profile_decode_step
+    from benchmarks.research.profile_step import PASS_THROUGH, profile_decode_step
     before = {name: getattr(owner, attr) for name, (owner, attr, _) in PASS_THROUGH.items()}
     fig = profile_decode_step(tiny_model_dirs["llama"], rows=2, without=True)["without"]
     assert set(fig["without_ms"]) == {"attention", "rmsnorm", "rotary", "silu_mul"}
     assert fig["step_ms"] > 0 and fig["without_all_ms"] > 0 and min(fig["without_ms"].values()) > 0
     assert {name: getattr(owner, attr) for name, (owner, attr, _) in PASS_THROUGH.items()} == before
+
+
+def test_benchmarks_holds_what_bench_py_uses_and_research_the_rest():
+    """benchmarks/*.py is exactly what bench.py imports (directly or through each other);
+    the tools it does not use live in benchmarks/research/."""
+    import ast
+    root = pathlib.Path(__file__).resolve().parent.parent
+
+    def uses(path):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            for name in names:
+                full = name if module is None else f"{module}.{name}"
+                for candidate in (full, module):
+                    if candidate and candidate.startswith("benchmarks.") and candidate.count(".") == 1:
+                        found.add(candidate.split(".")[1])
+        return found
+
+    seen, todo = set(), [root / "bench.py"]
+    while todo:
+        for name in uses(todo.pop()) - seen:
+            seen.add(name)
+            if (root / "benchmarks" / f"{name}.py").exists():
+                todo.append(root / "benchmarks" / f"{name}.py")
+    modules = {p.stem for p in (root / "benchmarks").glob("*.py")} - {"__init__"}
+    assert modules == seen & modules, f"not used by bench.py, belongs in benchmarks/research/: {modules - seen}"

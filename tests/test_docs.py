@@ -7,8 +7,9 @@ the chapters say "MODEL: any model folder, e.g. nanopaged.DEMO_MODEL". Blocks ma
 ```text or ```bash are not run. The examples hold their own asserts, so they show the rule
 and check it at once.
 
-Two more checks keep the pointers honest: every `nanopaged/<file>.py: Name` a chapter cites
-names a class or function defined in that file, and every relative link points at a file.
+Three more checks keep the pointers honest: every `nanopaged/<file>.py: Name` a chapter cites
+names a class or function defined in that file, every relative link points at a file, and
+every `nanopaged/...` (or `tests/`, `benchmarks/`, `scripts/`, `docs/`) path the text names exists.
 """
 import ast
 import json
@@ -19,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-NOT_RUN = {"benchmarks.md"}          # shell commands only, minutes each (docs/07 explains them)
+NOT_RUN = {"benchmarks.md"}          # shell commands only, minutes each (docs/07_benchmarks.md explains them)
 CHAPTERS = sorted(p for p in DOCS.glob("*.md") if p.name not in NOT_RUN)
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -87,8 +88,8 @@ def test_relative_links_resolve(path):
 
 
 def test_the_kv_cache_size_command_of_chapter_1(tmp_path, capsys):
-    """`python -m nanopaged.extras.kv_cache_size config.json --dtype bfloat16 --tokens 8192`."""
-    from nanopaged.extras.kv_cache_size import main
+    """`python -m nanopaged.entrypoints.kv_cache_size config.json --dtype bfloat16 --tokens 8192`."""
+    from nanopaged.entrypoints.kv_cache_size import main
     config = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 8192, "num_attention_heads": 64,
               "num_key_value_heads": 8, "num_hidden_layers": 80, "intermediate_size": 29568,
               "vocab_size": 152064}
@@ -99,3 +100,14 @@ def test_the_kv_cache_size_command_of_chapter_1(tmp_path, capsys):
     with pytest.raises(SystemExit):                     # a bad path is a usage error, not a traceback
         main([str(tmp_path / "missing.json")])
     assert "no config.json at" in capsys.readouterr().err
+
+
+PATH = re.compile(r"(?<![\w/.~$-])((?:nanopaged|tests|benchmarks|scripts|docs)/[\w/.-]*\w)(?![\w*{])")
+
+
+@pytest.mark.parametrize("path", sorted(DOCS.glob("*.md")) + [ROOT / "README.md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_path_the_docs_mention_exists(path):
+    """Every `nanopaged/...`, `tests/...`, `benchmarks/...`, `scripts/...` or `docs/...` path in the
+    text names a real file or folder of the checkout."""
+    missing = sorted({p for p in PATH.findall(path.read_text()) if not (ROOT / p).exists()})
+    assert not missing, f"{path.name} mentions paths that do not exist: {missing}"

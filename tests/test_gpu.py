@@ -26,7 +26,7 @@ def test_triton_backend_with_cuda_graphs_equals_torch_on_cuda(tiny_model_dirs, h
     torch_out, _ = run(tiny_model_dirs[arch], attention_backend="torch")
     eager_out, _ = run(tiny_model_dirs[arch], attention_backend="triton", enforce_eager=True)
     graph_out, llm = run(tiny_model_dirs[arch], attention_backend="triton", max_num_seqs=8)
-    from nanopaged.extras.cuda_graphs import CUDAGraphModel
+    from nanopaged.attention.cuda_graphs import CUDAGraphModel
     assert isinstance(llm.llm_engine.runner.model, CUDAGraphModel)
     assert torch_out == expected and eager_out == expected and graph_out == expected
 
@@ -64,8 +64,8 @@ def test_paged_attention_in_half_precision_on_cuda(dtype, batch):
     cannot check bf16: Triton's interpreter multiplies bf16 tl.dot operands as raw bits)."""
     pytest.importorskip("triton")
     from test_triton_kernels import BATCHES, make_batch
-    from nanopaged.core.attention import TorchAttentionBackend
-    from nanopaged.extras import triton_kernels as tk
+    from nanopaged.attention.torch_backend import TorchAttentionBackend
+    from nanopaged.attention import triton_kernels as tk
 
     q, k, v, pool, meta = make_batch(*BATCHES[batch], 16, 4, 2, 128)   # GQA 4, head_dim 128
     pool_ref = pool.clone()

@@ -3,7 +3,7 @@
 The KV-sizing forward stays inside the rotary tables; the KV budget counts the memory torch
 does not track; `auto` never hands float32 to flash-attn; the Triton launch grids respect
 CUDA's limits; and scripts/gpu_check.sh plans the run a bare GPU machine can do (its
---dry-run). tests/test_triton_aot.py compiles the kernels for a real GPU; tests/test_gpu.py
+--dry-run). tests/attention/test_triton_aot.py compiles the kernels for a real GPU; tests/test_gpu.py
 runs on one.
 """
 import os
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanopaged import LLM
-from nanopaged.config import resolve_attention_backend
+from nanopaged.attention.backends import resolve_attention_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ def test_kv_budget_counts_memory_torch_does_not_track(tiny_model_dirs, monkeypat
 
 
 def test_auto_gives_flash_attn_only_half_precision(monkeypatch):
-    import nanopaged.config as config
+    import nanopaged.attention.backends as config
     monkeypatch.setattr(config, "_installed", lambda package: True)      # as if flash-attn were installed
     assert resolve_attention_backend("auto", "cuda", "bfloat16") == "flash"
     assert resolve_attention_backend("auto", "cuda", "float16") == "flash"
@@ -60,7 +60,7 @@ def test_auto_gives_flash_attn_only_half_precision(monkeypatch):
 
 def test_launch_grids_beyond_cuda_limits_are_a_clear_error():
     pytest.importorskip("triton")
-    from nanopaged.extras.triton_kernels import _check_grid
+    from nanopaged.attention.triton_kernels import _check_grid
     _check_grid((2**31 - 1, 65535, 8))
     for grid in ((2**31, 1, 1), (1, 65536, 1), (1, 1, 65536)):
         with pytest.raises(ValueError, match=r"exceeds CUDA's limits"):

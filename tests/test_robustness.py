@@ -14,9 +14,9 @@ import pytest
 
 from conftest import make_prompts
 from nanopaged import LLM, BeamSearchParams, SamplingParams
-from nanopaged.core.engine import EngineStalled
+from nanopaged.engine.llm_engine import EngineStalled
 from nanopaged.core.scheduler import SchedulerOutput
-from nanopaged.sampler import Sampler
+from nanopaged.worker.sampler import Sampler
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": p} for p in make_prompts(512, n=4, seed=60, min_len=5, max_len=40)]

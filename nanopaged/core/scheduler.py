@@ -15,7 +15,8 @@ prefill starts where the cache ends. After every step the blocks that became ful
 in the cache. `fork` lets a request share every block of another (n > 1 samples, beams);
 a write into a shared block first copies it (copy-on-write, `_allocate_slots`).
 
-docs/04_scheduler.md explains it; docs/03 and docs/06 the prefix cache and sharing. No torch.
+docs/04_scheduler.md explains it; docs/03_prefix_caching.md and docs/06_sharing.md the prefix
+cache and sharing. No torch.
 """
 from __future__ import annotations
 
@@ -64,8 +65,9 @@ class Scheduler:
             if token_budget == 0 or request.status != RequestStatus.RUNNING:
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            if num_new == 0:
-                continue      # nothing to compute (an extension appends its tokens later)
+            if num_new == 0:      # a request that computed its last token got the next one, or was finished
+                raise RuntimeError(f"running request {request.request_id!r} has no new token: a "
+                                   "token-selection rule gave it none and it was not aborted")
             if not self._make_room(request, num_new, out):
                 break         # it was the newest running request itself
             out.scheduled.append((request, num_new))
@@ -196,15 +198,15 @@ class Scheduler:
 
         `sampled` holds a token for each request whose step reached the end of its known
         tokens (one in the middle of a prompt samples nothing). Whether a request stops is
-        not decided here but where its text is known (output_processor.py: check_stop).
+        not decided here but where its text is known (engine/output_processor.py: check_stop).
         """
         for request, num_new in out.scheduled:
             request.num_computed_tokens += num_new
-        forked = []
+        # Fork first, append after: a child shares its parent's blocks as they were computed.
+        forked = [r for r, sample in sampled.items() if sample.parent is not None]
+        for request in forked:            # n > 1 samples, new beams: drawn from the parent's row
+            self.fork(sampled[request].parent, request)
         for request, sample in sampled.items():
-            if sample.parent is not None:     # n > 1: a sample drawn from its parent's row
-                self.fork(sample.parent, request)
-                forked.append(request)
             request.output_token_ids.append(sample.token_id)
         for request in [r for r, _ in out.scheduled] + forked:
             self.block_pool.cache_full_blocks(request)   # before a finish frees them

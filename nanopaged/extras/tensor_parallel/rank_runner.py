@@ -11,37 +11,36 @@ budget (`kv_cache_memory_bytes`, `gpu_memory_utilization`) is per rank, as in vL
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from nanopaged.config import EngineConfig, load_attention_backend
-from nanopaged.core.model_runner import ModelRunner
+from nanopaged.config import EngineConfig
+from nanopaged.worker.model_runner import ModelRunner
 from nanopaged.extras.tensor_parallel.layers import parallelize, rank_config
 from nanopaged.extras.tensor_parallel.parallel_state import RankGroup
 from nanopaged.extras.tensor_parallel.shard_loader import load_shard
 from nanopaged.extras.tensor_parallel.step_message import StepInputs
-from nanopaged.models.llama import LlamaForCausalLM
 
 
 class RankRunner(ModelRunner):
     def __init__(self, config: EngineConfig, group: RankGroup) -> None:
-        # ModelRunner's attributes (its KV sizing, prepare_inputs and copy_blocks read them),
-        # set here because its __init__ would build and load the whole model.
-        self.config, self.group = config, group
-        self.model_config = rank_config(config.model_config, group.world_size)
-        self.block_size = config.block_size
-        self.device = group.device
-        self.dtype = getattr(torch, config.dtype)
-        self.backend = load_attention_backend(config.attention_backend)
-        with torch.device(self.device):
-            model = LlamaForCausalLM(self.model_config, self.backend, config.max_model_len)
-            parallelize(model, config.model_config, group)
-        self.model = model.to(self.dtype)
-        load_shard(self.model, config.model, group.rank)
-        self.model.eval()
-        # Every rank must hold the same blocks: the smallest count any rank can afford.
-        self.num_kv_blocks = group.agree_on_min(self._num_kv_blocks())
-        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
-        # Run eagerly: no backend.wrap_model, since CUDA graphs would have to capture the collectives.
+        self.group = group
+        super().__init__(config, device=group.device, model_config=rank_config(config.model_config, group.world_size))
         self.memory = group.gather_ints([self.weight_bytes(), self.kv_cache.nbytes])   # rank 0: per rank
+
+    def load_model(self) -> nn.Module:
+        """This rank's share of the model: the parallel layers swapped in, its slices loaded."""
+        model = self.build_model()
+        parallelize(model, self.config.model_config, self.group)
+        model = model.to(self.dtype)
+        load_shard(model, self.config.model, self.group.rank)
+        return model.eval()
+
+    def determine_num_kv_blocks(self) -> int:
+        """Every rank must hold the same blocks: the smallest count any rank can afford."""
+        return self.group.agree_on_min(super().determine_num_kv_blocks())
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model      # eagerly: CUDA graphs would have to capture the collectives
 
     def weight_bytes(self) -> int:
         return sum(p.nbytes for p in self.model.parameters())   # a tied lm_head counts once

@@ -7,7 +7,7 @@
 One step (`execute`): prepare the inputs as ModelRunner does, broadcast them to every rank
 (step_message.py), run rank 0's share (the all-reduces inside the model keep the ranks in
 lockstep), and sample on the gathered logits as a single-process engine would. The engine
-cannot tell the difference (the `make_runner` hook of core/engine.py).
+cannot tell the difference (the `make_runner` hook of engine/llm_engine.py).
 
 Failure and shutdown: if a step fails in any rank, the ranks are out of step for good, so
 the runner stops every worker and raises (with the worker's traceback when a worker failed);
@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanopaged.config import EngineConfig
-from nanopaged.core.model_runner import ModelRunnerOutput
+from nanopaged.worker.model_runner import ModelRunnerOutput
 from nanopaged.core.scheduler import SchedulerOutput
 from nanopaged.extras.tensor_parallel import parallel_state as ps
 from nanopaged.extras.tensor_parallel.rank_runner import RankRunner

@@ -1,7 +1,7 @@
 """The step message: everything a rank needs to run one step, as one small int64 tensor.
 
 The scheduler and the block pool live once, on the driver, so the workers know nothing of
-requests: each step the driver sends them the runner's inputs (core/model_runner.py:
+requests: each step the driver sends them the runner's inputs (worker/model_runner.py:
 `ModelRunner.prepare_inputs`), flattened, in two broadcasts (a fixed header with the
 lengths, then the body):
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanopaged.core.attention import AttentionMetadata
+from nanopaged.attention.metadata import AttentionMetadata
 
 HEADER_LEN = 8
 STOP, STEP = 0, 1

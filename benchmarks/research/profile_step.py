@@ -1,0 +1,173 @@
+"""One decode step under the torch profiler: how many torch ops it launches and where its
+time goes (issue 12: "a profile of one decode step before and after, and the per-step
+count of torch ops").
+
+    python -m benchmarks.research.profile_step [--rows 24] [--model DIR] [--threads 2] [--without]
+
+It queues `--rows` requests with prompts of the default trace's lengths, steps until every
+one of them decodes, times a few decode-only steps, then profiles one more. Ops are
+counted at the top level (an aten op called from Python, not the ones it calls inside),
+and their self time is grouped into what a reader can act on: the matmuls, attention
+(gathering K/V from the blocks and the attention kernel), storing K/V, and the rest.
+
+The profiler slows small ops more than large ones, so `--without` also answers "what if this
+piece cost nothing" unprofiled: it times the decode step again with each piece of the layer
+replaced by a pass-through (attention returns its queries, RMSNorm, rotary and SiLU-times-up
+return their input), one piece at a time, then all four (what is left: the matmuls, the
+residual adds, the embedding, sampling and the engine). The tokens are garbage then; the
+timing is what counts.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import nanopaged.models.llama as llama
+from nanopaged import LLM, SamplingParams
+from nanopaged.attention.torch_backend import TorchAttentionBackend
+from nanopaged.models.demo_model import demo_model_path
+
+GROUPS = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul"),
+    "attention kernel": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
+                         "aten::_scaled_dot_product_attention_math"),
+    "K/V gather": ("aten::index_select",),
+    "K/V store": ("aten::index_copy_",),
+    "sampling": ("aten::argmax", "aten::_log_softmax", "aten::log_softmax", "aten::softmax", "aten::multinomial"),
+}
+
+
+@contextmanager
+def decoding_engine(model: str, rows: int, seed: int = 0):
+    """An engine with `rows` requests past their prompts: every further step is decode-only.
+    The requests are aborted on the way out."""
+    engine = LLM(model, cpu_threads=None).llm_engine
+    rng = random.Random(seed)
+    vocab = min(engine.runner.model_config.vocab_size, len(engine.tokenizer))
+    for i in range(rows):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(32, 128))]
+        engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()
+    try:
+        yield engine
+    finally:
+        for request_id in list(engine.output_processor.requests):
+            engine.abort_request(request_id)
+
+
+def step_ms(engine, steps: int = 7) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def profile_decode_step(model: str, rows: int, seed: int = 0, without: bool = False) -> dict:
+    """The step's time and profile; with `without`, also `times_without` on the same engine."""
+    with decoding_engine(model, rows, seed) as engine:
+        ms = step_ms(engine)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+        fig = {"rows": rows, "step_ms": ms, **op_figures(prof.events())}
+        if without:
+            fig["without"] = times_without(engine, rows)
+    return fig
+
+
+# Each piece of a decoder layer, and the pass-through that stands in for it in `--without`.
+PASS_THROUGH = {
+    "attention": (TorchAttentionBackend, "forward", lambda self, q, k, v, k_cache, v_cache, meta, scale: q),
+    "rmsnorm": (llama.RMSNorm, "forward", lambda self, x: x),
+    "rotary": (llama, "apply_rotary", lambda x, rope: x),
+    "silu_mul": (llama.MLP, "forward",
+                 lambda self, x: self.down_proj(self.gate_up_proj(x)[:, :self.down_proj.in_features])),
+}
+
+
+def times_without(engine, rows: int) -> dict:
+    """Decode step time (median of 7, unprofiled) with everything, then without each piece,
+    then without all of them; the pieces are put back before returning."""
+    originals = {name: getattr(owner, attr) for name, (owner, attr, _) in PASS_THROUGH.items()}
+
+    def timed(names: list[str]) -> float:
+        for name in names:
+            owner, attr, stand_in = PASS_THROUGH[name]
+            setattr(owner, attr, stand_in)
+        try:
+            return step_ms(engine)
+        finally:
+            for name in names:
+                owner, attr, _ = PASS_THROUGH[name]
+                setattr(owner, attr, originals[name])
+
+    figures = {"rows": rows, "step_ms": timed([])}
+    figures["without_ms"] = {name: timed([name]) for name in PASS_THROUGH}
+    figures["without_all_ms"] = timed(list(PASS_THROUGH))
+    return figures
+
+
+def op_figures(events) -> dict:
+    """Top-level aten ops (count by name) and self CPU time of all ops, grouped."""
+    top = [e for e in events if e.name.startswith("aten::")
+           and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    group_of = {name: group for group, names in GROUPS.items() for name in names}
+    self_ms = collections.Counter()
+    for e in events:
+        if e.name.startswith("aten::"):
+            self_ms[group_of.get(e.name, "other ops")] += e.self_cpu_time_total / 1e3
+    return {"num_ops": len(top), "ops_by_name": dict(collections.Counter(e.name for e in top).most_common()),
+            "self_ms_by_group": dict(self_ms.most_common())}
+
+
+def print_profile(fig: dict, top: int = 12) -> None:
+    print(f"decode step, {fig['rows']} rows: {fig['step_ms']:.1f} ms (median of 7, unprofiled); "
+          f"{fig['num_ops']} torch ops launched")
+    total = sum(fig["self_ms_by_group"].values())
+    for group, ms in fig["self_ms_by_group"].items():
+        print(f"  {group:17s} {ms:7.1f} ms  {ms / total:6.1%}")
+    print("  most launched: " + ", ".join(f"{n.removeprefix('aten::')} {c}"
+                                           for n, c in list(fig["ops_by_name"].items())[:top]))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=24, help="requests decoding together (default 24)")
+    p.add_argument("--model", help="a Hugging Face folder (default: the demo model)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
+    p.add_argument("--without", action="store_true",
+                   help="also time the step without each piece of the layer (unprofiled)")
+    args = p.parse_args(argv)
+    if args.rows < 1:
+        p.error(f"--rows must be >= 1, got {args.rows}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = args.model or str(demo_model_path())
+    fig = profile_decode_step(model, args.rows, without=args.without)
+    print_profile(fig)
+    if args.without:
+        print_without(fig["without"])
+    return fig
+
+
+def print_without(fig: dict) -> None:
+    base = fig["step_ms"]
+    print(f"unprofiled, {fig['rows']} rows: {base:.1f} ms with everything")
+    for name, ms in fig["without_ms"].items():
+        print(f"  without {name:9s} {ms:6.1f} ms  (the piece costs {base - ms:+5.1f} ms)")
+    print(f"  without all four  {fig['without_all_ms']:6.1f} ms  (matmuls, residual adds, embedding, sampling, engine)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Why a decode step costs what it costs on a CPU: one pass of the model's matmuls at a few
+row counts and thread counts, against how fast this machine moves the same bytes.
+
+    python -m benchmarks.research.skinny_matmul [--model DIR] [--rows 1 8 16 24 32 64]
+
+A decode step multiplies every weight of the model by a handful of rows (one per request),
+so its matmuls are "skinny": little arithmetic per weight byte. If they were limited by
+memory, their time would be the weights' bytes over the memory bandwidth whatever the row
+count. This prints, for each row count, the time of one pass over all the model's weights
+(every layer's q/k/v, o, gate/up, down and the lm_head, as separate tensors that stream from
+memory, `roofline.measure_model_matmuls_flops`), the weight bytes read per second, and the
+FLOP/s; then the same bytes copied, for the bandwidth the memory itself gives.
+docs/benchmarks.md reads the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.roofline import layer_weights, measure_model_matmuls_flops
+from nanopaged.models.demo_model import demo_model_path
+from nanopaged.models.config import ModelConfig
+
+
+def weight_bytes(m: ModelConfig) -> int:
+    """float32 bytes of one decode step's weights: the decoder layers' matmuls and the lm_head."""
+    return 4 * (m.num_hidden_layers * layer_weights(m) + m.vocab_size * m.hidden_size)
+
+
+def copy_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
+    """Bytes read per second by a plain copy of num_bytes (it also writes as many)."""
+    src = torch.randn(num_bytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(tries):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return num_bytes / best
+
+
+def skinny_figures(m: ModelConfig, rows: list[int], threads: list[int]) -> list[dict]:
+    nbytes, before = weight_bytes(m), torch.get_num_threads()
+    out = []
+    try:
+        for t in threads:
+            torch.set_num_threads(t)
+            for r in rows:
+                flops = measure_model_matmuls_flops(m, r, "cpu", torch.float32)
+                seconds = 2 * r * nbytes / 4 / flops       # the pass's FLOPs are 2 x rows x weights
+                out.append({"threads": t, "rows": r, "ms": seconds * 1e3,
+                            "weight_bytes_per_s": nbytes / seconds, "flops_per_s": flops})
+            out.append({"threads": t, "rows": 0, "copy_bytes_per_s": copy_bytes_per_s(nbytes)})
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="a Hugging Face folder (default: the demo model)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 24, 32, 64])
+    p.add_argument("--threads", type=int, nargs="+", help="torch thread counts (default: 1 and torch's own)")
+    args = p.parse_args(argv)
+    m = ModelConfig.from_folder(args.model or str(demo_model_path()))
+    threads = args.threads or sorted({1, torch.get_num_threads()})
+    figs = skinny_figures(m, args.rows, threads)
+    print(f"one pass over the model's {weight_bytes(m) / 1e6:.0f} MB of float32 matmul weights:")
+    for f in figs:
+        if f["rows"]:
+            print(f"  {f['threads']} thread(s), {f['rows']:3d} rows: {f['ms']:6.1f} ms  "
+                  f"{f['weight_bytes_per_s'] / 1e9:5.1f} GB/s of weights  {f['flops_per_s'] / 1e9:6.1f} GFLOP/s")
+        else:
+            print(f"  {f['threads']} thread(s), a copy of the same bytes reads {f['copy_bytes_per_s'] / 1e9:5.1f} GB/s")
+    return figs
+
+
+if __name__ == "__main__":
+    main()

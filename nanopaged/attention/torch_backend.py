@@ -1,0 +1,130 @@
+"""The torch reference attention backend: store K/V by slot mapping, attend through block tables.
+
+Every attention layer does two jobs, exactly as in the paper (section 4.1):
+1. store: write the new tokens' K and V into their slots of the pool (`slot_mapping`);
+2. attend: each new query attends over its request's K/V, found block by block through
+   its block table. Request i's new tokens are the *last* query_len of its seq_len tokens,
+   so its new row j sits at position seq_len - query_len + j and sees keys 0 .. that
+   position: earlier prompt chunks, generated tokens and prefix-cache hits included.
+
+This backend, plain PyTorch on any device, is the reference every other backend is tested
+against; the Triton and flash-attn backends beside it are chosen through
+`nanopaged/attention/backends.py: ATTENTION_BACKENDS`. docs/05_model_runner_and_kernels.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanopaged.attention.metadata import AttentionMetadata
+from nanopaged.core.block_pool import cdiv
+
+
+@dataclass
+class StepPlan:
+    """How the torch backend splits a step, worked out once and shared by every layer: the
+    index tensors and the mask depend on the step, not on the layer."""
+    prefills: list[tuple[int, int, int, int]]  # (request, first row, query_len, seq_len), query_len > 1
+    decode_rows: torch.Tensor | None           # (B,) the flat-batch row of each one-token request
+    decode_blocks: torch.Tensor | None         # (B * max_blocks,) their block tables, padded, flattened
+    decode_mask: torch.Tensor | None           # (B, 1, 1, max_blocks * block_size) 0 inside the request, -inf past it
+
+
+def plan_step(meta: AttentionMetadata, dtype: torch.dtype) -> StepPlan:
+    """Sort the step's requests into prefill chunks and one-token rows; index the latter once."""
+    prefills, decodes, start = [], [], 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        if q_len == 1:
+            decodes.append(i)
+        else:
+            prefills.append((i, start, q_len, seq_len))
+        start += q_len
+    if not decodes:
+        return StepPlan(prefills, None, None, None)
+    device = meta.slot_mapping.device
+    idx = torch.tensor(decodes, device=device)
+    max_blocks = cdiv(max(meta.seq_lens_list[i] for i in decodes), meta.block_size)
+    key_pos = torch.arange(max_blocks * meta.block_size, device=device)
+    outside = key_pos[None, :] >= meta.seq_lens[idx][:, None]
+    # an additive mask (0 or -inf, in the queries' dtype): SDPA on CPU takes it faster than a
+    # bool one, with the same result
+    mask = torch.zeros(outside.shape, dtype=dtype, device=device).masked_fill_(outside, float("-inf"))
+    return StepPlan(prefills, meta.query_start_loc[idx], meta.block_tables[idx, :max_blocks].flatten(),
+                    mask[:, None, None, :])
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """k, v: (num_tokens, kv_heads, head_dim); caches: (num_blocks, block_size, kv_heads, head_dim)."""
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one request, (seq_len, kv_heads, head_dim), via its block table."""
+    num_blocks = cdiv(seq_len, cache.shape[1])
+    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:seq_len]
+
+
+class TorchAttentionBackend:
+    """Decode rows (query_len 1) are attended together in one padded call; each request
+    with several new tokens (a prompt, or a chunk of one) gets its own call."""
+    name = "torch"
+
+    def wrap_model(self, model, runner):
+        return model                        # launched eagerly, layer by layer
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim)."""
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.plan is None:
+            meta.plan = plan_step(meta, q.dtype)
+        plan, out = meta.plan, torch.empty_like(q)
+        for i, start, q_len, seq_len in plan.prefills:
+            rows = slice(start, start + q_len)
+            if seq_len == q_len:        # nothing earlier in the cache: its own new K/V is all of it
+                kk, vv = k[rows], v[rows]
+            else:                       # a later chunk, or a prefix-cache hit: read the blocks
+                kk = gather_kv(k_cache, meta.block_tables[i], seq_len)
+                vv = gather_kv(v_cache, meta.block_tables[i], seq_len)
+            out[rows] = _attend(q[rows], kk, vv, seq_len - q_len, scale)
+        if plan.decode_rows is not None:
+            self._decode(q, k_cache, v_cache, plan, scale, out)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, plan: StepPlan, scale, out) -> None:
+        """All one-token requests at once: gather their blocks padded to the longest."""
+        rows, mask = plan.decode_rows, plan.decode_mask
+        # index_select on the block axis: several times faster on CPU than cache[tables]
+        shape = (len(rows), mask.shape[-1]) + k_cache.shape[2:]
+        kk = k_cache.index_select(0, plan.decode_blocks).view(shape)   # (B, max_blocks * block_size, kv_heads, D)
+        vv = v_cache.index_select(0, plan.decode_blocks).view(shape)
+        # GQA: the query heads that share a KV head become that head's queries, (B, kv_heads,
+        # group, D), so K/V are read as they are, never repeated per query head.
+        qq = q[rows].view(len(rows), kk.shape[2], -1, q.shape[-1])
+        o = F.scaled_dot_product_attention(qq, kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=mask, scale=scale)
+        out[rows] = o.flatten(1, 2)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int,
+            scale: float) -> torch.Tensor:
+    """Causal attention of q (q_len rows) over k/v (num_context + q_len rows), GQA aware."""
+    q_len = q.shape[0]
+    # (1, heads, len, head_dim): with a batch axis SDPA on CPU takes its fused (flash) kernel,
+    # GQA included; without one it falls back to the unfused math path, twice as slow.
+    qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if num_context == 0:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # is_causal aligns the mask top-left; with a prefix context the queries are the last
+        # q_len positions, so build the mask explicitly.
+        q_pos = torch.arange(q_len, device=q.device) + num_context
+        k_pos = torch.arange(k.shape[0], device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)

@@ -1,0 +1,147 @@
+"""LLMEngine: requests in, one step at a time, RequestOutputs out.
+
+    add_request   tokenize and validate (input_processor.py), then queue the request
+    step          schedule -> execute -> update -> outputs
+
+All validation happens before a request is queued: one that can never run raises
+ValueError and the engine goes on serving the others. `LLM.generate` (llm.py) is a loop
+over `step`; drive the engine directly to stream. docs/00_how_to_read.md walks one step.
+
+Extensions reach the engine through three hooks: `step(select_tokens)` takes a
+token-selection rule in place of the sampler (beam search; `track` follows the sequences it
+forks), every function in `observers` sees each step's `StepRecord` (statistics, the bench),
+and `make_runner` builds another runner with ModelRunner's interface (tensor parallelism).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from nanopaged.config import EngineConfig
+from nanopaged.core.block_pool import BlockPool
+from nanopaged.core.request import Request, RequestStatus, SampledToken
+from nanopaged.core.scheduler import Scheduler, SchedulerOutput
+from nanopaged.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from nanopaged.engine.output_processor import OutputProcessor
+from nanopaged.engine.parallel_sampling import ParallelSampler
+from nanopaged.outputs import RequestOutput
+from nanopaged.sampling_params import SamplingParams
+from nanopaged.worker.model_runner import ModelRunner, ModelRunnerOutput
+from nanopaged.worker.sampler import Sampler
+
+SelectTokens = Callable[[ModelRunnerOutput], dict[Request, SampledToken]]
+
+
+@dataclass
+class StepRecord:
+    """What one step did, for observers; taken before the stopped requests free their blocks."""
+    scheduler_output: SchedulerOutput
+    sampled: dict[Request, SampledToken]
+    outputs: list[RequestOutput]
+    stopped: list[tuple[Request, RequestStatus]]
+    running: list[Request]                  # the requests holding blocks during the step
+    times: tuple[float, float, float, float]   # perf_counter at start, scheduled, executed, updated
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig,
+                 make_runner: Callable[[EngineConfig], ModelRunner] = ModelRunner) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self.runner = make_runner(config)
+        block_pool = BlockPool(self.runner.num_kv_blocks, config.block_size,
+                               config.enable_prefix_caching, config.prefix_hash)
+        self.scheduler = Scheduler(block_pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.input_processor = InputProcessor(config, self.tokenizer, self.runner.num_kv_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.sampler = ParallelSampler(Sampler(self.runner.device, config.seed))
+        self.observers: list[Callable[[StepRecord], None]] = []
+
+    # ---- requests in ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+        self.queue(self.process_request(request_id, prompt, params))
+
+    def process_request(self, request_id: str, prompt: PromptType,
+                        params: SamplingParams | None = None) -> list[Request]:
+        """Tokenize and validate without queueing: the request's n sequences, or a ValueError."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
+        return self.input_processor.process(request_id, prompt, params)
+
+    def queue(self, samples: list[Request]) -> None:
+        """Queue the first sequence; the others (n > 1) fork off it once its prompt is done."""
+        self.track(samples)
+        self.scheduler.add_request(samples[0])
+
+    def track(self, samples: list[Request]) -> None:
+        """Follow these sequences' tokens, stops and outputs without queueing any of them: a
+        token-selection rule forks them off a running sequence (`SampledToken.parent`)."""
+        if samples[0].request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {samples[0].request_id!r} is already in use")
+        self.output_processor.add(samples)
+        self.sampler.add(samples)
+
+    def abort_request(self, request_id: str) -> None:
+        """Its blocks go back now; the next step returns its final output ("abort")."""
+        for request in self.output_processor.abort(request_id):
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.output_processor.aborted)
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self, select_tokens: SelectTokens | None = None) -> list[RequestOutput]:
+        """Schedule, run the model once, choose tokens, update; the outputs of the requests
+        that advanced. `select_tokens` replaces the sampler (beam search chooses its own); it
+        must give every row a token, unless its caller aborts that request before the next step.
+        If the step fails, its requests end with "abort" and the error goes on to the caller."""
+        aborted, self.output_processor.aborted = self.output_processor.aborted, []
+        t0 = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()                                 # 1. schedule
+        if not scheduler_output.scheduled:
+            if self.scheduler.has_unfinished_requests() and not aborted:
+                raise EngineStalled(self._why_stalled())
+            return aborted
+        try:
+            t1 = time.perf_counter()
+            runner_output = self.runner.execute(scheduler_output)                    # 2. execute
+            sampled = (select_tokens or self.sampler)(runner_output)
+            t2 = time.perf_counter()
+            self.scheduler.update(scheduler_output, sampled)                         # 3. update
+            t3 = time.perf_counter()
+            outputs, stopped = self.output_processor.process(sampled, runner_output.prompt_logits)  # 4. outputs
+            record = StepRecord(scheduler_output, sampled, outputs, stopped, self.scheduler.running,
+                                (t0, t1, t2, t3))
+            for observer in self.observers:
+                observer(record)
+            for request, status in stopped:
+                self._finish(request, status)
+        except BaseException:
+            self._abort_step(scheduler_output)
+            raise
+        return aborted + outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish_request(request, status)
+        self.sampler.forget(request)
+
+    def _abort_step(self, scheduler_output: SchedulerOutput) -> None:
+        """A step failed (a bug, out of memory, Ctrl-C): its requests end with "abort" and give
+        their blocks back, so the engine serves the others, and later calls, correctly."""
+        for request, _ in scheduler_output.scheduled:
+            request_id = self.output_processor.request_id_of(request)
+            if request_id is not None:
+                self.abort_request(request_id)
+
+    def _why_stalled(self) -> str:
+        s, pool = self.scheduler, self.scheduler.block_pool
+        first = s.waiting[0] if s.waiting else None
+        return (f"no request can be scheduled: {len(s.waiting)} waiting, {len(s.running)} running, "
+                f"{pool.num_free_blocks} of {pool.num_blocks} KV blocks free, max_num_seqs "
+                f"{s.max_num_seqs}" + (f"; the oldest waiting request {first.request_id!r} has "
+                                      f"{first.num_tokens} tokens" if first else ""))
+
+
+class EngineStalled(RuntimeError):
+    """Requests are queued but no step can schedule any of them: waiting would not help."""

@@ -1,0 +1,139 @@
+"""The HTTP side: FastAPI routes, OpenAI's error bodies, Server-Sent Events.
+
+A handler parses its request (protocol.py), hands it to the engine loop (engine_loop.py),
+and waits on the request's output queue; it never touches the engine. A streamed request
+sends one `data: {...}` event per chunk as the steps come (responses.py), then
+`data: [DONE]`. A client that goes away mid-request aborts it: its blocks go back to the
+pool at once, for the clients still there. vLLM: vllm/entrypoints/openai/api_server.py.
+docs/08_server.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanopaged.entrypoints.openai.engine_loop import EngineLoop, Submission
+from nanopaged.entrypoints.openai.metrics import ServerMetrics
+from nanopaged.entrypoints.openai.protocol import OpenAIError, parse_body, parse_request
+from nanopaged.entrypoints.openai.responses import ResponseBuilder
+
+logger = logging.getLogger("nanopaged.entrypoints.serve")
+ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
+
+
+def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, max_model_len: int) -> FastAPI:
+    app = FastAPI(title="nanopaged", description="an OpenAI-compatible server on nanopaged's engine")
+    created = int(time.time())
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_request: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, e: Exception) -> JSONResponse:   # a bug: say so, stay up
+        logger.exception("unexpected error in a handler")
+        return JSONResponse(OpenAIError(f"internal error: {type(e).__name__}: {e}", status=500,
+                                        type="internal_server_error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine_loop.alive else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "nanopaged", "max_model_len": max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, "chat")
+
+    async def serve(request: Request, kind: str) -> Response:
+        parsed = parse_request(parse_body(await request.body()), kind, model_name)
+        response_id = ID_PREFIX[kind] + uuid.uuid4().hex
+        request_ids = [f"{response_id}-{i}" for i in range(len(parsed.prompts))]
+        submission = Submission(parsed, request_ids, asyncio.get_running_loop())
+        builder = ResponseBuilder(parsed, response_id, model_name, request_ids)
+        try:
+            await engine_loop.submit(submission)
+        except BaseException:
+            engine_loop.abort(request_ids)          # cancelled while queueing: nothing may linger
+            raise
+        if parsed.stream:
+            return StreamingResponse(sse_events(engine_loop, submission, builder),
+                                     media_type="text/event-stream")
+        return await whole_response(request, engine_loop, submission, builder)
+
+    return app
+
+
+async def whole_response(request: Request, engine_loop: EngineLoop, submission: Submission,
+                         builder: ResponseBuilder) -> JSONResponse:
+    """Wait for every output, watching for the client leaving meanwhile (then abort)."""
+    async def collect() -> list:
+        finals = {}
+        async for output in submission.results():
+            if output.finished:
+                finals[output.request_id] = output
+        return [finals[rid] for rid in submission.request_ids]
+
+    collecting = asyncio.ensure_future(collect())
+    leaving = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({collecting, leaving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        leaving.cancel()
+        if not collecting.done():                    # the client left (or this task was cancelled)
+            collecting.cancel()
+            engine_loop.abort(submission.request_ids)
+    if not collecting.done() or collecting.cancelled():
+        return JSONResponse({}, status_code=499)     # nobody is listening; nginx's "client closed"
+    return JSONResponse(builder.response(collecting.result()))
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client closes its connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def sse_events(engine_loop: EngineLoop, submission: Submission, builder: ResponseBuilder):
+    """The stream's events. If the client leaves, the server cancels this generator at its
+    await; `finally` then aborts the requests still running, which frees their blocks."""
+    done = False
+    try:
+        for chunk in builder.first_chunks():
+            yield event(chunk)
+        try:
+            async for output in submission.results():
+                for chunk in builder.chunks(output):
+                    yield event(chunk)
+        except OpenAIError as e:                     # the engine failed: say so in the stream
+            yield event(e.body())
+        if submission.request.include_usage:
+            yield event(builder.usage_chunk())
+        yield "data: [DONE]\n\n"
+        done = True
+    finally:
+        if not done:
+            engine_loop.abort(submission.request_ids)
+
+
+def event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

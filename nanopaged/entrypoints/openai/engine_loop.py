@@ -1,0 +1,233 @@
+"""The engine loop: one thread owns the LLMEngine and steps it; HTTP handlers never do.
+
+Handlers run on the server's asyncio event loop, many at once; a model step takes
+milliseconds to seconds. If a handler stepped the engine, every other client would wait
+on it, and two handlers could step at once. So the engine lives on a thread of its own
+that does three things, over and over:
+
+    take commands      new requests (tokenized and validated here) and aborts, from a queue
+    step               LLMEngine.step(): one step of every running request, all clients batched
+    hand out outputs   each RequestOutput goes to the asyncio queue of the request it belongs to
+
+Requests from all clients meet in the one scheduler, exactly as `LLM.generate`'s do.
+vLLM splits the same roles between processes: vllm/v1/engine/async_llm.py (the handlers'
+side, per-request output queues) and vllm/v1/engine/core.py (the busy loop that steps).
+docs/08_server.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from nanopaged.engine.llm_engine import LLMEngine
+from nanopaged.entrypoints.openai.protocol import OpenAIError, ParsedRequest, field_named
+from nanopaged.engine.input_processor import render_chat
+from nanopaged.outputs import RequestOutput
+
+logger = logging.getLogger("nanopaged.entrypoints.serve")
+
+
+@dataclass(eq=False)            # identity: a submission is a key of the loop's tables
+class Submission:
+    """One HTTP request on its way through the engine: its engine requests (one per prompt),
+    and where their outputs go. Made and read on the event loop; the engine thread only
+    posts into it through `loop.call_soon_threadsafe`."""
+    request: ParsedRequest
+    request_ids: list[str]                    # one per prompt
+    loop: asyncio.AbstractEventLoop
+    arrival_time: float = field(default_factory=time.monotonic)
+    accepted: asyncio.Future = None           # None once queued, or the OpenAIError that refused it
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutputs; an exception ends
+
+    def __post_init__(self) -> None:
+        if self.accepted is None:
+            self.accepted = self.loop.create_future()
+
+    async def results(self):
+        """The RequestOutputs of this submission's requests (cumulative, vLLM's default), as they
+        come, until every one has finished."""
+        pending = set(self.request_ids)
+        while pending:
+            item = await self.outputs.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                pending.discard(item.request_id)
+            yield item
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, metrics=None, hold=contextlib.nullcontext) -> None:
+        """`metrics` (metrics.py) hears of arrivals and aborts and samples the engine after
+        every round; `hold` is a context the whole loop runs in (LLM.one_call_at_a_time:
+        the LLM's lock, and its CPU thread governor on this thread)."""
+        self.engine, self.metrics, self.hold = engine, metrics, hold
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()   # ("add", Submission) | ("abort", ids) | ("stop",)
+        self.routes: dict[str, Submission] = {}              # engine thread only: request id -> its submission
+        self.error: BaseException | None = None               # why the loop died, if it did
+        self.thread = threading.Thread(target=self._run, name="nanopaged-engine-loop", daemon=True)
+
+    # ---- the handlers' side (event loop) -------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.inbox.put(("stop",))
+        self.thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    async def submit(self, submission: Submission) -> None:
+        """Queue its requests; returns once the engine took them, or raises the OpenAIError
+        that refused them (a prompt too long, a bad chat message, ...)."""
+        if not self.alive:
+            raise OpenAIError(f"the engine loop has stopped: {self.error!r}", status=503,
+                              type="service_unavailable")
+        self.inbox.put(("add", submission))
+        await submission.accepted
+
+    def abort(self, request_ids: list[str]) -> None:
+        """The client is gone: free these requests' blocks at once (a no-op for finished ones)."""
+        self.inbox.put(("abort", request_ids))
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with self.hold():
+                while self._take_commands(block=not self.engine.has_unfinished_requests()):
+                    if self.engine.has_unfinished_requests():
+                        self._step()
+                    if self.metrics is not None:
+                        self.metrics.sample(self.engine)
+        except BaseException as e:            # a bug in the loop itself: /health says so
+            self.error = e
+            logger.exception("the engine loop died")
+            self._fail_everyone(OpenAIError(f"the engine loop died: {type(e).__name__}: {e}", status=500,
+                                            type="internal_server_error"))
+
+    def _fail_everyone(self, error: OpenAIError) -> None:
+        """No client waits for ever on a dead loop: running requests get the error in their
+        stream, queued ones instead of their acceptance."""
+        for submission in set(self.routes.values()):
+            _post(submission, submission.outputs.put_nowait, error)
+        while True:
+            try:
+                command = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _post(command[1], _settle, command[1].accepted, error)
+
+    def _take_commands(self, block: bool) -> bool:
+        """Carry out every queued command (waiting for one if the engine is idle); False on stop."""
+        try:
+            command = self.inbox.get() if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command[0] == "stop":
+                return False
+            if command[0] == "add":
+                self._add(command[1])
+            else:
+                self._abort(command[1])
+            try:
+                command = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, submission: Submission) -> None:
+        """Tokenize and check every prompt, then queue them all, or none (as LLM.generate)."""
+        r, engine = submission.request, self.engine
+        try:
+            prompts = ([render_chat(engine.tokenizer, conv) for conv in r.prompts] if r.kind == "chat"
+                       else r.prompts)
+            batches = [engine.process_request(rid, p, r.params)
+                       for rid, p in zip(submission.request_ids, prompts)]
+            if r.max_tokens_given:
+                _refuse_past_context(batches, r, engine.config.max_model_len)
+        except ValueError as e:
+            param = field_named(str(e)) or ("messages" if r.kind == "chat" else "prompt")
+            _post(submission, _settle, submission.accepted, OpenAIError(str(e), param=param))
+            return
+        for samples in batches:
+            engine.queue(samples)
+            self.routes[samples[0].request_id] = submission
+            if self.metrics is not None:
+                self.metrics.arrived(samples[0].request_id, submission.arrival_time)
+        _post(submission, _settle, submission.accepted, None)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if self.routes.pop(rid, None) is not None:
+                self.engine.abort_request(rid)      # blocks back to the pool now
+                if self.metrics is not None:
+                    self.metrics.aborted(rid)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # The engine aborted the step's requests and stays usable (core/engine.py); end
+            # every request in flight with the error, so no client waits for ever.
+            logger.exception("a step failed; aborting the requests in flight")
+            error = OpenAIError(f"the engine failed: {type(e).__name__}: {e}", status=500,
+                                type="internal_server_error")
+            for rid, submission in list(self.routes.items()):
+                self._abort([rid])
+                _post(submission, submission.outputs.put_nowait, error)
+            return
+        self._hand_out(outputs)
+
+    def _hand_out(self, outputs: list[RequestOutput]) -> None:
+        """Each output to its submission's queue: one call into the event loop per submission."""
+        by_submission: dict[Submission, list[RequestOutput]] = {}
+        for output in outputs:
+            submission = self.routes.get(output.request_id)
+            if submission is None:                  # aborted: its client is gone
+                continue
+            by_submission.setdefault(submission, []).append(output)
+            if output.finished:
+                del self.routes[output.request_id]
+        for submission, items in by_submission.items():
+            _post(submission, _put_all, submission.outputs, items)
+
+
+def _refuse_past_context(batches: list, r: ParsedRequest, max_model_len: int) -> None:
+    """An explicit max_tokens that the context cannot hold is a 400, as in vLLM's server
+    (offline, `LLM.generate` clips it instead)."""
+    for samples in batches:
+        first = samples[0]
+        if first.max_tokens < r.params.max_tokens:
+            raise ValueError(f"max_tokens={r.params.max_tokens} plus the prompt's {first.num_prompt_tokens} "
+                             f"tokens is more than max_model_len={max_model_len}; ask for at most "
+                             f"{first.max_tokens} tokens")
+
+
+def _post(submission: Submission, fn, *args) -> None:
+    """Run fn(*args) on the submission's event loop (asyncio objects are not thread-safe)."""
+    try:
+        submission.loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:                       # the event loop has closed: the server is stopping
+        pass
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():                          # the handler gave up waiting (its client left)
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _put_all(q: asyncio.Queue, items: list) -> None:
+    for item in items:
+        q.put_nowait(item)

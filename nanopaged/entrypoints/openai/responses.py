@@ -1,0 +1,147 @@
+"""RequestOutputs as OpenAI response bodies: one whole response, or a stream of chunks.
+
+The engine's outputs are cumulative (each holds all the text so far, vLLM's default), so a
+stream sends what is new since the last chunk of each choice. One exception: while a stop
+string could still be completing, the last len(longest stop) - 1 characters are held
+back, because the engine cuts a matched stop string out of the text; sent text is never
+taken back, so the concatenated stream equals the whole response. Shapes follow OpenAI's
+API reference and vLLM's vllm/entrypoints/openai/serving_completion.py and serving_chat.py.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from nanopaged.entrypoints.openai.protocol import ParsedRequest
+from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class ChoiceState:
+    """What a stream has sent of one choice."""
+    chars: int = 0
+    tokens: int = 0
+    text_offset: int = 0         # completions' logprobs: where the next token's text starts
+    done: bool = False
+
+
+class ResponseBuilder:
+    def __init__(self, request: ParsedRequest, response_id: str, model: str, request_ids: list[str]) -> None:
+        self.request, self.id, self.model = request, response_id, model
+        self.chat = request.kind == "chat"
+        self.created = int(time.time())
+        self.n = request.params.n
+        self.prompt_index = {rid: i for i, rid in enumerate(request_ids)}
+        self.holdback = max((len(s) for s in request.params.stop), default=1) - 1
+        self.choices = {i: ChoiceState() for i in range(len(request_ids) * self.n)}
+        self.prompt_tokens: dict[int, int] = {}          # prompt index -> its tokens
+        self.completion_tokens: dict[int, int] = {}      # choice index -> tokens generated
+
+    def _index(self, output: RequestOutput, c: CompletionOutput) -> int:
+        """Choice i * n + j: sample j of prompt i (vLLM's numbering for several prompts)."""
+        return self.prompt_index[output.request_id] * self.n + c.index
+
+    def _count(self, output: RequestOutput) -> None:
+        self.prompt_tokens[self.prompt_index[output.request_id]] = len(output.prompt_token_ids)
+        for c in output.outputs:
+            self.completion_tokens[self._index(output, c)] = len(c.token_ids)
+
+    def usage(self) -> dict:
+        prompt, completion = sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # ---- a whole response ----------------------------------------------------------------------
+    def response(self, finals: list[RequestOutput]) -> dict:
+        choices = []
+        for output in finals:
+            self._count(output)
+            for c in output.outputs:
+                choice = {"index": self._index(output, c),
+                          "logprobs": self._logprobs(c, 0, len(c.token_ids), 0),
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    choice["text"] = c.text
+                choices.append(choice)
+        choices.sort(key=lambda ch: ch["index"])
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+
+    # ---- a stream ------------------------------------------------------------------------------
+    def first_chunks(self) -> list[dict]:
+        """Chat opens every choice with the assistant's role, before any text (as OpenAI)."""
+        if not self.chat:
+            return []
+        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}) for i in self.choices]
+
+    def chunks(self, output: RequestOutput) -> list[dict]:
+        """One chunk per choice that has something new: text, tokens (logprobs), or its end."""
+        self._count(output)
+        chunks = []
+        for c in output.outputs:
+            index = self._index(output, c)
+            state = self.choices[index]
+            if state.done:
+                continue
+            finished = c.finish_reason is not None
+            end = len(c.text) if finished else max(state.chars, len(c.text) - self.holdback)
+            text = c.text[state.chars:end]
+            new_tokens = len(c.token_ids) > state.tokens and c.logprobs is not None
+            if not (text or new_tokens or finished):
+                continue
+            logprobs = self._logprobs(c, state.tokens, len(c.token_ids), state.text_offset)
+            if logprobs is not None and not self.chat:
+                state.text_offset += sum(len(t) for t in logprobs["tokens"])
+            state.chars, state.tokens, state.done = end, len(c.token_ids), finished
+            choice = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason}
+            if self.chat:
+                choice["delta"] = {"content": text} if text or not finished else {}
+            else:
+                choice["text"], choice["stop_reason"] = text, c.stop_reason
+            chunks.append(self._chunk(choice))
+        return chunks
+
+    def usage_chunk(self) -> dict:
+        """stream_options.include_usage: a last chunk with no choices and the usage."""
+        return {**self._chunk(None), "choices": [], "usage": self.usage()}
+
+    def _chunk(self, choice: dict | None) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.model, "choices": [choice] if choice else []}
+        if self.request.include_usage:
+            chunk["usage"] = None            # OpenAI: null in every chunk but the last
+        return chunk
+
+    # ---- logprobs ------------------------------------------------------------------------------
+    def _logprobs(self, c: CompletionOutput, start: int, end: int, text_offset: int) -> dict | None:
+        """Tokens [start, end) of a choice in OpenAI's two logprobs formats, or None if not asked."""
+        if c.logprobs is None:
+            return None
+        steps = [(c.token_ids[i], c.logprobs[i]) for i in range(start, end)]
+        k = self.request.top_logprobs
+        if self.chat:
+            return {"content": [_chat_entry(entries[token], entries, k) for token, entries in steps]}
+        tokens = [entries[token].decoded_token or "" for token, entries in steps]
+        offsets, at = [], text_offset
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": tokens, "token_logprobs": [entries[token].logprob for token, entries in steps],
+                # the chosen token and the k most likely (vLLM's completions: up to k + 1 entries)
+                "top_logprobs": [{(lp.decoded_token or ""): lp.logprob for lp in _by_rank(entries)}
+                                 for _, entries in steps],
+                "text_offset": offsets}
+
+
+def _by_rank(entries: dict[int, Logprob]) -> list[Logprob]:
+    return sorted(entries.values(), key=lambda lp: lp.rank)
+
+
+def _chat_entry(chosen: Logprob, entries: dict[int, Logprob], k: int) -> dict:
+    """OpenAI's chat format: the token, its logprob and UTF-8 bytes, and exactly the top k."""
+    def one(lp: Logprob) -> dict:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8", "replace"))}
+    return {**one(chosen), "top_logprobs": [one(lp) for lp in _by_rank(entries) if lp.rank <= k]}
