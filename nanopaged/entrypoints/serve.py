@@ -5,18 +5,23 @@
     python -m nanopaged.entrypoints.serve ...                     # the same
 
 Every engine setting (README, "Engine settings") is a flag in kebab case; `--port 0` takes a
-free port, and the line printed when the server is ready names it. The server itself is
-nanopaged/entrypoints/openai/ (docs/08_server.md); it needs `pip install -e '.[serve]'`.
+free port, and the line printed when the server is ready names it. `--api-key KEY` (or
+NANOPAGED_API_KEY) locks every route but /health and /metrics; the server's other limits
+(body size, timeouts, concurrency) are flags with defaults, listed by `--help`. The server
+itself is nanopaged/entrypoints/openai/ (docs/08_server.md); it needs `pip install -e '.[serve]'`.
 """
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import sys
 from dataclasses import fields
 
 from nanopaged.config import EngineConfig
 
 SETTINGS_OFF_IS_NONE = {"cpu_threads"}          # "auto" or None, spelled "none" on the command line
+API_KEY_ENV = "NANOPAGED_API_KEY"               # vLLM's is VLLM_API_KEY
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -25,16 +30,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         argv = argv[1:]
     p = argparse.ArgumentParser(prog="nanopaged serve", description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", help="a local Hugging Face folder (default: the demo model)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="default: %(default)s, this machine only; another "
+                   "address (0.0.0.0: every network) serves whoever reaches it: give --api-key too")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the ready line names it)")
     p.add_argument("--served-model-name", help="the name clients ask for (default: MODEL as given)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_limits(p.add_argument_group("access and limits (docs/08_server.md: Limits and access control)"))
     engine = p.add_argument_group("engine settings (README: Engine settings)")
     for f in fields(EngineConfig):
         if f.init and f.name != "model":
             add_setting(engine, f.name, str(f.type), f.default)
     return p.parse_args(argv)
+
+
+def add_limits(group) -> None:
+    """What a client may do: who may ask, how much one request may send, how long it may take."""
+    group.add_argument("--api-key", help="require 'Authorization: Bearer API_KEY' on every route but /health "
+                       f"and /metrics (default: ${API_KEY_ENV} if set, else no key)")
+    limit = dict(metavar="N", type=_positive(int))
+    group.add_argument("--max-request-body-bytes", default=8 * 1024 * 1024, **limit,
+                       help="a longer body is a 413, refused before it is read (default: %(default)s, 8 MiB)")
+    seconds = dict(metavar="S", type=_positive(float))
+    group.add_argument("--timeout-request-header", default=10.0, **seconds,
+                       help="seconds a client has to send a request's line and headers; then its "
+                            "connection is closed (default: %(default)s)")
+    group.add_argument("--timeout-request-body", default=60.0, **seconds,
+                       help="seconds a client has to send a request's body; then a 408 (default: %(default)s)")
+    group.add_argument("--timeout-keep-alive", default=5.0, **seconds,
+                       help="seconds an idle connection stays open after a response (uvicorn's; "
+                            "default: %(default)s)")
+    group.add_argument("--h11-max-incomplete-event-size", default=16 * 1024, **limit,
+                       help="bytes of a request's line and headers; more is a 400 (h11's; default: %(default)s)")
+    group.add_argument("--limit-concurrency", default=512, **limit,
+                       help="open connections or requests in flight past which a request is a 503 "
+                            "(uvicorn's; keep it below `ulimit -n`; default: %(default)s)")
+
+
+def _positive(convert):
+    def positive(text: str):
+        value = convert(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+        return value
+    return positive
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the environment's; an empty key would lock nothing, so it is refused."""
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"the API key (--api-key or {API_KEY_ENV}) is empty; give a key, or none at all")
+    return key
+
+
+def access_warning(host: str, port: int, api_key: str | None) -> str | None:
+    """What to say at start when a server anyone on the network can reach has no key."""
+    if api_key is not None or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:                          # a host name: it may resolve to any address
+        pass
+    return (f"nanopaged: warning: serving on {host} with no API key: anyone who can reach port {port} "
+            f"can use the model; give --api-key KEY (or set {API_KEY_ENV})")
 
 
 def add_setting(group, name: str, type_name: str, default) -> None:
@@ -66,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvicorn
         from nanopaged.entrypoints.openai.app import build_app
+        from nanopaged.entrypoints.openai.limits import BodyLimits, with_head_timeout
     except ImportError as e:
         sys.exit(f"nanopaged serve needs the serve extra ({e.name} is missing): pip install -e '.[serve]'")
     from nanopaged.models.demo_model import DEMO_MODEL
@@ -74,15 +135,20 @@ def main(argv: list[str] | None = None) -> None:
     from nanopaged.llm import LLM
 
     try:
+        key = api_key(args)
         llm = LLM(args.model, **engine_settings(args))
     except ValueError as e:                     # a bad setting or model folder: say which, no traceback
         sys.exit(f"nanopaged serve: {e}")
+    warning = access_warning(args.host, args.port, key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     engine = llm.llm_engine
     name = args.served_model_name or args.model or DEMO_MODEL
     metrics = ServerMetrics(engine, llm.stats)
     # The loop holds the LLM for its whole life: its lock, and its CPU thread governor.
     engine_loop = EngineLoop(engine, metrics, hold=llm.one_call_at_a_time)
-    app = build_app(engine_loop, metrics, name, engine.config.max_model_len)
+    app = build_app(engine_loop, metrics, name, engine.config.max_model_len,
+                    BodyLimits(args.max_request_body_bytes, args.timeout_request_body), api_key=key)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -91,12 +157,17 @@ def main(argv: list[str] | None = None) -> None:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 print(f"nanopaged: serving {name!r} at http://{host}:{port}/v1 "
                       f"({engine.scheduler.block_pool.num_blocks} KV blocks of {engine.config.block_size} "
-                      f"tokens, max_model_len {engine.config.max_model_len})", flush=True)
+                      f"tokens, max_model_len {engine.config.max_model_len}"
+                      f"{', API key required' if key else ''})", flush=True)
 
     engine_loop.start()
     try:
-        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                              lifespan="off")).run()   # no startup hooks; "on" logs a traceback on Ctrl-C
+        Server(uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+            lifespan="off",                     # no startup hooks; "on" logs a traceback on Ctrl-C
+            http=with_head_timeout(args.timeout_request_header),   # always h11, with a header deadline
+            timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
+            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)).run()
     except KeyboardInterrupt:       # Ctrl-C: uvicorn shuts down gracefully, then may re-raise it
         pass
     finally:

@@ -1,7 +1,8 @@
 """The HTTP side: FastAPI routes, OpenAI's error bodies, Server-Sent Events.
 
-A handler parses its request (protocol.py), hands it to the engine loop (engine_loop.py),
-and waits on the request's output queue; it never touches the engine. A streamed request
+A handler reads its body within the server's limits (limits.py), parses it (protocol.py) off
+the event loop, hands it to the engine loop (engine_loop.py), and waits on the request's
+output queue; it never touches the engine. A streamed request
 sends one `data: {...}` event per chunk as the steps come (responses.py), then
 `data: [DONE]`. A client that goes away mid-request aborts it: its blocks go back to the
 pool at once, for the clients still there. vLLM: vllm/entrypoints/openai/api_server.py.
@@ -19,21 +20,31 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanopaged.entrypoints.openai.engine_loop import EngineLoop, Submission
+from nanopaged.entrypoints.openai.limits import BodyLimits, ClientLeft, RequireApiKey, log_client_left, read_body
 from nanopaged.entrypoints.openai.metrics import ServerMetrics
-from nanopaged.entrypoints.openai.protocol import OpenAIError, parse_body, parse_request
+from nanopaged.entrypoints.openai.protocol import OpenAIError, ParsedRequest, parse_body, parse_request
 from nanopaged.entrypoints.openai.responses import ResponseBuilder
 
 logger = logging.getLogger("nanopaged.entrypoints.serve")
 ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
 
 
-def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, max_model_len: int) -> FastAPI:
+def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, max_model_len: int,
+              body_limits: BodyLimits, api_key: str | None = None) -> FastAPI:
+    """The routes; with `api_key`, every one but /health and /metrics needs it (limits.py)."""
     app = FastAPI(title="nanopaged", description="an OpenAI-compatible server on nanopaged's engine")
+    if api_key is not None:
+        app.add_middleware(RequireApiKey, api_key=api_key)
     created = int(time.time())
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, e: OpenAIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(ClientLeft)
+    async def client_left(_request: Request, e: ClientLeft) -> Response:
+        log_client_left(e)
+        return Response(status_code=499)             # nobody reads it; nginx's "client closed"
 
     @app.exception_handler(Exception)
     async def unexpected(_request: Request, e: Exception) -> JSONResponse:   # a bug: say so, stay up
@@ -63,7 +74,9 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, 
         return await serve(request, "chat")
 
     async def serve(request: Request, kind: str) -> Response:
-        parsed = parse_request(parse_body(await request.body()), kind, model_name)
+        raw = await read_body(request, body_limits)
+        # Off the event loop: parsing a few megabytes of JSON takes tens of milliseconds.
+        parsed = await asyncio.to_thread(parse, raw, kind)
         response_id = ID_PREFIX[kind] + uuid.uuid4().hex
         request_ids = [f"{response_id}-{i}" for i in range(len(parsed.prompts))]
         submission = Submission(parsed, request_ids, asyncio.get_running_loop())
@@ -77,6 +90,9 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, 
             return StreamingResponse(sse_events(engine_loop, submission, builder),
                                      media_type="text/event-stream")
         return await whole_response(request, engine_loop, submission, builder)
+
+    def parse(raw: bytes, kind: str) -> ParsedRequest:
+        return parse_request(parse_body(raw), kind, model_name)
 
     return app
 

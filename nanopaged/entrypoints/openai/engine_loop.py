@@ -5,13 +5,15 @@ milliseconds to seconds. If a handler stepped the engine, every other client wou
 on it, and two handlers could step at once. So the engine lives on a thread of its own
 that does three things, over and over:
 
-    take commands      new requests (tokenized and validated here) and aborts, from a queue
+    take commands      new requests (already tokenized and checked) and aborts, from a queue
     step               LLMEngine.step(): one step of every running request, all clients batched
     hand out outputs   each RequestOutput goes to the asyncio queue of the request it belongs to
 
-Requests from all clients meet in the one scheduler, exactly as `LLM.generate`'s do.
-vLLM splits the same roles between processes: vllm/v1/engine/async_llm.py (the handlers'
-side, per-request output queues) and vllm/v1/engine/core.py (the busy loop that steps).
+Tokenizing, the chat template and the checks run before that, on a pool of input threads,
+so a 1 MB prompt (a second of tokenizing) delays no one else's tokens. Requests from all
+clients meet in the one scheduler, exactly as `LLM.generate`'s do. vLLM splits the same
+roles between processes: vllm/v1/engine/async_llm.py (the handlers' side, tokenizing and
+the per-request output queues) and vllm/v1/engine/core.py (the busy loop that steps).
 docs/08_server.md.
 """
 from __future__ import annotations
@@ -22,14 +24,20 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from nanopaged.core.request import Request
+from nanopaged.engine.input_processor import render_chat
 from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.entrypoints.openai.protocol import OpenAIError, ParsedRequest, field_named
-from nanopaged.engine.input_processor import render_chat
 from nanopaged.outputs import RequestOutput
 
 logger = logging.getLogger("nanopaged.entrypoints.serve")
+# Threads that tokenize and check requests. The tokenizer releases the GIL, so they run beside
+# the engine thread; several, so that a short prompt is not queued behind a long one; few, as
+# each long prompt holds its tokens while it is checked (8 MiB of text: up to ~1.6 GB at peak).
+INPUT_THREADS = 4
 
 
 @dataclass(eq=False)            # identity: a submission is a key of the loop's tables
@@ -67,10 +75,16 @@ class EngineLoop:
         every round; `hold` is a context the whole loop runs in (LLM.one_call_at_a_time:
         the LLM's lock, and its CPU thread governor on this thread)."""
         self.engine, self.metrics, self.hold = engine, metrics, hold
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()   # ("add", Submission) | ("abort", ids) | ("stop",)
+        # ("add", Submission, its processed requests) | ("abort", ids) | ("stop",)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.routes: dict[str, Submission] = {}              # engine thread only: request id -> its submission
         self.error: BaseException | None = None               # why the loop died, if it did
         self.thread = threading.Thread(target=self._run, name="nanopaged-engine-loop", daemon=True)
+        self.inputs = ThreadPoolExecutor(INPUT_THREADS, thread_name_prefix="nanopaged-input")
+        # A fast tokenizer's first encode resets any truncation or padding its tokenizer.json sets:
+        # a write, which fails ("Already borrowed", vLLM issue #40949) if another thread uses the
+        # tokenizer meanwhile. Done once here; from then on encode and decode only read.
+        engine.tokenizer.encode("warm-up")
 
     # ---- the handlers' side (event loop) -------------------------------------------------------
     def start(self) -> None:
@@ -79,23 +93,45 @@ class EngineLoop:
     def stop(self) -> None:
         self.inbox.put(("stop",))
         self.thread.join(timeout=30)
+        self.inputs.shutdown(wait=False, cancel_futures=True)
 
     @property
     def alive(self) -> bool:
         return self.thread.is_alive()
 
     async def submit(self, submission: Submission) -> None:
-        """Queue its requests; returns once the engine took them, or raises the OpenAIError
-        that refused them (a prompt too long, a bad chat message, ...)."""
+        """Tokenize and check its requests on an input thread, then queue them; returns once the
+        engine took them, or raises the OpenAIError that refused them (a prompt too long, a bad
+        chat message, ...)."""
+        batches = await asyncio.get_running_loop().run_in_executor(self.inputs, self._process, submission)
         if not self.alive:
             raise OpenAIError(f"the engine loop has stopped: {self.error!r}", status=503,
                               type="service_unavailable")
-        self.inbox.put(("add", submission))
+        self.inbox.put(("add", submission, batches))
         await submission.accepted
 
     def abort(self, request_ids: list[str]) -> None:
         """The client is gone: free these requests' blocks at once (a no-op for finished ones)."""
         self.inbox.put(("abort", request_ids))
+
+    # ---- the input threads -----------------------------------------------------------------------
+    def _process(self, submission: Submission) -> list[list[Request]]:
+        """Every prompt tokenized and checked, all or none (as LLM.generate), or an OpenAIError.
+        Safe beside the engine thread's steps: process_request reads only the fixed config and
+        the tokenizer, whose encode may run on several threads at once; queueing, which changes
+        the engine, is left to the engine thread."""
+        r, engine = submission.request, self.engine
+        try:
+            prompts = ([render_chat(engine.tokenizer, conv) for conv in r.prompts] if r.kind == "chat"
+                       else r.prompts)
+            batches = [engine.process_request(rid, p, r.params)
+                       for rid, p in zip(submission.request_ids, prompts)]
+            if r.max_tokens_given:
+                _refuse_past_context(batches, r, engine.config.max_model_len)
+        except ValueError as e:
+            param = field_named(str(e)) or ("messages" if r.kind == "chat" else "prompt")
+            raise OpenAIError(str(e), param=param) from None
+        return batches
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -135,7 +171,7 @@ class EngineLoop:
             if command[0] == "stop":
                 return False
             if command[0] == "add":
-                self._add(command[1])
+                self._add(command[1], command[2])
             else:
                 self._abort(command[1])
             try:
@@ -143,25 +179,22 @@ class EngineLoop:
             except queue.Empty:
                 return True
 
-    def _add(self, submission: Submission) -> None:
-        """Tokenize and check every prompt, then queue them all, or none (as LLM.generate)."""
-        r, engine = submission.request, self.engine
+    def _add(self, submission: Submission, batches: list[list[Request]]) -> None:
+        """Queue a submission's processed requests, all or none; the engine thread's only part."""
+        engine, queued = self.engine, []
         try:
-            prompts = ([render_chat(engine.tokenizer, conv) for conv in r.prompts] if r.kind == "chat"
-                       else r.prompts)
-            batches = [engine.process_request(rid, p, r.params)
-                       for rid, p in zip(submission.request_ids, prompts)]
-            if r.max_tokens_given:
-                _refuse_past_context(batches, r, engine.config.max_model_len)
-        except ValueError as e:
-            param = field_named(str(e)) or ("messages" if r.kind == "chat" else "prompt")
-            _post(submission, _settle, submission.accepted, OpenAIError(str(e), param=param))
+            for samples in batches:
+                engine.queue(samples)
+                queued.append(samples[0].request_id)
+        except ValueError as e:          # a request id already in use (the server's are uuid4s)
+            for rid in queued:
+                engine.abort_request(rid)
+            _post(submission, _settle, submission.accepted, OpenAIError(str(e)))
             return
-        for samples in batches:
-            engine.queue(samples)
-            self.routes[samples[0].request_id] = submission
+        for rid in queued:
+            self.routes[rid] = submission
             if self.metrics is not None:
-                self.metrics.arrived(samples[0].request_id, submission.arrival_time)
+                self.metrics.arrived(rid, submission.arrival_time)
         _post(submission, _settle, submission.accepted, None)
 
     def _abort(self, request_ids: list[str]) -> None:

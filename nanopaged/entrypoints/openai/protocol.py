@@ -4,8 +4,9 @@ A request is checked here, in the HTTP handler, before the engine sees it: every
 must be one the server honours (an unknown or unsupported field is a 400 that names it,
 never silently ignored), of the right JSON type; SamplingParams then checks each range
 with the engine's one range check. What needs the tokenizer (a prompt too long for the
-context, a chat message without a role) is checked on the engine thread
-(engine_loop.py) and comes back as the same error. vLLM: vllm/entrypoints/openai/protocol.py.
+context, a chat message without a role) is checked by the engine loop's input threads
+(engine_loop.py) and comes back as the same error. An error names the value it refuses but
+never echoes more than a few hundred characters of it. vLLM: vllm/entrypoints/openai/protocol.py.
 """
 from __future__ import annotations
 
@@ -33,18 +34,41 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprob
 STREAM_OPTIONS = {"include_usage"}
 # OpenAI's defaults: a completion stops after 16 tokens; a chat answer may fill the context.
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": None}
+# OpenAI's deepest body (a chat message's content parts) nests 6 levels; a deeper one is an attack,
+# or a mistake that would only fail later, deep in some recursive code.
+MAX_JSON_DEPTH = 32
+# An error names the value it refuses; echoing a 1 MB data URL back would make every refusal
+# a megabyte (and every log line that quotes it).
+MAX_ERROR_CHARS = 500
 
 
 class OpenAIError(Exception):
-    """An error the client caused (or, with status 500, one it did not), as OpenAI's body."""
+    """An error the client caused (or, with status 500, one it did not), as OpenAI's body.
+    The message and the param are cut to a few hundred characters, whatever produced them."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        message = cut(message)
         super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+        self.message, self.status, self.type, self.code = message, status, type, code
+        self.param = None if param is None else cut(param, 100)
+        self.headers = headers                 # e.g. Connection: close, when the body was left unread
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def cut(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """`text` if it is short, else its start and its end with its length said."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit * 3 // 4]} ... {text[-(limit // 8):]} [cut: {len(text)} characters]"
+
+
+def shown(value) -> str:
+    """A JSON value as an error message quotes it: at most about 200 characters of it."""
+    return cut(json.dumps(value, ensure_ascii=False), 200)
 
 
 @dataclass
@@ -64,11 +88,29 @@ def parse_body(raw: bytes) -> dict:
     """The JSON object of a request body, or a 400 that says what is wrong with it."""
     try:
         body = json.loads(raw)
+    except RecursionError:             # the C parser recurses once per level: ~1,000 levels stop it
+        raise OpenAIError(f"the request body nests too deep; at most {MAX_JSON_DEPTH} levels "
+                          "are allowed") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise OpenAIError(f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise OpenAIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    if _nests_deeper_than(body, MAX_JSON_DEPTH):
+        raise OpenAIError(f"the request body nests more than {MAX_JSON_DEPTH} levels deep; at most "
+                          f"{MAX_JSON_DEPTH} are allowed")
     return body
+
+
+def _nests_deeper_than(value, limit: int) -> bool:
+    """Whether lists and objects nest more than `limit` levels; a loop, not a recursion."""
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 def parse_request(body: dict, kind: str, served_model_name: str) -> ParsedRequest:
@@ -76,11 +118,11 @@ def parse_request(body: dict, kind: str, served_model_name: str) -> ParsedReques
     allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise OpenAIError(f"unsupported field {unknown[0]!r}: this server honours only "
+        raise OpenAIError(f"unsupported field {shown(unknown[0])}: this server honours only "
                           f"{sorted(allowed)}", param=unknown[0])
     model = body.get("model")
     if model is not None and model != served_model_name:    # absent: the one model served (as vLLM)
-        raise OpenAIError(f"the model {model!r} does not exist; this server serves "
+        raise OpenAIError(f"the model {shown(model)} does not exist; this server serves "
                           f"{served_model_name!r}", param="model", code="model_not_found")
     fields = {k: v for k, v in body.items() if v is not None}   # JSON null means "the default"
     stream = _bool(fields, "stream", False)
@@ -127,14 +169,14 @@ def _completion_prompts(prompt) -> list:
     if prompt is None:
         raise OpenAIError("the field 'prompt' is required", param="prompt")
     raise OpenAIError("prompt must be a string, a non-empty list of strings, a list of token ids "
-                      f"or a list of lists of token ids, got {json.dumps(prompt)[:80]}", param="prompt")
+                      f"or a list of lists of token ids, got {shown(prompt)}", param="prompt")
 
 
 def _conversation(messages) -> list:
     if messages is None:
         raise OpenAIError("the field 'messages' is required", param="messages")
     if not isinstance(messages, list) or not messages:
-        raise OpenAIError(f"messages must be a non-empty list of messages, got {json.dumps(messages)[:80]}",
+        raise OpenAIError(f"messages must be a non-empty list of messages, got {shown(messages)}",
                           param="messages")
     return messages            # each message is checked with the chat template (engine thread)
 
@@ -157,11 +199,11 @@ def _stream_options(fields: dict, stream: bool) -> bool:
     if not stream:
         raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
     if not isinstance(options, dict):
-        raise OpenAIError(f"stream_options must be an object, got {json.dumps(options)[:80]}",
+        raise OpenAIError(f"stream_options must be an object, got {shown(options)}",
                           param="stream_options")
     unknown = sorted(set(options) - STREAM_OPTIONS)
     if unknown:
-        raise OpenAIError(f"unsupported field 'stream_options.{unknown[0]}'; supported: "
+        raise OpenAIError(f"unsupported field {shown('stream_options.' + unknown[0])}; supported: "
                           f"{sorted(STREAM_OPTIONS)}", param=f"stream_options.{unknown[0]}")
     return _bool(options, "include_usage", False, prefix="stream_options.")
 
@@ -171,14 +213,14 @@ def _bool(fields: dict, name: str, default: bool, prefix: str = "") -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise OpenAIError(f"{prefix}{name} must be true or false, got {json.dumps(value)}", param=prefix + name)
+        raise OpenAIError(f"{prefix}{name} must be true or false, got {shown(value)}", param=prefix + name)
     return value
 
 
 def _int(fields: dict, name: str) -> int | None:
     value = fields.get(name)
     if value is not None and not _is_int(value):
-        raise OpenAIError(f"{name} must be an integer, got {json.dumps(value)}", param=name)
+        raise OpenAIError(f"{name} must be an integer, got {shown(value)}", param=name)
     return value
 
 
