@@ -363,3 +363,17 @@ def test_the_engine_seed_is_checked_before_the_weights_load(tiny_model_dirs, mon
     monkeypatch.setattr(runner, "load_weights", no_loading)
     with pytest.raises(ValueError, match=r"seed must be in \[-9223372036854775808, 18446744073709551615\]"):
         LLM(tiny_model_dirs["llama"], seed=2**64)
+
+
+def test_a_text_far_past_the_context_is_refused_from_its_start(llm, monkeypatch):
+    """A prompt of many megabytes is refused after tokenizing its first max_model_len x 32
+    characters, never all of it (the server's 8 MiB bodies would otherwise cost seconds)."""
+    tokenizer, seen = llm.llm_engine.tokenizer, []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: seen.append(len(text)) or encode(text, **kw))
+    text = "hello world " * 100_000                     # 1.2 M characters; max_model_len 200
+    with pytest.raises(ValueError, match=r"at least \d+ tokens \(its first 6,400 of 1,200,000 characters"
+                                         r" alone\); max_model_len=200.*at most 199"):
+        llm.generate(text, GOOD, use_tqdm=False)
+    assert seen == [6_400]
+    assert llm.generate("hello world", GOOD, use_tqdm=False)[0].outputs[0].token_ids   # still serving

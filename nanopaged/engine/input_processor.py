@@ -15,6 +15,9 @@ from nanopaged.core.block_pool import cdiv
 from nanopaged.core.request import Request
 from nanopaged.sampling_params import SamplingParams
 
+# A tokenizer makes at least one token of every this many characters of text (real vocabularies
+# average 3-5; the longest tokens of English BPE vocabularies run to about 30).
+MAX_CHARS_PER_TOKEN = 32
 PromptType = str | dict   # a string, {"prompt_token_ids": [...]} or {"prompt": "..."}, maybe with "cache_salt"
 
 
@@ -63,7 +66,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not _encodes(prompt):
                 raise ValueError("the prompt must encode as UTF-8 (it holds a lone surrogate)")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(
@@ -73,6 +76,18 @@ class InputProcessor:
         if isinstance(prompt, dict) and "prompt" in prompt:
             return self._tokenize(prompt["prompt"])
         raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _encode(self, text: str) -> list[int]:
+        """The text's tokens. A text far longer than the context is refused after tokenizing only
+        its start (a 20 MB prompt would otherwise take seconds and a gigabyte to be refused)."""
+        limit, head = self.config.max_model_len, self.config.max_model_len * MAX_CHARS_PER_TOKEN
+        if len(text) > head:
+            n = len(self.tokenizer.encode(text[:head]))
+            if n >= limit:
+                raise ValueError(f"the prompt has at least {n} tokens (its first {head:,} of {len(text):,} "
+                                 f"characters alone); max_model_len={limit} leaves no room for a generated "
+                                 f"token (a prompt may be at most {limit - 1} tokens)")
+        return self.tokenizer.encode(text)
 
     def _check_prompt(self, ids: list[int]) -> None:
         limit = self.config.max_model_len
