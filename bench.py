@@ -32,7 +32,7 @@ from benchmarks.noise import noise_figures
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
 from benchmarks.report import plot, print_shared_prefix, print_sharing, print_table
 from benchmarks.roofline import measure_matmul_flops, roofline_figures
-from benchmarks.single_stream import single_stream_figures
+from benchmarks.single_stream import single_stream_figures, single_stream_length
 from benchmarks.trace import make_trace
 from benchmarks.workloads import run_shared_prefix, run_sharing
 from nanopaged import EngineConfig
@@ -85,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--block-size",
                  "--max-model-len", "--tensor-parallel-size"):
         p.add_argument(name, type=int, help="nanopaged engine setting (README); default: the engine's")
+    p.add_argument("--cpu-linear", choices=["auto", "packed", "reference"],
+                   help="nanopaged's CPU linear kernel: packed (oneDNN bfloat16 on packed weights), reference "
+                        "(F.linear); auto (the engine's default): packed where the CPU's matrix units run it")
+    p.add_argument("--vllm-python", metavar="PATH",
+                   help="the python of vLLM's side environment (default: $NANOPAGED_VLLM_PYTHON, else the one "
+                        "scripts/setup_vllm_peer.sh builds)")
     p.add_argument("--cpu-threads", choices=["auto", "none"],
                    help="nanopaged's CPU threads: auto (the engine's default) follows the free cores; "
                         "none keeps torch's count fixed")
@@ -125,7 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def engine_settings(args) -> dict:
     """The engine settings given on the command line (the rest keep nanopaged's defaults)."""
     names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
-             "max_model_len", "dtype", "device", "cpu_threads", "tensor_parallel_size")
+             "max_model_len", "dtype", "device", "cpu_threads", "cpu_linear", "tensor_parallel_size")
     settings = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if settings.get("cpu_threads") == "none":
         settings["cpu_threads"] = None
@@ -143,8 +149,12 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
     device, dtype = hf_device_dtype(config)
     peak_after_engine = measure_matmul_flops(device, dtype)   # the roofline's ceiling, timed twice
     resolved = resolved_settings(config, stats)
-    peers = {name: run_peer(name, model_dir, trace, args, settings, config, resolved)
+    one = {"prompt": trace.prompts[0], "output_tokens": single_stream_length(trace)}
+    peers = {name: run_peer(name, model_dir, trace, args, settings, config, resolved, one)
              for name in args.peers}
+    if "token_ids" in peers.get("vllm", {}):      # do the engines agree? (greedy: they should, mostly)
+        theirs = peers["vllm"].pop("token_ids")
+        peers["vllm"]["identical_outputs"] = sum(a == b for a, b in zip(run.token_ids, theirs))
 
     engine = run.figures()
     result = {
@@ -153,8 +163,9 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
         "ratios": ratios(engine, peers),
         "published": PUBLISHED,
         "overhead": overhead_figures(stats, run),
-        "roofline": roofline_figures(config.model_config, trace, run, device, dtype, (peak_after_engine,)),
-        "single_stream": single_stream_figures(model_dir, trace, settings, config),
+        "roofline": roofline_figures(config.model_config, trace, run, device, dtype, (peak_after_engine,),
+                                     packed=config.cpu_linear == "packed"),
+        "single_stream": single_stream_figures(model_dir, trace, settings, config, peers.get("vllm")),
         "machine": machine_info(device),
         "versions": versions(),
         "settings": {"model": model_dir, "num_requests": args.num_requests,

@@ -12,14 +12,15 @@ PUBLISHED = {
     "output_tokens_per_s": {"vllm": 1361.84, "nano-vllm": 1434.13},
 }
 
-# What the issues ask nanopaged to reach; reported, met or not. Since issue 12: 2x the hf
-# peer at its fastest batch size (it was 3x the hf peer at batch size 16), 55% of the
-# roofline, one request at a time at least Hugging Face generate's decode speed, and half
-# the quiet output tokens/s kept beside a busy core (measured with --noise only), and decode
-# steps at 70% of the FLOP/s of a plain matmul with as many rows.
-TARGETS = {"speedup_vs_hf": 2.0, "roofline_fraction": 0.55, "kv_utilization_paged": 0.9,
-           "schedule_share": 0.05, "single_stream_vs_hf": 1.0, "kept_beside_a_busy_core": 0.5,
-           "decode_vs_plain_matmul": 0.7}
+# What the issues ask nanopaged to reach; reported, met or not. Issue 23 (the CPU's matrix units):
+# on the default trace 2x vLLM's CPU engine and 3x the hf peer at its fastest batch size, in the
+# same dtype; 60% of the trace floor; decode steps at most 1.3x their own (packed) matmuls at the
+# same row count, i.e. the matmuls at least 1/1.3 of the step; one request at a time at least
+# vLLM's and Hugging Face generate's decode speed. Kept from issue 12: the KV utilization, the
+# scheduler's share, half the quiet output tokens/s beside a busy core (--noise only).
+TARGETS = {"speedup_vs_vllm": 2.0, "speedup_vs_hf": 3.0, "floor_fraction": 0.6,
+           "decode_vs_own_matmuls": 1 / 1.3, "single_stream_vs_hf": 1.0, "single_stream_vs_vllm": 1.0,
+           "kv_utilization_paged": 0.9, "schedule_share": 0.05, "kept_beside_a_busy_core": 0.5}
 
 
 def ratios(engine: dict, peers: dict) -> dict:
@@ -41,13 +42,15 @@ def overhead_figures(stats: dict, run: Run) -> dict:
 
 
 def target_figures(result: dict) -> dict:
-    got = {"speedup_vs_hf": result["ratios"].get("engine_vs_hf"),
-           "roofline_fraction": result["roofline"]["fraction"],
+    single = result["single_stream"]
+    got = {"speedup_vs_vllm": result["ratios"].get("engine_vs_vllm"),
+           "speedup_vs_hf": result["ratios"].get("engine_vs_hf"),
+           "floor_fraction": result["roofline"]["floor"]["fraction"],
+           "decode_vs_own_matmuls": result["roofline"]["decode_steps"].get("fraction_of_model_matmuls"),
+           "single_stream_vs_hf": single["ratio"], "single_stream_vs_vllm": single.get("ratio_vs_vllm"),
            "kv_utilization_paged": result["kv_utilization"]["paged"],
            "schedule_share": result["overhead"]["schedule_share"],
-           "single_stream_vs_hf": result["single_stream"]["ratio"],
-           "kept_beside_a_busy_core": result.get("noise", {}).get("nanopaged", {}).get("kept"),  # --noise
-           "decode_vs_plain_matmul": result["roofline"]["decode_steps"].get("fraction_of_plain_matmul")}
+           "kept_beside_a_busy_core": result.get("noise", {}).get("nanopaged", {}).get("kept")}  # --noise
     out = {}
     for name, goal in TARGETS.items():
         value = got[name]

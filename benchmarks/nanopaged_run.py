@@ -35,7 +35,8 @@ def run_nanopaged(model_dir: str, trace: Trace, settings: dict) -> tuple[Run, di
         scheduled = step.scheduler_output.scheduled     # counters already advanced by the step
         steps.append(StepTiming(len(scheduled), sum(n for _, n in scheduled),
                                 sum(r.num_computed_tokens for r, _ in scheduled),
-                                step.times[2] - step.times[1]))
+                                step.times[2] - step.times[1], len(step.sampled),
+                                sum(causal_pairs(n, r.num_computed_tokens) for r, n in scheduled)))
         look_s += time.perf_counter() - t
 
     engine.observers.append(look)
@@ -50,12 +51,19 @@ def run_nanopaged(model_dir: str, trace: Trace, settings: dict) -> tuple[Run, di
     engine.observers.remove(look)
 
     run = Run("nanopaged", wall, sum(r[0].num_output_tokens for r in requests),
-              trace.num_prompt_tokens, len(requests), {"kv_look_s": look_s}, steps)
+              trace.num_prompt_tokens, len(requests), {"kv_look_s": look_s}, steps,
+              [list(r[0].output_token_ids) for r in requests])
     return run, llm.get_stats(), samples, engine.config
+
+
+def causal_pairs(num_new: int, seq_len: int) -> int:
+    """(query, key) pairs of num_new queries at the end of seq_len tokens, each seeing the keys up to itself."""
+    return num_new * (seq_len - num_new) + num_new * (num_new + 1) // 2
 
 
 def resolved_settings(config: EngineConfig, stats: dict) -> dict:
     """The engine settings as the engine resolved them (its defaults filled in)."""
     return {"block_size": config.block_size, "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
-            "max_model_len": config.max_model_len, "num_kv_blocks": stats["num_kv_blocks"]}
+            "max_model_len": config.max_model_len, "num_kv_blocks": stats["num_kv_blocks"],
+            "dtype": config.dtype, "cpu_linear": config.cpu_linear}

@@ -1,36 +1,42 @@
-"""The peers, each on the same trace in the same process: Hugging Face static batching,
-transformers' own continuous batching over a paged cache, and vLLM where it is installed."""
+"""The peers, each on the same trace: Hugging Face static batching and transformers' own
+continuous batching over a paged cache in this process, and vLLM's CPU engine in its own
+environment (scripts/setup_vllm_peer.sh), in a subprocess."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+from benchmarks import vllm_peer
 from benchmarks.memory import hf_static_kv_utilization
 from benchmarks.trace import WARMUP_PROMPT, Run, Trace
 from nanopaged import EngineConfig
 
 PEERS = ("hf", "hf-paged", "vllm")
+VLLM_TIMEOUT_S = 1800     # vLLM compiles for about two minutes before its first step
 
 
 def run_peer(name: str, model_dir: str, trace: Trace, args, settings: dict, config: EngineConfig,
-             resolved: dict) -> dict:
+             resolved: dict, single_stream: dict | None = None) -> dict:
     """One peer's figures, or why it did not run (the table says so instead of a number).
 
-    `settings` are the engine settings given on the command line (vLLM gets those), `config`
-    and `resolved` what nanopaged made of them (the HF peers follow those).
+    `settings` are the engine settings given on the command line, `config` and `resolved` what
+    nanopaged made of them: every peer follows those (dtype, block size, KV budget, batch limits).
+    `single_stream` ({"prompt", "output_tokens"}): vLLM also times one request at a time.
     """
-    if name == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            return {"skipped": "vllm is not installed here; its published figures are shown apart"}
+    if name == "vllm" and vllm_python(args) is None:
+        return {"skipped": "no vLLM environment: run `bash scripts/setup_vllm_peer.sh` (or give --vllm-python)"}
     try:
         if name == "hf":
             return run_hf_sweep(model_dir, trace, config, args.hf_batch_sizes)
         if name == "hf-paged":
             return run_hf_paged(model_dir, trace, config, resolved).figures()
-        return run_vllm(model_dir, trace, settings).figures()
+        return run_vllm(model_dir, trace, config, resolved, vllm_python(args), single_stream)
     except Exception as e:                   # a peer failing is a result to report, not a crash
         return {"skipped": f"{type(e).__name__}: {e}"}
 
@@ -140,20 +146,39 @@ def cb_generate(manager, prompts, output_lens) -> list:
 
 # ---- vLLM ---------------------------------------------------------------------------------
 
-def run_vllm(model_dir: str, trace: Trace, settings: dict) -> Run:
-    """vLLM's offline API on the same prompts; only where `import vllm` works."""
-    from vllm import LLM as VLLM, SamplingParams as VParams
-    from vllm.inputs import TokensPrompt
-    kwargs = {k: v for k, v in settings.items() if k in ("max_num_seqs", "max_num_batched_tokens",
-                                                         "block_size", "max_model_len", "dtype")}
-    if "num_kv_blocks" in settings:
-        kwargs["num_gpu_blocks_override"] = settings["num_kv_blocks"]
-    llm = VLLM(model_dir, **kwargs)
-    llm.generate([TokensPrompt(**WARMUP_PROMPT)], VParams(max_tokens=4), use_tqdm=False)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in trace.prompts]
-    params = [VParams(temperature=0, max_tokens=n, ignore_eos=True) for n in trace.output_lens]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    return Run("vllm", wall, sum(len(o.outputs[0].token_ids) for o in outs),
-               trace.num_prompt_tokens, len(outs), {})
+def vllm_python(args) -> Path | None:
+    """The side environment's python (scripts/setup_vllm_peer.sh): --vllm-python, else
+    $NANOPAGED_VLLM_PYTHON, else the script's default folder."""
+    for candidate in (getattr(args, "vllm_python", None), os.environ.get("NANOPAGED_VLLM_PYTHON"),
+                      Path.home() / ".cache" / "nanopaged" / "vllm-peer" / "bin" / "python"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def run_vllm(model_dir: str, trace: Trace, config: EngineConfig, resolved: dict, python: Path,
+             single_stream: dict | None = None) -> dict:
+    """vLLM's CPU engine on the same trace, in its own environment and process
+    (benchmarks/vllm_peer.py), with nanopaged's dtype, KV bytes and batch limits; its own block
+    size (its CPU attention takes multiples of 32 only)."""
+    m = config.model_config
+    kv_bytes = resolved["num_kv_blocks"] * resolved["block_size"] * m.kv_bytes_per_token(
+        getattr(torch, config.dtype).itemsize)
+    job = {"model": model_dir, "prompts": trace.prompts, "output_lens": trace.output_lens,
+           "dtype": config.dtype, "kv_cache_bytes": kv_bytes, "single_stream": single_stream,
+           **{k: resolved[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")}}
+    with tempfile.TemporaryDirectory() as tmp:
+        path_in, path_out = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        path_in.write_text(json.dumps(job))
+        env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+        done = subprocess.run([str(python), vllm_peer.__file__, str(path_in), str(path_out)], env=env,
+                              capture_output=True, text=True, timeout=VLLM_TIMEOUT_S)
+        if done.returncode != 0 or not path_out.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"vLLM exited with {done.returncode}: {' | '.join(tail)}")
+        out = json.loads(path_out.read_text())
+    run = Run("vllm", out["wall_s"], out["output_tokens"], trace.num_prompt_tokens, len(trace.prompts),
+              {"version": out["vllm"], "load_s": out["load_s"], "kv_cache_bytes": kv_bytes,
+               "block_size": out["block_size"]})
+    return {**run.figures(), "token_ids": out["token_ids"],
+            **({"decode_tokens_per_s": out["decode_tokens_per_s"]} if "decode_tokens_per_s" in out else {})}

@@ -11,6 +11,9 @@ def print_table(r: dict) -> None:
           f"output {s['output_len'][0]}-{s['output_len'][1]} tokens, seed {s['seed']}, "
           f"model {Path(s['model']).name}, {r['machine']['cpu']} ({r['machine']['cpu_cores']} cores, "
           f"{s['threads']} torch threads)")
+    mach = r["machine"]
+    print(f"{s['dtype']}, cpu_linear {s['cpu_linear']}; CPU flags {' '.join(mach['matrix_flags']) or 'none'} "
+          f"(bfloat16 matrix units: {', '.join(mach['bf16_matrix_units']) or 'none'})")
     print(f"\n{'engine (measured, this run)':30} {'out tok/s':>10} {'total tok/s':>12} {'req/s':>7} "
           f"{'wall s':>8} {'vs nanopaged':>13}")
     rows = {"nanopaged": e, **r["peers"]}
@@ -21,6 +24,10 @@ def print_table(r: dict) -> None:
         rel = e["output_tokens_per_s"] / f["output_tokens_per_s"]
         print(f"{name:30} {f['output_tokens_per_s']:10.1f} {f['total_tokens_per_s']:12.1f} "
               f"{f['requests_per_s']:7.2f} {f['wall_s']:8.2f} {rel:12.2f}x")
+    v = r["peers"].get("vllm", {})
+    if "identical_outputs" in v:
+        print(f"  vllm {v['version']} in its own environment (loaded in {v['load_s']:.0f} s, the same KV bytes); "
+              f"greedy outputs identical to nanopaged's on {v['identical_outputs']} of {s['num_requests']} requests")
     if "hf" in r["peers"] and "padding_waste" in r["peers"]["hf"]:
         hf = r["peers"]["hf"]
         sweep = ", ".join(f"{b}: {v:.1f}" for b, v in hf["sweep"].items())
@@ -55,6 +62,10 @@ def print_table(r: dict) -> None:
     print(f"roofline: matmul {rf['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, {rf['flops_per_token'] / 1e6:.0f} "
           f"MFLOP/token -> {rf['roofline_tokens_per_s']:.0f} tok/s; nanopaged reaches {rf['fraction']:.1%}")
 
+    fl = rf["floor"]
+    print(f"trace floor: {fl['seconds']:.2f} s for nanopaged's {fl['num_steps']} steps ({fl['weight_bound_steps']} bound by "
+          f"streaming {fl['weight_bytes'] / 1e6:.0f} MB of weights at the copy's {fl['copy_bytes_per_s'] / 1e9:.1f} GB/s, "
+          f"the rest by arithmetic); nanopaged's wall {fl['wall_s']:.2f} s reaches {fl['fraction']:.1%} of it")
     d = rf["decode_steps"]
     if d["num_steps"]:
         print(f"decode steps ({d['num_steps']}, {d['share_of_model_time']:.0%} of model time, median "
@@ -65,7 +76,9 @@ def print_table(r: dict) -> None:
     ss = r["single_stream"]
     print(f"one request at a time ({ss['prompt_tokens']}-token prompt, {ss['output_tokens']} tokens): decode "
           f"nanopaged {ss['nanopaged_decode_tokens_per_s']:.1f} tok/s, hf generate "
-          f"{ss['hf_decode_tokens_per_s']:.1f} tok/s ({ss['ratio']:.2f}x)")
+          f"{ss['hf_decode_tokens_per_s']:.1f} tok/s ({ss['ratio']:.2f}x)"
+          + (f", vllm {ss['vllm_decode_tokens_per_s']:.1f} tok/s ({ss['ratio_vs_vllm']:.2f}x)"
+             if "vllm_decode_tokens_per_s" in ss else ""))
     if "noise" in r:
         n = r["noise"]
         for name in ("nanopaged", "hf"):

@@ -1,5 +1,7 @@
 """The roofline: the matmul FLOP/s this machine reaches, the FLOPs the trace needs, and the
-share of the tokens/s that ceiling allows which nanopaged reaches."""
+share of the tokens/s that ceiling allows which nanopaged reaches; and the trace floor, the
+fastest this machine could run nanopaged's own steps, each bound by streaming the weights or
+by its arithmetic, whichever takes longer."""
 from __future__ import annotations
 
 import time
@@ -8,10 +10,11 @@ import torch
 
 from benchmarks.trace import Run, StepTiming, Trace
 from nanopaged.models.config import ModelConfig
+from nanopaged.worker.cpu_linear import PackedLinear
 
 
 def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype: torch.dtype,
-                     earlier_peaks: tuple[float, ...] = ()) -> dict:
+                     earlier_peaks: tuple[float, ...] = (), packed: bool = False) -> dict:
     """`earlier_peaks`: the same square-matmul timing taken earlier in the run. The ceiling is
     the highest of them and the one taken now: a host that is busy at one moment only lowers
     the figure, and a lowered ceiling would flatter the fraction."""
@@ -23,7 +26,46 @@ def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype:
             "flops_share": {k: v / flops["total"] for k, v in flops.items() if k != "total"},
             "roofline_tokens_per_s": peak / per_token,
             "fraction": (tokens / run.wall_s) / (peak / per_token),
-            "decode_steps": decode_figures(m, run.steps, device, dtype)}
+            "decode_steps": decode_figures(m, run.steps, device, dtype, packed),
+            "floor": floor_figures(m, run, peak, copy_bytes_per_s(step_weights(m) * dtype.itemsize), dtype)}
+
+
+def floor_figures(m: ModelConfig, run: Run, peak: float, bandwidth: float, dtype: torch.dtype) -> dict:
+    """The trace floor: for each of nanopaged's steps, max(weight bytes / copy bandwidth, FLOPs /
+    matmul peak in the run's dtype); their sum is the fastest this machine could run the steps.
+    The copy's read rate stands for memory bandwidth (a pure read may run faster: a floor, not a proof)."""
+    weight_s = step_weights(m) * dtype.itemsize / bandwidth
+    floors = [max(weight_s, step_flops(m, s) / peak) for s in run.steps]
+    model_s = sum(s.model_s for s in run.steps)
+    return {"copy_bytes_per_s": bandwidth, "weight_bytes": step_weights(m) * dtype.itemsize,
+            "seconds": sum(floors), "model_s": model_s, "wall_s": run.wall_s,
+            "fraction": sum(floors) / run.wall_s if run.wall_s else 0.0,
+            "weight_bound_steps": sum(f == weight_s for f in floors), "num_steps": len(floors)}
+
+
+def step_weights(m: ModelConfig) -> int:
+    """Weights one step streams: every decoder layer's matmuls and the lm_head."""
+    return m.num_hidden_layers * layer_weights(m) + m.vocab_size * m.hidden_size
+
+
+def step_flops(m: ModelConfig, s: StepTiming) -> int:
+    """A step's FLOPs: the layers' matmuls for every new token, the logits for every sampled
+    row, attention over every (query, key) pair the step computes (QK^T and PV)."""
+    q = m.num_attention_heads * m.head_dim
+    return (2 * m.num_hidden_layers * layer_weights(m) * s.num_tokens + 2 * m.vocab_size * m.hidden_size
+            * s.num_sampled + 4 * m.num_hidden_layers * q * s.attention_pairs)
+
+
+def copy_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
+    """Bytes read per second by a plain copy of num_bytes (it also writes as many)."""
+    src = torch.randn(num_bytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(tries):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return num_bytes / best
 
 
 def measure_matmul_flops(device: str, dtype: torch.dtype) -> float:
@@ -58,7 +100,8 @@ def layer_weights(m: ModelConfig) -> int:
     return m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * m.intermediate_size
 
 
-def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: torch.dtype) -> dict:
+def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: torch.dtype,
+                   packed: bool = False) -> dict:
     """Decode-only steps (one new token per row): the model's FLOP/s in their forward passes,
     against a plain matmul with the same number of rows (the median step's), the MLP's shape.
     A decode step of few rows streams every weight for little arithmetic, so even the plain
@@ -72,7 +115,7 @@ def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: 
     seconds = sum(s.model_s for s in decode)
     rows = sorted(s.num_rows for s in decode)[len(decode) // 2]
     plain = measure_rows_matmul_flops(rows, m.hidden_size, m.intermediate_size, device, dtype)
-    own = measure_model_matmuls_flops(m, rows, device, dtype)
+    own = measure_model_matmuls_flops(m, rows, device, dtype, packed=packed)
     return {"num_steps": len(decode), "share_of_model_time": seconds / sum(s.model_s for s in steps),
             "median_rows": rows, "flops_per_s": flops / seconds, "plain_matmul_flops_per_s": plain,
             "fraction_of_plain_matmul": flops / seconds / plain,
@@ -80,24 +123,29 @@ def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: 
 
 
 def measure_model_matmuls_flops(m: ModelConfig, rows: int, device: str, dtype: torch.dtype,
-                                tries: int = 3) -> float:
+                                tries: int = 3, packed: bool = False) -> float:
     """Best FLOP/s of one pass of the decode step's own matmuls and nothing else: every layer's
     q/k/v, o, gate/up and down weights and the lm_head, each its own tensor as in the model.
     Unlike the plain matmul above, whose one small weight stays in the CPU's cache, these
-    stream from memory as a real step's do: the ceiling a decode step of `rows` rows works under."""
+    stream from memory as a real step's do: the ceiling a decode step of `rows` rows works under.
+    `packed`: the layers nanopaged runs with cpu_linear="packed" (oneDNN's bfloat16 kernel)."""
     q, kv, h, i = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.hidden_size, m.intermediate_size
     shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * m.num_hidden_layers + [(m.vocab_size, h)]
-    weights = [torch.randn(n, k, device=device, dtype=dtype) for n, k in shapes]
+    layers = []
+    for n, k in shapes:
+        layer = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
+        layers.append(PackedLinear(layer) if packed else layer)
     inputs = {k: torch.randn(rows, k, device=device, dtype=dtype) for _, k in shapes}
     flops = sum(2 * rows * n * k for n, k in shapes)
     best = 0.0
-    for _ in range(tries):
-        _sync(device)
-        t = time.perf_counter()
-        for w in weights:
-            torch.nn.functional.linear(inputs[w.shape[1]], w)
-        _sync(device)
-        best = max(best, flops / (time.perf_counter() - t))
+    with torch.inference_mode():
+        for _ in range(tries):
+            _sync(device)
+            t = time.perf_counter()
+            for layer in layers:
+                layer(inputs[layer.in_features])
+            _sync(device)
+            best = max(best, flops / (time.perf_counter() - t))
     return best
 
 

@@ -1,5 +1,5 @@
 """One request at a time: the decode tokens/s a single user sees, nanopaged against
-Hugging Face `generate` on the same prompt (issue 12, target 4).
+Hugging Face `generate` on the same prompt, and vLLM's figure from its own process.
 
 Decode speed is measured apart from the prefill: each engine generates 1 token, then N
 tokens, from the same prompt, and decode tokens/s = (N - 1) / (time(N) - time(1)). Each is
@@ -20,8 +20,16 @@ from nanopaged import LLM, EngineConfig, SamplingParams
 REPEATS = 3
 
 
-def single_stream_figures(model_dir: str, trace: Trace, settings: dict, config: EngineConfig) -> dict:
-    prompt, n = trace.prompts[0], max(2, max(trace.output_lens))
+def single_stream_length(trace: Trace) -> int:
+    """Tokens each single-stream timing generates: the trace's longest output (at least 2)."""
+    return max(2, max(trace.output_lens))
+
+
+def single_stream_figures(model_dir: str, trace: Trace, settings: dict, config: EngineConfig,
+                          vllm: dict | None = None) -> dict:
+    """`vllm`: the vLLM peer's figures, whose `decode_tokens_per_s` its own process timed the same
+    way on the same prompt (not alternating with these rounds: it runs apart, before them)."""
+    prompt, n = trace.prompts[0], single_stream_length(trace)
     llm = LLM(model_dir, **{**settings, "enable_prefix_caching": False})
 
     def nanopaged(tokens: int) -> None:
@@ -38,8 +46,12 @@ def single_stream_figures(model_dir: str, trace: Trace, settings: dict, config: 
                        pad_token_id=model.generation_config.pad_token_id or 0)
 
     engine, peer = decode_tokens_per_s([nanopaged, hf], n)
-    return {"prompt_tokens": len(prompt), "output_tokens": n, "nanopaged_decode_tokens_per_s": engine,
-            "hf_decode_tokens_per_s": peer, "ratio": engine / peer}
+    out = {"prompt_tokens": len(prompt), "output_tokens": n, "nanopaged_decode_tokens_per_s": engine,
+           "hf_decode_tokens_per_s": peer, "ratio": engine / peer}
+    if vllm and "decode_tokens_per_s" in vllm:
+        out["vllm_decode_tokens_per_s"] = vllm["decode_tokens_per_s"]
+        out["ratio_vs_vllm"] = engine / vllm["decode_tokens_per_s"]
+    return out
 
 
 def decode_tokens_per_s(generates: list, n: int) -> list[float]:

@@ -44,6 +44,8 @@ class StepTiming:
     num_tokens: int              # new tokens computed (a decode-only step: one per row)
     context_tokens: int          # sum over rows of the context each row attends over
     model_s: float               # the forward pass and sampling (StepRecord.times[2] - [1])
+    num_sampled: int = 0         # rows that sampled a token (each needs the lm_head)
+    attention_pairs: int = 0     # (query, key) pairs attention computes, causal
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Run:
     num_requests: int
     extra: dict
     steps: list = field(default_factory=list, repr=False)   # StepTiming per step (nanopaged only)
+    token_ids: list = field(default_factory=list, repr=False)   # each request's output (nanopaged only)
 
     def figures(self) -> dict:
         return {"output_tokens_per_s": self.output_tokens / self.wall_s,

@@ -6,11 +6,15 @@
 
 Reading order: docs/00_how_to_read.md lists the reading path file by file.
 """
-from nanopaged.config import EngineConfig
-from nanopaged.engine.llm_engine import LLMEngine
-from nanopaged.llm import LLM
-from nanopaged.outputs import CompletionOutput, RequestOutput
-from nanopaged.sampling_params import SamplingParams
+from nanopaged.logger import configure_logging
+
+configure_logging()
+
+from nanopaged.config import EngineConfig  # noqa: E402  (the log is set up before anything logs)
+from nanopaged.engine.llm_engine import LLMEngine  # noqa: E402
+from nanopaged.llm import LLM  # noqa: E402
+from nanopaged.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from nanopaged.sampling_params import SamplingParams  # noqa: E402
 
 # Names of code that `LLM.generate` never runs, imported when first used, so `import
 # nanopaged` loads the reading path and nothing else (PEP 562: a module's __getattr__).

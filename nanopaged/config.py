@@ -15,6 +15,7 @@ from pathlib import Path
 
 from nanopaged.attention.backends import ATTENTION_BACKENDS, resolve_attention_backend
 from nanopaged.core.block_pool import HASH_FUNCTIONS
+from nanopaged.cpu_features import auto_cpu_dtype, bf16_matrix_units
 from nanopaged.models.config import ModelConfig
 from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_range
 
@@ -22,6 +23,9 @@ from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_ran
 DTYPES = {"float32": ("float32", 4), "float": ("float32", 4), "bfloat16": ("bfloat16", 2),
           "float16": ("float16", 2), "half": ("float16", 2)}
 DEVICES = ("auto", "cpu", "cuda")
+# CPU linear kernels: packed = oneDNN's bfloat16 kernel on weights reordered once at load
+# (worker/cpu_linear.py), reference = F.linear on the weights as loaded.
+CPU_LINEARS = ("auto", "packed", "reference")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 CPU_KV_CACHE_BYTES = 1 << 30   # default KV budget on CPU (zeroing it takes ~3 s per GiB on a 2-core VM)
 MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}   # default token budget per step
@@ -30,7 +34,7 @@ MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}   # default token budget pe
 @dataclass
 class EngineConfig:
     model: str
-    dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"                     # auto: bfloat16 on CUDA and on CPUs with bf16 matrix units, else float32
     device: str = "auto"                    # auto: cuda if available, else cpu
     block_size: int = 16                    # tokens per KV block
     max_model_len: int | None = None        # default: the model's max_position_embeddings
@@ -45,6 +49,7 @@ class EngineConfig:
     enforce_eager: bool = False             # CUDA: no CUDA graphs
     seed: int = 0                           # for requests sampled without their own seed
     cpu_threads: str | None = "auto"        # CPU: follow the free cores (extras/thread_governor.py); None: torch's
+    cpu_linear: str = "auto"                # CPU: packed (oneDNN bf16 weights) | reference (F.linear); auto: packed where it runs
     tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
 
@@ -64,6 +69,7 @@ class EngineConfig:
         check_choice("prefix_hash", self.prefix_hash, tuple(HASH_FUNCTIONS))
         check_choice("attention_backend", self.attention_backend, ("auto", *ATTENTION_BACKENDS))
         check_choice("cpu_threads", self.cpu_threads, (None, "auto"))
+        check_choice("cpu_linear", self.cpu_linear, CPU_LINEARS)
         check_range("tensor_parallel_size", self.tensor_parallel_size, 1, integer=True)
         check_model_folder(self.model)
         self.model_config = ModelConfig.from_folder(self.model)
@@ -75,9 +81,10 @@ class EngineConfig:
             self.device = "cuda" if _cuda_available() else "cpu"
         elif self.device == "cuda" and not _cuda_available():
             raise ValueError("device='cuda' but CUDA is not available (torch.cuda.is_available() is False)")
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
+        if self.dtype == "auto":    # vLLM's CPU backend runs half precision as bfloat16, too
+            self.dtype = "bfloat16" if self.device == "cuda" else auto_cpu_dtype()
         self.dtype = DTYPES[self.dtype][0]
+        self.cpu_linear = resolve_cpu_linear(self.cpu_linear, self.device, self.dtype)
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -98,6 +105,19 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine setting(s) {unknown}; known: {sorted(known)}")
         return cls(model=model, **kwargs)
+
+
+def resolve_cpu_linear(name: str, device: str, dtype: str) -> str:
+    """auto: packed on a CPU whose matrix units multiply bfloat16, for a bfloat16 model; else
+    the reference. packed elsewhere is a ValueError that says why."""
+    can_pack = device == "cpu" and dtype == "bfloat16" and bool(bf16_matrix_units())
+    if name == "auto":
+        return "packed" if can_pack else "reference"
+    if name == "packed" and not can_pack:
+        raise ValueError(f"cpu_linear='packed' needs device='cpu', dtype='bfloat16' and a CPU with bfloat16 "
+                         f"matrix units (amx_bf16 or avx512_bf16); got device={device!r}, dtype={dtype!r}, "
+                         f"units {bf16_matrix_units() or 'none'}")
+    return name
 
 
 def _cuda_available() -> bool:

@@ -15,6 +15,7 @@ docs/00_how_to_read.md walks one call from here down to the attention kernels.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import weakref
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from nanopaged.config import EngineConfig
+from nanopaged.cpu_features import bf16_matrix_units
 from nanopaged.engine.input_processor import PromptType, render_chat
 from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.extras.stats import EngineStats, ProgressBar
@@ -32,6 +34,8 @@ from nanopaged.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from nanopaged.extras.beam_search import BeamSearchOutput, BeamSearchParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -46,6 +50,10 @@ class LLM:
         if cfg.cpu_threads == "auto" and cfg.device == "cpu" and cfg.tensor_parallel_size == 1:
             self.thread_governor = governor
             self.llm_engine.observers.append(governor)
+        logger.info("%s: %s on %s, linear kernels %s (CPU bfloat16 matrix units: %s); %d KV blocks of %d tokens",
+                    cfg.model_config.architecture, cfg.dtype, cfg.device,
+                    cfg.cpu_linear if cfg.device == "cpu" else "torch", ", ".join(bf16_matrix_units()) or "none",
+                    self.llm_engine.runner.num_kv_blocks, cfg.block_size)
 
     def make_runner(self, config: EngineConfig) -> ModelRunner:
         """The engine's runner. tensor_parallel_size > 1: the driver's runner with N ranks behind

@@ -56,6 +56,58 @@ def make_prompts(vocab_size, n=10, seed=0, min_len=3, max_len=60):
             for length in lengths]
 
 
+# ---------------------------------------------------------------- bfloat16: vLLM's closeness rule
+
+TOP_LOGPROBS = 5
+
+
+def check_logprobs_close(outputs_0, outputs_1):
+    """vLLM's rule for outputs in reduced precision (tests/models/utils.py: check_logprobs_close):
+    each output is (token_ids, logprobs), logprobs a list of {token: logprob} per position. The
+    tokens agree until the first position where they differ; there each side's token must be
+    among the other's top logprobs, and the comparison of that output stops."""
+    assert len(outputs_0) == len(outputs_1)
+    for i, ((ids_0, lp_0), (ids_1, lp_1)) in enumerate(zip(outputs_0, outputs_1)):
+        for pos, (a, b) in enumerate(zip(ids_0, ids_1)):
+            if a != b:
+                assert a in lp_1[pos] and b in lp_0[pos], (
+                    f"output {i} diverges at {pos}: {a} (not in the other's top {sorted(lp_1[pos])}) "
+                    f"vs {b} (top {sorted(lp_0[pos])})")
+                break
+
+
+def nanopaged_greedy(llm, prompts, max_tokens):
+    """(token_ids, top logprobs per position) of greedy nanopaged outputs, for check_logprobs_close."""
+    from nanopaged import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP_LOGPROBS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def hf_greedy_logprobs(model_dir, prompts, max_tokens, dtype_name):
+    """The same from Hugging Face generate in `dtype_name`, one prompt at a time (no padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype_name),
+                                                 local_files_only=True).eval()
+    results = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=0)
+        tokens = out.sequences[0, len(p):].tolist()
+        tops = []
+        for logits in out.logits:
+            lp = torch.log_softmax(logits[0].float(), dim=-1)
+            v, t = lp.topk(TOP_LOGPROBS)
+            tops.append(dict(zip(t.tolist(), v.tolist())))
+        results.append((tokens, tops))
+    return results
+
+
 @pytest.fixture(name="make_prompts", scope="session")
 def make_prompts_fixture():
     """The `make_prompts` function, for tests that prefer a fixture to

@@ -23,7 +23,7 @@ def test_profiling_forward_keeps_positions_inside_the_rotary_tables(tiny_model_d
     """The batch that sizes the KV cache on CUDA has max_num_batched_tokens tokens; with
     max_model_len smaller, one sequence that long would index past the cos/sin tables
     (on CUDA a device-side assert that poisons the process). It is cut into sequences."""
-    llm = LLM(tiny_model_dirs["llama"], max_model_len=40, max_num_batched_tokens=100, num_kv_blocks=8)
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", max_model_len=40, max_num_batched_tokens=100, num_kv_blocks=8)
     runner = llm.llm_engine.runner
     assert runner.model.model.rotary.cos.shape[0] == 40
     with pytest.raises(IndexError, match="out of bounds"):      # what one sequence of 100 positions would do

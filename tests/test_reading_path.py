@@ -23,16 +23,17 @@ READING_PATH = [
     "nanopaged/core/block_pool.py", "nanopaged/core/request.py", "nanopaged/core/scheduler.py",
     "nanopaged/worker/model_runner.py", "nanopaged/attention/metadata.py", "nanopaged/attention/torch_backend.py",
     "nanopaged/models/llama.py", "nanopaged/engine/llm_engine.py", "nanopaged/llm.py",
-    "nanopaged/config.py", "nanopaged/validation.py", "nanopaged/attention/backends.py",
-    "nanopaged/models/config.py", "nanopaged/models/loader.py", "nanopaged/sampling_params.py",
+    "nanopaged/config.py", "nanopaged/validation.py", "nanopaged/cpu_features.py", "nanopaged/attention/backends.py",
+    "nanopaged/models/config.py", "nanopaged/models/loader.py", "nanopaged/worker/cpu_linear.py",
+    "nanopaged/sampling_params.py",
     "nanopaged/engine/input_processor.py", "nanopaged/worker/sampler.py", "nanopaged/engine/parallel_sampling.py",
     "nanopaged/engine/output_processor.py", "nanopaged/engine/detokenizer.py", "nanopaged/outputs.py",
-    "nanopaged/extras/stats.py", "nanopaged/extras/thread_governor.py",
+    "nanopaged/extras/stats.py", "nanopaged/extras/thread_governor.py", "nanopaged/logger.py",
     "nanopaged/__init__.py", "nanopaged/core/__init__.py", "nanopaged/engine/__init__.py",
     "nanopaged/worker/__init__.py", "nanopaged/attention/__init__.py", "nanopaged/models/__init__.py",
     "nanopaged/extras/__init__.py",
 ]
-LINE_BUDGET = 2900
+LINE_BUDGET = 3100
 # The design card's three parts: the block manager, the scheduler, the model runner with the
 # torch attention it calls (the metadata it builds, the reference backend).
 THREE_PARTS = {

@@ -12,7 +12,7 @@ from nanopaged.core.block_pool import BlockPool
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dirs):
-    return LLM(tiny_model_dirs["llama"], num_kv_blocks=128)
+    return LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=128)
 
 
 def greedy_run(llm, prompt, n=30):
@@ -114,7 +114,7 @@ def check_prompt_logprobs(out, prompt, ref, k):
                          ids=["one_step", "chunked_prefill", "preemption"])
 def test_prompt_logprobs_equal_hugging_face(tiny_model_dirs, settings):
     prompts = make_prompts(512, n=3, seed=72, min_len=12, max_len=30)
-    llm = LLM(tiny_model_dirs["llama"], **{"num_kv_blocks": 64, **settings})
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", **{"num_kv_blocks": 64, **settings})
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     if "num_kv_blocks" in settings:
@@ -125,7 +125,7 @@ def test_prompt_logprobs_equal_hugging_face(tiny_model_dirs, settings):
 
 def test_prompt_logprobs_recompute_what_the_prefix_cache_holds(tiny_model_dirs):
     prompt = make_prompts(512, n=1, seed=73, min_len=40, max_len=40)[0]
-    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64)
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=64)
     plain = SamplingParams(temperature=0, max_tokens=2)
     llm.generate({"prompt_token_ids": prompt}, plain, use_tqdm=False)
     assert llm.generate({"prompt_token_ids": prompt}, plain, use_tqdm=False)[0].num_cached_tokens == 32

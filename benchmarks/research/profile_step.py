@@ -2,7 +2,7 @@
 time goes (issue 12: "a profile of one decode step before and after, and the per-step
 count of torch ops").
 
-    python -m benchmarks.research.profile_step [--rows 24] [--model DIR] [--threads 2] [--without]
+    python -m benchmarks.research.profile_step [--rows 24] [--model DIR] [--threads 2] [--dtype D] [--without]
 
 It queues `--rows` requests with prompts of the default trace's lengths, steps until every
 one of them decodes, times a few decode-only steps, then profiles one more. Ops are
@@ -35,20 +35,21 @@ from nanopaged.attention.torch_backend import TorchAttentionBackend
 from nanopaged.models.demo_model import demo_model_path
 
 GROUPS = {
-    "matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul"),
+    "matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "mkldnn::_linear_pointwise"),
     "attention kernel": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
                          "aten::_scaled_dot_product_attention_math"),
     "K/V gather": ("aten::index_select",),
     "K/V store": ("aten::index_copy_",),
     "sampling": ("aten::argmax", "aten::_log_softmax", "aten::log_softmax", "aten::softmax", "aten::multinomial"),
 }
+OP_PREFIXES = ("aten::", "mkldnn::")     # mkldnn::_linear_pointwise: the packed bfloat16 linears
 
 
 @contextmanager
-def decoding_engine(model: str, rows: int, seed: int = 0):
+def decoding_engine(model: str, rows: int, seed: int = 0, dtype: str = "auto"):
     """An engine with `rows` requests past their prompts: every further step is decode-only.
     The requests are aborted on the way out."""
-    engine = LLM(model, cpu_threads=None).llm_engine
+    engine = LLM(model, cpu_threads=None, dtype=dtype).llm_engine
     rng = random.Random(seed)
     vocab = min(engine.runner.model_config.vocab_size, len(engine.tokenizer))
     for i in range(rows):
@@ -74,9 +75,10 @@ def step_ms(engine, steps: int = 7) -> float:
     return statistics.median(times) * 1e3
 
 
-def profile_decode_step(model: str, rows: int, seed: int = 0, without: bool = False) -> dict:
+def profile_decode_step(model: str, rows: int, seed: int = 0, without: bool = False,
+                        dtype: str = "auto") -> dict:
     """The step's time and profile; with `without`, also `times_without` on the same engine."""
-    with decoding_engine(model, rows, seed) as engine:
+    with decoding_engine(model, rows, seed, dtype) as engine:
         ms = step_ms(engine)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.step()
@@ -120,12 +122,12 @@ def times_without(engine, rows: int) -> dict:
 
 def op_figures(events) -> dict:
     """Top-level aten ops (count by name) and self CPU time of all ops, grouped."""
-    top = [e for e in events if e.name.startswith("aten::")
-           and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    top = [e for e in events if e.name.startswith(OP_PREFIXES)
+           and (e.cpu_parent is None or not e.cpu_parent.name.startswith(OP_PREFIXES))]
     group_of = {name: group for group, names in GROUPS.items() for name in names}
     self_ms = collections.Counter()
     for e in events:
-        if e.name.startswith("aten::"):
+        if e.name.startswith(OP_PREFIXES):
             self_ms[group_of.get(e.name, "other ops")] += e.self_cpu_time_total / 1e3
     return {"num_ops": len(top), "ops_by_name": dict(collections.Counter(e.name for e in top).most_common()),
             "self_ms_by_group": dict(self_ms.most_common())}
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rows", type=int, default=24, help="requests decoding together (default 24)")
     p.add_argument("--model", help="a Hugging Face folder (default: the demo model)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
+    p.add_argument("--dtype", default="auto", help="the engine's dtype (default auto); --without in bfloat16 "
+                   "feeds garbage through the pass-throughs, whose huge values slow some kernels: time it in float32")
     p.add_argument("--without", action="store_true",
                    help="also time the step without each piece of the layer (unprofiled)")
     args = p.parse_args(argv)
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = args.model or str(demo_model_path())
-    fig = profile_decode_step(model, args.rows, without=args.without)
+    fig = profile_decode_step(model, args.rows, without=args.without, dtype=args.dtype)
     print_profile(fig)
     if args.without:
         print_without(fig["without"])

@@ -19,26 +19,14 @@ import time
 
 import torch
 
-from benchmarks.roofline import layer_weights, measure_model_matmuls_flops
+from benchmarks.roofline import copy_bytes_per_s, measure_model_matmuls_flops, step_weights
 from nanopaged.models.demo_model import demo_model_path
 from nanopaged.models.config import ModelConfig
 
 
 def weight_bytes(m: ModelConfig) -> int:
     """float32 bytes of one decode step's weights: the decoder layers' matmuls and the lm_head."""
-    return 4 * (m.num_hidden_layers * layer_weights(m) + m.vocab_size * m.hidden_size)
-
-
-def copy_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
-    """Bytes read per second by a plain copy of num_bytes (it also writes as many)."""
-    src = torch.randn(num_bytes // 4)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(tries):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return num_bytes / best
+    return 4 * step_weights(m)
 
 
 def skinny_figures(m: ModelConfig, rows: list[int], threads: list[int]) -> list[dict]:

@@ -84,7 +84,10 @@ class TorchAttentionBackend:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.plan is None:
             meta.plan = plan_step(meta, q.dtype)
-        plan, out = meta.plan, torch.empty_like(q)
+        plan = meta.plan
+        if not plan.prefills:           # a decode-only step: every row is a decode row, in order
+            return self._decode(q, k_cache, v_cache, plan, scale)
+        out = torch.empty_like(q)
         for i, start, q_len, seq_len in plan.prefills:
             rows = slice(start, start + q_len)
             if seq_len == q_len:        # nothing earlier in the cache: its own new K/V is all of it
@@ -94,21 +97,22 @@ class TorchAttentionBackend:
                 vv = gather_kv(v_cache, meta.block_tables[i], seq_len)
             out[rows] = _attend(q[rows], kk, vv, seq_len - q_len, scale)
         if plan.decode_rows is not None:
-            self._decode(q, k_cache, v_cache, plan, scale, out)
+            out[plan.decode_rows] = self._decode(q[plan.decode_rows], k_cache, v_cache, plan, scale)
         return out
 
-    def _decode(self, q, k_cache, v_cache, plan: StepPlan, scale, out) -> None:
-        """All one-token requests at once: gather their blocks padded to the longest."""
-        rows, mask = plan.decode_rows, plan.decode_mask
+    def _decode(self, q, k_cache, v_cache, plan: StepPlan, scale) -> torch.Tensor:
+        """All one-token requests at once, q: (B, heads, head_dim): gather their blocks padded
+        to the longest."""
+        mask = plan.decode_mask
         # index_select on the block axis: several times faster on CPU than cache[tables]
-        shape = (len(rows), mask.shape[-1]) + k_cache.shape[2:]
+        shape = (q.shape[0], mask.shape[-1]) + k_cache.shape[2:]
         kk = k_cache.index_select(0, plan.decode_blocks).view(shape)   # (B, max_blocks * block_size, kv_heads, D)
         vv = v_cache.index_select(0, plan.decode_blocks).view(shape)
         # GQA: the query heads that share a KV head become that head's queries, (B, kv_heads,
         # group, D), so K/V are read as they are, never repeated per query head.
-        qq = q[rows].view(len(rows), kk.shape[2], -1, q.shape[-1])
+        qq = q.view(q.shape[0], kk.shape[2], -1, q.shape[-1])
         o = F.scaled_dot_product_attention(qq, kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=mask, scale=scale)
-        out[rows] = o.flatten(1, 2)
+        return o.flatten(1, 2)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int,

@@ -12,6 +12,7 @@ import time
 
 from tqdm.auto import tqdm
 
+from nanopaged.cpu_features import bf16_matrix_units
 from nanopaged.engine.llm_engine import LLMEngine, StepRecord
 
 
@@ -67,6 +68,9 @@ class EngineStats:
         return {
             "num_steps": steps,
             "num_preemptions": self.num_preemptions,
+            "dtype": self.engine.config.dtype,
+            "cpu_linear": self.engine.config.cpu_linear,         # the CPU linear kernel (worker/cpu_linear.py)
+            "cpu_bf16_matrix_units": bf16_matrix_units(),         # what dtype="auto" read (cpu_features.py)
             "kv_cache_usage": pool.usage(),
             "peak_kv_cache_usage": self.peak_kv_blocks_used / pool.num_blocks,
             "peak_kv_blocks_used": self.peak_kv_blocks_used,

@@ -98,14 +98,15 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        q_size, kv_size, _ = self.qkv_proj.shard_sizes
+        qk, v = self.qkv_proj(x).split([q_size + kv_size, kv_size], dim=-1)
+        qk = qk.view(n, heads + kv_heads, self.head_dim)      # q's heads, then k's
+        v = v.view(n, kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        # One rotation for q's and k's heads together: the same cos/sin per position, half the ops.
+        q, k = apply_rotary(qk, rope).split([heads, kv_heads], dim=1)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(n, -1))
 
@@ -166,5 +167,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits only for the rows that sample: the lm_head is the largest matmul of a small model."""
+        """Logits only for the rows that sample: the lm_head is the largest matmul of a small model.
+        In the model's dtype; the sampler takes them to float32, as Hugging Face's generate does."""
         return self.lm_head(hidden)

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from nanopaged.attention.backends import load_attention_backend
-from nanopaged.config import EngineConfig, check_memory_fits
 from nanopaged.attention.metadata import AttentionMetadata
+from nanopaged.config import EngineConfig, check_memory_fits
 from nanopaged.core.block_pool import cdiv
 from nanopaged.core.request import Request
 from nanopaged.core.scheduler import SchedulerOutput
@@ -33,6 +33,7 @@ from nanopaged.models.config import ModelConfig
 from nanopaged.models.llama import LlamaForCausalLM
 from nanopaged.models.loader import load_weights
 from nanopaged.sampling_params import SamplingParams
+from nanopaged.worker.cpu_linear import pack_linears
 
 
 @dataclass
@@ -79,6 +80,8 @@ class ModelRunner:
     def load_model(self) -> nn.Module:
         model = self.build_model().to(self.dtype)
         load_weights(model, self.config.model)
+        if self.config.cpu_linear == "packed":    # bfloat16 on the CPU's matrix units (cpu_linear.py)
+            pack_linears(model)
         return model.eval()
 
     def wrap_model(self, model: nn.Module):

@@ -1,7 +1,8 @@
 """The sampler: the next token of every sampling row, vectorised over the batch.
 
 In order, as vLLM's sampler (v1/sample/sampler.py) does:
-  1. logprobs of the raw logits (what `cumulative_logprob` and `logprobs=k` report);
+  1. logprobs of the raw logits (what `cumulative_logprob` and `logprobs=k` report), for the
+     rows that asked for them;
   2. penalties: repetition (prompt + output tokens), presence and frequency (output tokens);
   3. min_tokens: EOS and stop tokens cannot be drawn before the request has min_tokens;
   4. greedy rows take the argmax; the others divide by temperature, cut by top-k, top-p and
@@ -29,7 +30,7 @@ from nanopaged.core.request import Request
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]                  # of the chosen token, raw model distribution
+    logprobs: list[float]                  # of the chosen token, raw model distribution (0.0 unless asked)
     top_logprobs: list[list[tuple[int, float, int]] | None]  # per row: (token, logprob, rank)
 
 
@@ -41,8 +42,7 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        logits = logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1)
+        raw = logits = logits.float()
         params = [r.sampling_params for r in requests]
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, requests)
@@ -53,9 +53,23 @@ class Sampler:
         if random_rows:
             idx = indices(logits, random_rows)
             tokens[idx] = self._sample(logits[idx], [requests[i] for i in random_rows])
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        return SamplerOutput(tokens.tolist(), chosen.tolist(),
-                             top_logprobs(logprobs, tokens, [p.logprobs for p in params]))
+        return SamplerOutput(tokens.tolist(), *self._logprobs(raw, tokens, params))
+
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, params) -> tuple[list, list]:
+        """The chosen tokens' logprobs and the top-k, in the raw distribution, for the rows that
+        asked (logprobs=k); the others get 0.0 and None, since vLLM reports cumulative_logprob
+        only with logprobs. A log_softmax over the vocabulary of every row costs a decode step
+        about as much as its sampling."""
+        chosen, tops = [0.0] * len(params), [None] * len(params)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            idx = indices(raw, want)
+            logprobs = torch.log_softmax(raw[idx], dim=-1)
+            values = logprobs.gather(1, tokens[idx][:, None])[:, 0].tolist()
+            rows = top_logprobs(logprobs, tokens[idx], [params[i].logprobs for i in want])
+            for i, value, top in zip(want, values, rows):
+                chosen[i], tops[i] = value, top
+        return chosen, tops
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]

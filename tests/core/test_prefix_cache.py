@@ -147,7 +147,7 @@ def test_preempted_request_hits_its_own_blocks_when_readmitted():
 # ---- end to end: exact num_cached_tokens ---------------------------------------------
 @pytest.fixture(scope="module")
 def llm(tiny_model_dirs):
-    return LLM(tiny_model_dirs["llama"], num_kv_blocks=64)
+    return LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=64)
 
 
 def cached(llm, prompt_ids, salt=None):
@@ -193,7 +193,7 @@ def test_different_cache_salt_shares_nothing(llm):
 
 
 def test_stats_count_queries_and_hits_in_tokens(tiny_model_dirs):
-    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64)
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=64)
     p = fresh_prompt(40, 7)
     cached(llm, p); cached(llm, p)
     stats = llm.get_stats()
@@ -201,7 +201,7 @@ def test_stats_count_queries_and_hits_in_tokens(tiny_model_dirs):
 
 
 def test_caching_off_means_no_hits(tiny_model_dirs):
-    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64, enable_prefix_caching=False)
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=64, enable_prefix_caching=False)
     p = fresh_prompt(40, 8)
     assert cached(llm, p) == 0 and cached(llm, p) == 0
     assert llm.get_stats()["prefix_cache_queries"] == 0
@@ -216,7 +216,7 @@ def test_outputs_equal_with_caching_on_and_off_under_eviction_and_preemption(tin
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     results = {}
     for on in (True, False):
-        llm = LLM(tiny_model_dirs[arch], block_size=8, num_kv_blocks=30, max_num_seqs=6,
+        llm = LLM(tiny_model_dirs[arch], dtype="float32", block_size=8, num_kv_blocks=30, max_num_seqs=6,
                   enable_prefix_caching=on)
         first = llm.generate(prompts[:6], params, use_tqdm=False)
         second = llm.generate(prompts, params, use_tqdm=False)   # repeats hit what survived
@@ -234,12 +234,12 @@ def test_requests_arriving_together_wait_for_the_shared_prefix_instead_of_recomp
     the first computes the prefix; the others wait a step and hit it."""
     system = fresh_prompt(64, 11)
     questions = make_prompts(512, n=8, seed=12, min_len=5, max_len=20)
-    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=100, max_num_batched_tokens=2048)
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=100, max_num_batched_tokens=2048)
     outs = llm.generate([{"prompt_token_ids": system + q} for q in questions], GREEDY, use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [0] + [64] * 7
     stats = llm.get_stats()
     assert stats["num_prompt_tokens_computed"] == 64 + sum(len(q) for q in questions)
-    off = LLM(tiny_model_dirs["llama"], num_kv_blocks=100, enable_prefix_caching=False)
+    off = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=100, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in outs] == [
         o.outputs[0].token_ids for o in off.generate([{"prompt_token_ids": system + q} for q in questions],
                                                      GREEDY, use_tqdm=False)]

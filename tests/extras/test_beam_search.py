@@ -25,7 +25,7 @@ def hf_beam(model_dir, prompts, width, max_tokens, eos=2, length_penalty=1.0):
 def test_best_beam_equals_hugging_face(tiny_model_dirs, arch, width):
     prompts = make_prompts(512, n=4, seed=30, min_len=4, max_len=40)
     expected = hf_beam(tiny_model_dirs[arch], prompts, width, 12)
-    llm = LLM(tiny_model_dirs[arch], num_kv_blocks=100)
+    llm = LLM(tiny_model_dirs[arch], dtype="float32", num_kv_blocks=100)
     outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
                            BeamSearchParams(beam_width=width, max_tokens=12))
     for p, o, want in zip(prompts, outs, expected):
@@ -39,8 +39,8 @@ def test_best_beam_equals_hugging_face(tiny_model_dirs, arch, width):
 def test_beam_search_survives_preemption(tiny_model_dirs):
     prompts = make_prompts(512, n=4, seed=31, min_len=20, max_len=40)
     params = BeamSearchParams(beam_width=4, max_tokens=10)
-    roomy = LLM(tiny_model_dirs["llama"], num_kv_blocks=200, block_size=8)
-    tight = LLM(tiny_model_dirs["llama"], num_kv_blocks=24, block_size=8)
+    roomy = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=200, block_size=8)
+    tight = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=24, block_size=8)
     a = roomy.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     b = tight.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     assert tight.get_stats()["num_preemptions"] > 0
@@ -50,7 +50,7 @@ def test_beam_search_survives_preemption(tiny_model_dirs):
 def test_beams_share_blocks(tiny_model_dirs):
     """4 beams over a 160-token prompt hold far fewer blocks than 4 separate sequences would."""
     prompt, width, max_tokens, bs = make_prompts(512, n=1, seed=32, min_len=160, max_len=160)[0], 4, 8, 16
-    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=100, enable_prefix_caching=False)
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=100, enable_prefix_caching=False)
     llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=width, max_tokens=max_tokens))
     separate = width * -(-(len(prompt) + max_tokens - 1) // bs)
     peak = llm.get_stats()["peak_kv_blocks_used"]
@@ -58,7 +58,7 @@ def test_beams_share_blocks(tiny_model_dirs):
 
 
 def test_demo_model_beam_search_equals_hugging_face(demo_model_dir):
-    llm = LLM(demo_model_dir, num_kv_blocks=256)
+    llm = LLM(demo_model_dir, dtype="float32", num_kv_blocks=256)
     tok = llm.get_tokenizer()
     convs = [[{"role": "user", "content": q}] for q in ("What is the capital of France?",
                                                          "Give me one word for happy.")]
@@ -81,7 +81,7 @@ def test_bad_beam_search_params(kwargs, match):
 
 
 def test_beam_wider_than_max_num_seqs_is_refused(tiny_model_dirs):
-    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=32, max_num_seqs=2)
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=32, max_num_seqs=2)
     with pytest.raises(ValueError, match=r"beam_width=3 is larger than max_num_seqs=2"):
         llm.beam_search("x", BeamSearchParams(beam_width=3, max_tokens=4))
 
@@ -91,7 +91,7 @@ def test_length_penalty_ranks_hypotheses_as_hugging_face_does(tiny_model_dirs, t
     model often picks as its EOS, beams finish early or late, and each penalty must pick
     Hugging Face's best sequence (which differs from one penalty to another)."""
     prompts = make_prompts(512, n=6, seed=34, min_len=4, max_len=20)
-    greedy = LLM(tiny_model_dirs["llama"], num_kv_blocks=64).generate(
+    greedy = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=64).generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
         use_tqdm=False)
     counts = {}
@@ -106,7 +106,7 @@ def test_length_penalty_ranks_hypotheses_as_hugging_face_does(tiny_model_dirs, t
     best = {}
     for penalty in (-2.0, 0.0, 0.5, 2.0):
         expected = hf_beam(str(folder), prompts, 3, 12, eos=eos, length_penalty=penalty)
-        llm = LLM(str(folder), num_kv_blocks=100)
+        llm = LLM(str(folder), dtype="float32", num_kv_blocks=100)
         outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
                                BeamSearchParams(beam_width=3, max_tokens=12, length_penalty=penalty))
         best[penalty] = [o.sequences[0].tokens for o in outs]

@@ -62,8 +62,8 @@ def results(tiny_model_dirs):
     shut down before the next starts."""
     found = {}
     for arch in ARCHS:
-        one = LLM(tiny_model_dirs[arch], **TIGHT)
-        two = LLM(tiny_model_dirs[arch], tensor_parallel_size=2, **TIGHT)
+        one = LLM(tiny_model_dirs[arch], dtype="float32", **TIGHT)
+        two = LLM(tiny_model_dirs[arch], dtype="float32", tensor_parallel_size=2, **TIGHT)
         runner = two.llm_engine.runner
         found[arch] = {
             1: run_workload(one), 2: run_workload(two),
@@ -137,7 +137,7 @@ def test_every_step_message_is_small(results):
 ])
 def test_bad_sizes_raise_before_any_process_starts(tiny_model_dirs, size, message):
     with pytest.raises(ValueError) as e:
-        LLM(tiny_model_dirs["llama"], tensor_parallel_size=size)
+        LLM(tiny_model_dirs["llama"], dtype="float32", tensor_parallel_size=size)
     assert message in str(e.value)
     assert not multiprocessing.active_children() and not dist.is_initialized()
 
@@ -148,7 +148,7 @@ def test_more_ranks_than_cuda_devices_is_a_value_error(tiny_model_dirs, monkeypa
     monkeypatch.setattr(nanopaged.config, "_cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 is larger than the 1 CUDA devices"):
-        LLM(tiny_model_dirs["llama"], device="cuda", tensor_parallel_size=2)
+        LLM(tiny_model_dirs["llama"], dtype="float32", device="cuda", tensor_parallel_size=2)
     assert not multiprocessing.active_children()
 
 
@@ -185,7 +185,7 @@ def test_a_worker_exception_reaches_the_caller_within_seconds(tiny_model_dirs):
 
 
 def test_deleting_the_llm_ends_the_workers_and_frees_the_port(tiny_model_dirs):
-    llm = LLM(tiny_model_dirs["qwen2"], tensor_parallel_size=2)
+    llm = LLM(tiny_model_dirs["qwen2"], dtype="float32", tensor_parallel_size=2)
     runner = llm.llm_engine.runner
     processes, port = runner.workers.processes, runner.workers.store.port
     assert [p.is_alive() for p in processes] == [True]
@@ -201,7 +201,7 @@ def test_deleting_the_llm_ends_the_workers_and_frees_the_port(tiny_model_dirs):
 PROGRAM = textwrap.dedent("""
     import sys, time
     from nanopaged import LLM, SamplingParams
-    llm = LLM(sys.argv[1], tensor_parallel_size=2)
+    llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2)
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     print(*[p.pid for p in llm.llm_engine.runner.workers.processes], flush=True)
     if sys.argv[2] == "hang":
@@ -256,7 +256,7 @@ def test_a_script_without_a_main_guard_fails_fast_with_a_clear_error(tiny_model_
 TORCHRUN_PROGRAM = textwrap.dedent("""
     import sys
     from nanopaged import LLM, SamplingParams
-    llm = LLM(sys.argv[1], tensor_parallel_size=2)      # rank 1 serves steps in here, then exits
+    llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2)      # rank 1 serves steps in here, then exits
     outs = llm.generate([{"prompt_token_ids": p} for p in [[5, 6, 7], [9, 8, 7, 6, 5, 4]]],
                         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     print("TOKENS", [o.outputs[0].token_ids for o in outs], flush=True)
@@ -273,7 +273,7 @@ def test_torchrun_starts_the_ranks_itself(tiny_model_dirs, tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [line] = [x for x in proc.stdout.splitlines() if x.startswith("TOKENS")]
-    one = LLM(tiny_model_dirs["llama"]).generate(
+    one = LLM(tiny_model_dirs["llama"], dtype="float32").generate(
         [{"prompt_token_ids": p} for p in [[5, 6, 7], [9, 8, 7, 6, 5, 4]]],
         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert line == f"TOKENS {[o.outputs[0].token_ids for o in one]}"

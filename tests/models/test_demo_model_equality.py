@@ -8,7 +8,7 @@ QUESTIONS = [
 
 
 def test_demo_model_chat_answers_equal_hugging_face(demo_model_dir, hf_greedy):
-    llm = LLM(demo_model_dir, num_kv_blocks=256, max_num_batched_tokens=32)   # prompts chunked too
+    llm = LLM(demo_model_dir, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=32)   # prompts chunked too
     outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
                     SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     expected = hf_greedy(demo_model_dir, [o.prompt_token_ids for o in outs], 32)

@@ -36,7 +36,7 @@ def references(tiny_model_dirs, hf_greedy):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_tokens_equal_hugging_face(tiny_model_dirs, references, arch, setting):
     prompts, expected = references[arch]
-    llm = LLM(tiny_model_dirs[arch], **SETTINGS[setting])
+    llm = LLM(tiny_model_dirs[arch], dtype="float32", **SETTINGS[setting])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
@@ -60,7 +60,7 @@ def test_reference_outputs_are_not_degenerate(references):
 @pytest.mark.parametrize("setting", ["default", "everything_at_once"])
 def test_a_mistral_architecture_model_equals_hugging_face(tiny_model_dirs, references, setting):
     prompts, expected = references["mistral"]
-    llm = LLM(tiny_model_dirs["mistral"], **SETTINGS[setting])
+    llm = LLM(tiny_model_dirs["mistral"], dtype="float32", **SETTINGS[setting])
     assert llm.llm_engine.config.model_config.architecture == "MistralForCausalLM"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)

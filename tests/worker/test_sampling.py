@@ -13,7 +13,7 @@ from nanopaged.worker.sampler import Sampler, apply_penalties, block_stop_tokens
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dirs):
-    return LLM(tiny_model_dirs["llama"], num_kv_blocks=200)
+    return LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=200)
 
 
 def ids(prompt):
@@ -149,8 +149,8 @@ def test_seeded_output_is_the_same_with_and_without_preemption(tiny_model_dirs):
     prompts = [ids(p) for p in make_prompts(512, n=8, seed=21)]
     params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=100 + i, ignore_eos=True)
               for i in range(8)]
-    roomy = LLM(tiny_model_dirs["qwen2"], num_kv_blocks=200)
-    tight = LLM(tiny_model_dirs["qwen2"], num_kv_blocks=10, block_size=8)
+    roomy = LLM(tiny_model_dirs["qwen2"], dtype="float32", num_kv_blocks=200)
+    tight = LLM(tiny_model_dirs["qwen2"], dtype="float32", num_kv_blocks=10, block_size=8)
     a = toks(roomy.generate(prompts, params, use_tqdm=False))
     b = toks(tight.generate(prompts, params, use_tqdm=False))
     assert tight.get_stats()["num_preemptions"] > 0
@@ -221,7 +221,7 @@ def test_greedy_samples_are_identical_and_equal_hugging_face(tiny_model_dirs, hf
     """If a copy-on-write copy were missing or wrong, forked samples would diverge."""
     prompts = make_prompts(512, n=4, seed=25, min_len=5, max_len=40)
     expected = hf_greedy(tiny_model_dirs["qwen3"], prompts, 12)
-    llm = LLM(tiny_model_dirs["qwen3"], block_size=8, num_kv_blocks=40)
+    llm = LLM(tiny_model_dirs["qwen3"], dtype="float32", block_size=8, num_kv_blocks=40)
     outs = llm.generate([ids(p) for p in prompts], SamplingParams(n=3, temperature=0, max_tokens=12),
                         use_tqdm=False)
     for o, want in zip(outs, expected):
@@ -233,9 +233,9 @@ def test_n4_peak_blocks_are_what_the_arithmetic_predicts(tiny_model_dirs):
     """200-token prompt, 16 output tokens, block size 16, prefix caching off."""
     prompt, n, out_len, bs = [7] * 200, 4, 16, 16
     params = SamplingParams(n=n, temperature=1.0, seed=0, max_tokens=out_len, ignore_eos=True)
-    forked = LLM(tiny_model_dirs["llama"], num_kv_blocks=100, enable_prefix_caching=False)
+    forked = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=100, enable_prefix_caching=False)
     forked.generate(ids(prompt), params, use_tqdm=False)
-    separate = LLM(tiny_model_dirs["llama"], num_kv_blocks=100, enable_prefix_caching=False)
+    separate = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=100, enable_prefix_caching=False)
     separate.generate([ids(prompt)] * n, SamplingParams(temperature=1.0, seed=0, max_tokens=out_len,
                                                         ignore_eos=True), use_tqdm=False)
     per_seq = cdiv(len(prompt) + out_len - 1, bs)          # 14 blocks hold 215 tokens
@@ -251,8 +251,8 @@ def test_n4_peak_blocks_are_what_the_arithmetic_predicts(tiny_model_dirs):
 def test_seeded_n4_is_reproducible_and_the_samples_differ(tiny_model_dirs):
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
     prompt = ids(make_prompts(512, n=1, seed=26)[0])
-    a = LLM(tiny_model_dirs["llama"], num_kv_blocks=64).generate(prompt, params, use_tqdm=False)[0]
-    b = LLM(tiny_model_dirs["llama"], num_kv_blocks=12, block_size=8).generate(prompt, params, use_tqdm=False)[0]
+    a = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=64).generate(prompt, params, use_tqdm=False)[0]
+    b = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=12, block_size=8).generate(prompt, params, use_tqdm=False)[0]
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert len({tuple(c.token_ids) for c in a.outputs}) == 4
     assert a.finished and all(c.finish_reason == "length" for c in a.outputs)
@@ -261,7 +261,7 @@ def test_seeded_n4_is_reproducible_and_the_samples_differ(tiny_model_dirs):
 def test_fork_with_preemption_and_prefix_cache_keeps_greedy_outputs(tiny_model_dirs, hf_greedy):
     prompts = make_prompts(512, n=6, seed=27, min_len=10, max_len=50)
     expected = hf_greedy(tiny_model_dirs["llama"], prompts, 16)
-    llm = LLM(tiny_model_dirs["llama"], block_size=8, num_kv_blocks=24, max_num_seqs=8)
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", block_size=8, num_kv_blocks=24, max_num_seqs=8)
     outs = llm.generate([ids(p) for p in prompts] * 2, SamplingParams(n=2, temperature=0, max_tokens=16),
                         use_tqdm=False)
     assert llm.get_stats()["num_preemptions"] > 0
@@ -329,10 +329,10 @@ def test_forked_samples_that_diverge_equal_separate_requests(tiny_model_dirs, pr
     of the partly filled one (copy-on-write); they must equal 4 separate requests with seeds
     seed + i, which share nothing. A missing or wrong copy lets one sample's K/V leak into another's."""
     prompt = ids(make_prompts(512, n=1, seed=42, min_len=prompt_len, max_len=prompt_len)[0])
-    forked = LLM(tiny_model_dirs["llama"], block_size=8, num_kv_blocks=60, enable_prefix_caching=False)
+    forked = LLM(tiny_model_dirs["llama"], dtype="float32", block_size=8, num_kv_blocks=60, enable_prefix_caching=False)
     out = forked.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=16, ignore_eos=True),
                           use_tqdm=False)[0]
-    separate = LLM(tiny_model_dirs["llama"], block_size=8, num_kv_blocks=60, enable_prefix_caching=False)
+    separate = LLM(tiny_model_dirs["llama"], dtype="float32", block_size=8, num_kv_blocks=60, enable_prefix_caching=False)
     alone = toks(separate.generate([prompt] * 4, [SamplingParams(temperature=1.0, seed=11 + i, max_tokens=16,
                                                                  ignore_eos=True) for i in range(4)], use_tqdm=False))
     assert [c.token_ids for c in out.outputs] == alone
@@ -358,7 +358,7 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(llm):
 def test_the_engine_seed_drives_requests_without_their_own(tiny_model_dirs):
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     prompt = ids(make_prompts(512, n=1, seed=44)[0])
-    run = lambda seed: toks(LLM(tiny_model_dirs["llama"], num_kv_blocks=16, seed=seed).generate(  # noqa: E731
+    run = lambda seed: toks(LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=16, seed=seed).generate(  # noqa: E731
         prompt, params, use_tqdm=False))[0]
     assert run(1) == run(1) != run(2)
 
@@ -368,7 +368,7 @@ def test_xxhash_prefix_cache_hits_as_sha256_does(tiny_model_dirs):
     prompts = [ids(system + q) for q in make_prompts(512, n=4, seed=46, min_len=3, max_len=9)]
     results = {}
     for prefix_hash in ("sha256", "xxhash"):
-        llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64, prefix_hash=prefix_hash)
+        llm = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=64, prefix_hash=prefix_hash)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
         results[prefix_hash] = (toks(outs), [o.num_cached_tokens for o in outs], llm.get_stats()["prefix_cache_hits"])
     assert results["xxhash"] == results["sha256"] and results["sha256"][2] > 0
@@ -379,7 +379,7 @@ def test_half_precision_end_to_end_on_cpu(tiny_model_dirs, dtype):
     """bf16/fp16 run on CPU too: the first tokens agree with float32 (later ones may flip on near-ties)."""
     prompts = [ids(p) for p in make_prompts(512, n=6, seed=47)]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    full = toks(LLM(tiny_model_dirs["qwen2"], num_kv_blocks=32).generate(prompts, greedy, use_tqdm=False))
+    full = toks(LLM(tiny_model_dirs["qwen2"], dtype="float32", num_kv_blocks=32).generate(prompts, greedy, use_tqdm=False))
     llm = LLM(tiny_model_dirs["qwen2"], num_kv_blocks=32, dtype=dtype)
     assert llm.llm_engine.runner.kv_cache.dtype == getattr(torch, dtype)
     half = toks(llm.generate(prompts, greedy, use_tqdm=False))

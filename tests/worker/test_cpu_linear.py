@@ -1,0 +1,81 @@
+"""The CPU fast path: packed bfloat16 linears equal F.linear, are chosen by the CPU's flags, and
+leave the model's answers where the reference puts them.
+
+The oneDNN ops are private to torch: the first test pins that they exist in the torch this
+project requires, so an upgrade that drops or renames them fails here, not in a benchmark."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanopaged.config as config_module
+from conftest import check_logprobs_close, make_prompts, nanopaged_greedy
+from nanopaged import LLM, EngineConfig, SamplingParams
+from nanopaged.cpu_features import auto_cpu_dtype
+from nanopaged.worker.cpu_linear import PackedLinear, pack_linears, packed_ops_available
+
+
+def test_the_private_onednn_ops_exist_in_this_torch():
+    assert torch.__version__.startswith("2.13"), "pinned: the packed linear uses private oneDNN ops"
+    assert packed_ops_available()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 24, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_linear_equals_f_linear_within_bf16_rounding(rows, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(576, 1536, bias=bias, dtype=torch.bfloat16)
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want, got = F.linear(x, linear.weight, linear.bias).float(), PackedLinear(linear)(x).float()
+    # bf16 keeps 8 bits of mantissa: a sum of 576 products may round differently in another order
+    assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert got.shape == (rows, 1536)
+
+
+def test_pack_linears_swaps_plain_linears_only():
+    class Subclass(nn.Linear):            # tensor parallelism's layers subclass nn.Linear
+        pass
+
+    model = nn.Sequential(nn.Linear(8, 8, dtype=torch.bfloat16), Subclass(8, 8, dtype=torch.bfloat16))
+    model[0].shard_sizes = [4, 4]
+    assert pack_linears(model) == 1
+    assert isinstance(model[0], PackedLinear) and model[0].shard_sizes == [4, 4]
+    assert type(model[1]) is Subclass
+
+
+def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch, tiny_model_dirs):
+    monkeypatch.setattr(config_module, "auto_cpu_dtype", lambda: "bfloat16")
+    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["amx_bf16"])
+    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu")
+    assert (cfg.dtype, cfg.cpu_linear) == ("bfloat16", "packed")
+    monkeypatch.setattr(config_module, "auto_cpu_dtype", lambda: "float32")
+    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: [])
+    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu")
+    assert (cfg.dtype, cfg.cpu_linear) == ("float32", "reference")
+    # an explicit bfloat16 on a CPU without the units runs, with the reference kernel
+    assert EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16").cpu_linear == "reference"
+
+
+def test_auto_cpu_dtype_reads_the_flags(monkeypatch):
+    import nanopaged.cpu_features as cf
+    monkeypatch.setattr(cf, "cpu_flags", lambda: frozenset({"avx2", "fma"}))          # an AVX2-only EPYC
+    assert auto_cpu_dtype() == "float32"
+    monkeypatch.setattr(cf, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert auto_cpu_dtype() == "bfloat16"
+
+
+def test_packed_where_it_cannot_run_is_refused_by_name(tiny_model_dirs):
+    with pytest.raises(ValueError, match="cpu_linear='packed' needs device='cpu', dtype='bfloat16'"):
+        EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_linear="packed")
+    with pytest.raises(ValueError, match=r"cpu_linear must be one of \['auto', 'packed', 'reference'\]"):
+        EngineConfig(tiny_model_dirs["llama"], cpu_linear="fast")
+
+
+@pytest.mark.skipif(not config_module.bf16_matrix_units(), reason="this CPU has no bfloat16 matrix units")
+def test_the_packed_model_answers_as_the_reference_does(tiny_model_dirs):
+    """Same bf16 weights, two kernels: greedy tokens agree under vLLM's check_logprobs_close rule."""
+    prompts = make_prompts(512, n=6, seed=5, min_len=4, max_len=40)
+    packed = nanopaged_greedy(LLM(tiny_model_dirs["qwen2"], dtype="bfloat16", cpu_linear="packed"), prompts, 16)
+    reference = nanopaged_greedy(LLM(tiny_model_dirs["qwen2"], dtype="bfloat16", cpu_linear="reference"), prompts, 16)
+    check_logprobs_close(packed, reference)
