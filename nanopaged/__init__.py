@@ -14,12 +14,13 @@ from nanopaged.config import EngineConfig  # noqa: E402  (the log is set up befo
 from nanopaged.engine.llm_engine import LLMEngine  # noqa: E402
 from nanopaged.llm import LLM  # noqa: E402
 from nanopaged.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from nanopaged.sampling_params import SamplingParams  # noqa: E402
+from nanopaged.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 # Names of code that `LLM.generate` never runs, imported when first used, so `import
 # nanopaged` loads the reading path and nothing else (PEP 562: a module's __getattr__).
 _ON_FIRST_USE = {"BeamSearchParams": "nanopaged.extras.beam_search", "BeamSearchOutput": "nanopaged.extras.beam_search",
-                 "BeamSearchSequence": "nanopaged.extras.beam_search", "DEMO_MODEL": "nanopaged.models.demo_model"}
+                 "BeamSearchSequence": "nanopaged.extras.beam_search", "DEMO_MODEL": "nanopaged.models.demo_model",
+                 "TextPrompt": "nanopaged.inputs", "TokensPrompt": "nanopaged.inputs"}
 
 
 def __getattr__(name: str):
@@ -29,6 +30,7 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
 
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "DEMO_MODEL"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
+           "CompletionOutput", "TextPrompt", "TokensPrompt", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence", "DEMO_MODEL"]
 __version__ = "0.1.0"

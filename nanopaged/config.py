@@ -7,6 +7,7 @@ final values. Each table of choices lives with its users: the dtypes and devices
 prefix-cache hash functions with the block pool (`nanopaged/core/block_pool.py: HASH_FUNCTIONS`),
 the attention backends beside them (`nanopaged/attention/backends.py: ATTENTION_BACKENDS`);
 the checks are `nanopaged/validation.py`'s. The README's settings table says what each means.
+vLLM's engine arguments that are not settings here are read by `nanopaged/vllm_compat.py`.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from nanopaged.attention.backends import ATTENTION_BACKENDS, resolve_attention_b
 from nanopaged.core.block_pool import HASH_FUNCTIONS
 from nanopaged.cpu_features import auto_cpu_dtype, bf16_matrix_units
 from nanopaged.models.config import ModelConfig
+from nanopaged.sampling_params import MAX_LOGPROBS
 from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_range
 
 # dtype name (aliases included) -> (torch dtype name, bytes per value)
@@ -34,6 +36,7 @@ MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}   # default token budget pe
 @dataclass
 class EngineConfig:
     model: str
+    tokenizer: str | None = None            # a folder with the tokenizer files; default: the model folder
     dtype: str = "auto"                     # auto: bfloat16 on CUDA and on CPUs with bf16 matrix units, else float32
     device: str = "auto"                    # auto: cuda if available, else cpu
     block_size: int = 16                    # tokens per KV block
@@ -48,6 +51,7 @@ class EngineConfig:
     attention_backend: str = "auto"         # auto | torch | triton | flash
     enforce_eager: bool = False             # CUDA: no CUDA graphs
     seed: int = 0                           # for requests sampled without their own seed
+    max_logprobs: int = MAX_LOGPROBS        # the most logprobs / prompt_logprobs a request may ask for
     cpu_threads: str | None = "auto"        # CPU: follow the free cores (extras/thread_governor.py); None: torch's
     cpu_linear: str = "auto"                # CPU: packed (oneDNN bf16 weights) | reference (F.linear); auto: packed where it runs
     tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
@@ -63,6 +67,7 @@ class EngineConfig:
             check_range(name, getattr(self, name), 1, integer=True, optional=True)
         check_range("max_num_seqs", self.max_num_seqs, 1, integer=True)
         check_range("seed", self.seed, *SEED_RANGE, integer=True)
+        check_range("max_logprobs", self.max_logprobs, 0, MAX_LOGPROBS, integer=True)
         check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, lo_open=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("enforce_eager", self.enforce_eager)
@@ -71,7 +76,7 @@ class EngineConfig:
         check_choice("cpu_threads", self.cpu_threads, (None, "auto"))
         check_choice("cpu_linear", self.cpu_linear, CPU_LINEARS)
         check_range("tensor_parallel_size", self.tensor_parallel_size, 1, integer=True)
-        check_model_folder(self.model)
+        self.tokenizer = check_model_folder(self.model, self.tokenizer)
         self.model_config = ModelConfig.from_folder(self.model)
         self._resolve_defaults()
         check_tensor_parallel(self.model_config, self.tensor_parallel_size, self.device)
@@ -99,11 +104,13 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
-        """Like the constructor, but an unknown setting is a ValueError listing the known ones."""
-        known = {f.name for f in fields(cls) if f.init} - {"model"}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown engine setting(s) {unknown}; known: {sorted(known)}")
+        """Like the constructor, but with vLLM's engine arguments too: each one nanopaged does not
+        have as a setting is honoured, accepted where it changes nothing, or refused by name
+        (nanopaged/vllm_compat.py); an unknown name is a ValueError listing the known ones."""
+        own = {f.name for f in fields(cls) if f.init} - {"model"}
+        if not set(kwargs) <= own or any(v is None for v in kwargs.values()):
+            from nanopaged.vllm_compat import engine_settings    # read only when a vLLM argument is given
+            kwargs = engine_settings(kwargs, own)
         return cls(model=model, **kwargs)
 
 
@@ -126,7 +133,9 @@ def _cuda_available() -> bool:
 
 
 # ---- checks of the model folder and the machine ----------------------------------------
-def check_model_folder(model: str) -> None:
+def check_model_folder(model: str, tokenizer: str | None = None) -> str:
+    """The folders exist and hold what they must; returns the tokenizer's folder (vLLM's default:
+    the model's)."""
     folder = Path(model)
     if not folder.is_dir():
         raise ValueError(f"model folder {model!r} does not exist (nanopaged never downloads; "
@@ -135,8 +144,14 @@ def check_model_folder(model: str) -> None:
         raise ValueError(f"model folder {model!r} has no config.json")
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {model!r} has no *.safetensors weights")
-    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise ValueError(f"model folder {model!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    what = "model folder" if tokenizer is None else "tokenizer folder"
+    tokenizer = model if tokenizer is None else str(tokenizer) if isinstance(tokenizer, Path) else tokenizer
+    if not isinstance(tokenizer, str) or not Path(tokenizer).is_dir():
+        raise ValueError(f"tokenizer={tokenizer!r} is not a folder (nanopaged never downloads; pass a local "
+                         "folder with the tokenizer files)")
+    if not any((Path(tokenizer) / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"{what} {tokenizer!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    return tokenizer
 
 
 def check_tensor_parallel(m: ModelConfig, size: int, device: str) -> None:

@@ -14,6 +14,7 @@ docs/00_how_to_read.md walks one call from here down to the attention kernels.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import threading
@@ -29,7 +30,7 @@ from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.extras.stats import EngineStats, ProgressBar
 from nanopaged.extras.thread_governor import ThreadGovernor
 from nanopaged.outputs import RequestOutput
-from nanopaged.sampling_params import SamplingParams
+from nanopaged.sampling_params import RequestOutputKind, SamplingParams
 from nanopaged.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -40,9 +41,11 @@ logger = logging.getLogger(__name__)
 
 class LLM:
     def __init__(self, model: str | None = None, **config) -> None:
+        """`config`: nanopaged's settings and vLLM's engine arguments (nanopaged/vllm_compat.py)."""
         governor = ThreadGovernor()          # made first: the model's loading is its first window
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model_folder(model), **config), self.make_runner)
         self._request_ids = itertools.count()
+        self._default_params = None
         self._busy = threading.Lock()
         self.stats = EngineStats(self.llm_engine)
         self.thread_governor = None
@@ -68,15 +71,28 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given none: SamplingParams' defaults, overridden by the sampling
+        fields of the model's generation_config.json, as in vLLM (its generation_config="auto")."""
+        if self._default_params is None:
+            self._default_params = self.llm_engine.model_config.get_diff_sampling_param()
+        return SamplingParams(**self._default_params)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for one prompt or many; outputs come back in the order of the prompts."""
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or many; outputs come back in the order of the prompts.
+        `lora_request` and `priority` are vLLM's, accepted when they ask for nothing (None, zeros)."""
+        if lora_request is not None or priority is not None:
+            from nanopaged.vllm_compat import check_lora_and_priority
+            check_lora_and_priority(lora_request, priority, len(prompts) if isinstance(prompts, (list, tuple)) else 1)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a prompt or a list of them, got {type(prompts).__name__}")
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
@@ -86,6 +102,7 @@ class LLM:
         else:
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
                              f"got {type(sampling_params).__name__}")
+        params = final_only(params)
         with self.one_call_at_a_time():
             engine = self.llm_engine
             requests = [engine.process_request(self._new_request_id(), p, sp)
@@ -95,15 +112,16 @@ class LLM:
             return self._run([samples[0].request_id for samples in requests], use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them; the arguments
+        in vLLM's order (`lora_request`: None only, as in generate)."""
         one = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
         if not isinstance(conversations, (list, tuple)):
             raise ValueError(f"messages must be a conversation or a list of them, got {type(messages).__name__}")
         tokenizer = self.llm_engine.tokenizer
         prompts = [render_chat(tokenizer, conv, chat_template) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Step until every request is done; their final outputs, in the order of request_ids.
@@ -164,6 +182,17 @@ class LLM:
     def progress_bar(self, total: int, enabled: bool) -> ProgressBar:
         """A bar over the prompts, with the figures a user watches (tokens/s, KV usage, ...)."""
         return ProgressBar(self.stats, total, enabled)
+
+
+def final_only(params: list) -> list:
+    """Copies that report only when finished, as vLLM's LLM asks (generate reads nothing else; it
+    saves building an output every step); one copy per distinct object, the caller's left as it is."""
+    copies = {}
+    for p in params:
+        if isinstance(p, SamplingParams) and id(p) not in copies:
+            copies[id(p)] = copy.copy(p)
+            copies[id(p)].output_kind = RequestOutputKind.FINAL_ONLY
+    return [copies.get(id(p), p) for p in params]
 
 
 def model_folder(model: str | None) -> str:

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        # how to decode, as SamplingParams says (a fast tokenizer ignores the second, as vLLM's path does)
+        self.decode_args = {"skip_special_tokens": skip_special_tokens,
+                            "spaces_between_special_tokens": spaces_between_special_tokens}
         # Start the window inside the prompt so the first output token decodes with the
         # right leading space, as it would in the whole text (SentencePiece-style decoders
         # drop the space of a text's first word).
@@ -25,7 +28,7 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, **self.decode_args)
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the text it completed (may be '')."""

@@ -5,10 +5,11 @@ v1/engine/processor.py): a request that can never run is a ValueError naming the
 and the engine goes on serving the others. `max_tokens` past the context is clipped, not
 refused, as vLLM does: the request then finishes with finish_reason "length". Why every
 admitted request must fit the pool alone: docs/04_scheduler.md, "Why nothing deadlocks".
+Here too the prompt is truncated (`truncate_prompt_tokens`) and `bad_words` become token ids.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import copy
 
 from nanopaged.config import EngineConfig
 from nanopaged.core.block_pool import cdiv
@@ -19,6 +20,8 @@ from nanopaged.sampling_params import SamplingParams
 # average 3-5; the longest tokens of English BPE vocabularies run to about 30).
 MAX_CHARS_PER_TOKEN = 32
 PromptType = str | dict   # a string, {"prompt_token_ids": [...]} or {"prompt": "..."}, maybe with "cache_salt"
+# What a prompt dict may hold (nanopaged/inputs.py: vLLM's TextPrompt, TokensPrompt); others are refused by name.
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
 class InputProcessor:
@@ -37,12 +40,16 @@ class InputProcessor:
         cfg = self.config
         if params.n > cfg.max_num_seqs:
             raise ValueError(f"n={params.n} samples cannot run at once with max_num_seqs={cfg.max_num_seqs}")
-        text, ids = self._tokenize(prompt)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > cfg.max_logprobs:
+                raise ValueError(f"{name}={getattr(params, name)} is more than max_logprobs={cfg.max_logprobs}")
+        text, ids = self._tokenize(prompt, params.truncate_prompt_tokens is not None)
+        ids = self._truncate(ids, params.truncate_prompt_tokens)
         self._check_prompt(ids)
-        vocab = self.config.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab})")
+        params = self._with_bad_words(params)
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            self._check_in_vocabulary(name, getattr(params, name) or ())
+        self._check_in_vocabulary("bad_words", [t for word in params.bad_words_token_ids or () for t in word])
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -62,11 +69,18 @@ class InputProcessor:
                         eos_token_ids=self.eos_token_ids, prompt=text, cache_salt=cache_salt)
                 for i in range(params.n)]
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType, whole: bool = False) -> tuple[str | None, list[int]]:
+        """The prompt's text (None if given as ids) and tokens; `whole`: tokenize all of a long text
+        (it is to be truncated, so its length is no reason to refuse it)."""
         if isinstance(prompt, str):
             if not _encodes(prompt):
                 raise ValueError("the prompt must encode as UTF-8 (it holds a lone surrogate)")
-            return prompt, self._encode(prompt)
+            return prompt, self.tokenizer.encode(prompt) if whole else self._encode(prompt)
+        unknown = sorted(k for k, v in prompt.items() if k not in PROMPT_KEYS and v is not None
+                         ) if isinstance(prompt, dict) else []
+        if unknown:                      # vLLM's multimodal keys: never silently dropped
+            raise ValueError(f"a prompt dict may hold {list(PROMPT_KEYS)}; {unknown} are not supported "
+                             "(nanopaged runs text-only models)")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(
@@ -74,7 +88,7 @@ class InputProcessor:
                 raise ValueError("prompt_token_ids must be a list of integers")
             return prompt.get("prompt"), list(ids)
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return self._tokenize(prompt["prompt"])
+            return self._tokenize(prompt["prompt"], whole)
         raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def _encode(self, text: str) -> list[int]:
@@ -88,6 +102,41 @@ class InputProcessor:
                                  f"characters alone); max_model_len={limit} leaves no room for a generated "
                                  f"token (a prompt may be at most {limit - 1} tokens)")
         return self.tokenizer.encode(text)
+
+    def _truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens=k keeps the last k tokens (vLLM truncates on the left); -1 keeps as
+        many as leave room for one generated token, the longest prompt nanopaged runs."""
+        if keep is None:
+            return ids
+        limit = self.config.max_model_len
+        if keep > limit:
+            raise ValueError(f"truncate_prompt_tokens={keep} is larger than max_model_len={limit}")
+        return ids[-(limit - 1 if keep == -1 else keep):]
+
+    def _with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """A copy whose bad_words_token_ids hold each word's tokens, alone and after a space, as vLLM
+        tokenizes them (vllm/sampling_params.py: update_from_tokenizer), so the word is blocked at the
+        start of the text and inside it."""
+        if not params.bad_words:
+            return params
+        words = []
+        for word in params.bad_words:
+            ids = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not ids:
+                raise ValueError(f"bad_words entry {word!r} makes no tokens")
+            words.append(ids)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != ids[0] and len(spaced) == len(ids):   # vLLM's rule for the spaced form
+                words.append(spaced)
+        params = copy.copy(params)
+        params.bad_words_token_ids = words
+        return params
+
+    def _check_in_vocabulary(self, name: str, token_ids) -> None:
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"{name} holds {bad[0]}, outside the vocabulary [0, {vocab})")
 
     def _check_prompt(self, ids: list[int]) -> None:
         limit = self.config.max_model_len
@@ -155,7 +204,10 @@ def _encodes(text: str) -> bool:
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample i of n: one sequence, with its own seed (seed + i) so the n samples differ."""
+    """Sample i of n: one sequence, with its own seed (seed + i) so the n samples differ. A copy, not
+    `replace`, so what the input processor added (bad_words_token_ids) stays."""
     if params.n == 1:
         return params
-    return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+    params = copy.copy(params)
+    params.n, params.seed = 1, None if params.seed is None else params.seed + index
+    return params

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 from nanopaged.config import EngineConfig
@@ -48,7 +49,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig,
                  make_runner: Callable[[EngineConfig], ModelRunner] = ModelRunner) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer)
         self.runner = make_runner(config)
         block_pool = BlockPool(self.runner.num_kv_blocks, config.block_size,
                                config.enable_prefix_caching, config.prefix_hash)
@@ -57,6 +58,15 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sampler = ParallelSampler(Sampler(self.runner.device, config.seed))
         self.observers: list[Callable[[StepRecord], None]] = []
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    @cached_property
+    def model_config(self):
+        """vLLM's ModelConfig, with the names its clients read (nanopaged/vllm_compat.py)."""
+        from nanopaged.vllm_compat import VllmModelConfig
+        return VllmModelConfig(self.config)
 
     # ---- requests in ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:

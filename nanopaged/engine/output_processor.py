@@ -3,7 +3,9 @@
 Whether a request stops is decided here and nowhere else (`check_stop`): EOS and stop
 tokens, stop strings (which need the detokenized text) and length, in vLLM's order and
 with vLLM's `stop_reason`. The engine then takes the stopped requests out of the
-scheduler. The n samples of one request (n > 1) are gathered into one RequestOutput.
+scheduler. The n samples of one request (n > 1) are gathered into one RequestOutput, each
+step or only at the end, whole or as what is new (SamplingParams.output_kind); with
+detokenize=False nothing is decoded at all (text "", logprobs without decoded tokens).
 vLLM: v1/engine/output_processor.py, v1/engine/detokenizer.py, v1/core/sched/utils.py.
 docs/04_scheduler.md, "Stopping".
 """
@@ -16,6 +18,7 @@ import torch
 from nanopaged.core.request import Request, RequestStatus, SampledToken
 from nanopaged.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
+from nanopaged.sampling_params import RequestOutputKind
 from nanopaged.worker.sampler import top_logprobs
 
 FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
@@ -60,11 +63,16 @@ def check_stop(request: Request, detokenizer: IncrementalDetokenizer | None = No
 class SampleState:
     """What the user sees of one sequence."""
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None     # None: detokenize=False
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    sent: tuple[int, int, int] = (0, 0, 0)        # output_kind=DELTA: tokens, characters, logprobs sent so far
+
+    @property
+    def text(self) -> str:
+        return "" if self.detokenizer is None else self.detokenizer.text
 
 
 class OutputProcessor:
@@ -76,9 +84,7 @@ class OutputProcessor:
         self.aborted: list[RequestOutput] = []              # final outputs the next step returns
 
     def add(self, samples: list[Request]) -> None:
-        states = [SampleState(seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                                          seq.sampling_params.skip_special_tokens))
-                  for seq in samples]
+        states = [SampleState(seq, self._detokenizer(seq)) for seq in samples]
         self.requests[samples[0].request_id] = states
         self.samples.update((s.request, (samples[0].request_id, s)) for s in states)
         if samples[0].sampling_params.prompt_logprobs is not None:
@@ -95,18 +101,31 @@ class OutputProcessor:
             request_id, state = self.samples[request]
             state.cumulative_logprob += sample.logprob
             if sample.top_logprobs is not None:
-                state.logprobs.append(self._logprob_dict(sample.top_logprobs))
+                state.logprobs.append(self._logprob_dict(sample.top_logprobs, request.sampling_params.detokenize))
             stop = check_stop(request, state.detokenizer)
             if stop is not None:
                 status, state.stop_reason = stop
                 state.finish_reason = FINISH_REASONS[status]
                 stopped.append((request, status))
             advanced[request_id] = True
-        outputs = [self._output(request_id) for request_id in advanced]
+        outputs = [self._output(request_id) for request_id in advanced if self._reports(request_id)]
         for o in outputs:
             if o.finished:
                 self._forget(o.request_id)
         return outputs, stopped
+
+    def _detokenizer(self, seq: Request) -> IncrementalDetokenizer | None:
+        p = seq.sampling_params
+        if not p.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens,
+                                      p.spaces_between_special_tokens)
+
+    def _reports(self, request_id: str) -> bool:
+        """FINAL_ONLY: a request's output only once all of its samples have finished."""
+        states = self.requests[request_id]
+        return (states[0].request.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY
+                or all(s.finish_reason is not None for s in states))
 
     def abort(self, request_id: str) -> list[Request]:
         """Forget a request, keeping its final output ("abort"); its sequences not finished yet."""
@@ -130,10 +149,11 @@ class OutputProcessor:
         logprobs = torch.log_softmax(logits[skip:].float(), dim=-1)
         k = request.sampling_params.prompt_logprobs
         tops = top_logprobs(logprobs, torch.tensor(targets[skip:], device=logprobs.device), [k] * logprobs.shape[0])
-        entries += [self._logprob_dict(top) for top in tops]
+        entries += [self._logprob_dict(top, request.sampling_params.detokenize) for top in tops]
 
-    def _logprob_dict(self, top: list[tuple[int, float, int]]) -> dict[int, Logprob]:
-        return {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, lp, rank in top}
+    def _logprob_dict(self, top: list[tuple[int, float, int]], decode: bool) -> dict[int, Logprob]:
+        """decode=False (detokenize=False): no decoded tokens, as vLLM leaves them None."""
+        return {t: Logprob(lp, rank, self.tokenizer.decode([t]) if decode else None) for t, lp, rank in top}
 
     def request_id_of(self, request: Request) -> str | None:
         """The id of the user request a sequence belongs to (None once it is finished or aborted)."""
@@ -150,11 +170,20 @@ class OutputProcessor:
             prompt_logprobs=list(self.prompt_logprobs[request_id]) if request_id in self.prompt_logprobs else None)
 
     def _completion(self, index: int, s: SampleState) -> CompletionOutput:
-        wants_logprobs = s.request.sampling_params.logprobs is not None
+        p = s.request.sampling_params
+        wants_logprobs = p.logprobs is not None
+        tokens, text, logprobs = s.request.output_token_ids, s.text, s.logprobs
+        if p.output_kind is RequestOutputKind.DELTA:       # what is new since the last output
+            # hold back the characters that may yet begin a stop string (vLLM: stop_buffer_length)
+            cut = p.stop and not p.include_stop_str_in_output and s.finish_reason is None
+            (t, c, lp) = s.sent
+            end = max(c, len(text) - (max(map(len, p.stop)) - 1 if cut else 0))
+            s.sent = (len(tokens), end, len(logprobs))
+            tokens, text, logprobs = tokens[t:], text[c:end], logprobs[lp:]
         return CompletionOutput(
-            index=index, text=s.detokenizer.text, token_ids=list(s.request.output_token_ids),
+            index=index, text=text, token_ids=list(tokens),
             cumulative_logprob=s.cumulative_logprob if wants_logprobs else None,   # vLLM: None unless asked
-            logprobs=list(s.logprobs) if wants_logprobs else None,
+            logprobs=list(logprobs) if wants_logprobs else None,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason)
 
     def _forget(self, request_id: str) -> list[SampleState]:

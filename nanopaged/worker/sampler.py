@@ -3,9 +3,10 @@
 In order, as vLLM's sampler (v1/sample/sampler.py) does:
   1. logprobs of the raw logits (what `cumulative_logprob` and `logprobs=k` report), for the
      rows that asked for them;
-  2. penalties: repetition (prompt + output tokens), presence and frequency (output tokens);
-  3. min_tokens: EOS and stop tokens cannot be drawn before the request has min_tokens;
-  4. greedy rows take the argmax; the others divide by temperature, cut by top-k, top-p and
+  2. the token rules: allowed_token_ids, bad_words, logit_bias;
+  3. penalties: repetition (prompt + output tokens), presence and frequency (output tokens);
+  4. min_tokens: EOS and stop tokens cannot be drawn before the request has min_tokens;
+  5. greedy rows take the argmax; the others divide by temperature, cut by top-k, top-p and
      min-p, and draw with the exponential race argmax(p / q), q ~ Exp(1), which samples
      from p exactly and lets each row use its own generator.
 Tensor work is done for all rows at once; Python loops only run over requests to collect
@@ -44,6 +45,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         raw = logits = logits.float()
         params = [r.sampling_params for r in requests]
+        if any(p.allowed_token_ids or p.bad_words_token_ids or p.logit_bias for p in params):
+            logits = apply_token_rules(logits, requests)
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, requests)
         if any(r.num_output_tokens < r.sampling_params.min_tokens for r in requests):
@@ -100,6 +103,33 @@ class Sampler:
 def indices(like: torch.Tensor, xs: list[int]) -> torch.Tensor:
     """An index tensor on the device of `like`."""
     return like.new_tensor(xs, dtype=torch.long)
+
+
+def apply_token_rules(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """vLLM's three, in its order (v1/sample/sampler.py): allowed_token_ids leaves only those tokens;
+    bad_words blocks a word's last token when the output ends with the word's other tokens (a
+    one-token word always; v1/sample/ops/bad_words.py); logit_bias adds to the logits."""
+    blocked = torch.zeros_like(logits, dtype=torch.bool)
+    allow_rows, allow_toks, block_rows, block_toks, bias_rows, bias_toks, biases = [], [], [], [], [], [], []
+    for j, r in enumerate(requests):
+        p = r.sampling_params
+        if p.allowed_token_ids:
+            blocked[j] = True
+            allow_rows += [j] * len(p.allowed_token_ids)
+            allow_toks += p.allowed_token_ids
+        for *start, last in p.bad_words_token_ids or ():
+            if len(start) <= r.num_output_tokens and r.output_token_ids[r.num_output_tokens - len(start):] == start:
+                block_rows.append(j)
+                block_toks.append(last)
+        for token, bias in (p.logit_bias or {}).items():
+            bias_rows.append(j)
+            bias_toks.append(token)
+            biases.append(bias)
+    blocked[indices(logits, allow_rows), indices(logits, allow_toks)] = False
+    blocked[indices(logits, block_rows), indices(logits, block_toks)] = True
+    logits = logits.masked_fill(blocked, float("-inf"))
+    return logits.index_put_((indices(logits, bias_rows), indices(logits, bias_toks)),
+                             logits.new_tensor(biases), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -8,7 +8,8 @@ from conftest import EOS_TOKEN_ID, make_prompts
 from nanopaged import LLM, SamplingParams
 from nanopaged.core.block_pool import cdiv
 from nanopaged.core.request import Request
-from nanopaged.worker.sampler import Sampler, apply_penalties, block_stop_tokens, top_k_top_p_min_p, top_logprobs
+from nanopaged.worker.sampler import (Sampler, apply_penalties, apply_token_rules, block_stop_tokens,
+                                      top_k_top_p_min_p, top_logprobs)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +110,38 @@ def test_min_tokens_blocks_eos_and_stop_ids_of_every_row_until_it_is_reached():
         [False] * 6,
         [False, False, False, False, True, False],
     ]
+
+
+def test_token_rules_allowed_ids_bad_words_and_logit_bias_on_hand_made_rows():
+    """allowed_token_ids keeps only its tokens; a bad word's last token is blocked only when the
+    output ends with the word's other tokens (a one-token word: always); logit_bias adds."""
+    def request(out, **kw):
+        params = SamplingParams(**{k: v for k, v in kw.items() if k != "words"})
+        params.bad_words_token_ids = kw.get("words")        # as the input processor tokenizes them
+        return Request("r", [1], params, 20, output_token_ids=out)
+    reqs = [request([], allowed_token_ids=[1, 4]),
+            request([3, 5], words=[[5, 2], [4], [3, 3, 1]]),   # ends with 5: block 2; 4 always; [3, 3] is not the end
+            request([5], words=[[9, 5, 2]]),                   # the output is too short to end with [9, 5]
+            request([], logit_bias={0: 1.5, 5: -2.0}),
+            request([])]
+    got = apply_token_rules(torch.zeros(5, 6), reqs)
+    inf = float("-inf")
+    assert got.tolist() == [
+        [inf, 0.0, inf, inf, 0.0, inf],
+        [0.0, 0.0, inf, 0.0, inf, 0.0],
+        [0.0] * 6,
+        [1.5, 0.0, 0.0, 0.0, 0.0, -2.0],
+        [0.0] * 6,
+    ]
+
+
+def test_logit_bias_comes_before_the_repetition_penalty_as_in_vllm():
+    r = Request("a", [3], SamplingParams(repetition_penalty=2.0, logit_bias={3: 1.0}), 5)
+    r.sampling_params.temperature = 0.0
+    out = Sampler(torch.device("cpu"), seed=0)(torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0, 0.0]]), [r])
+    assert out.token_ids == [3]                             # (1 + 1) / 2 = 1.0 > 0: still the best
+    r.sampling_params.logit_bias = {3: 1.0, 4: 1.1}         # 1.1 beats (1 + 1) / 2
+    assert Sampler(torch.device("cpu"), seed=0)(torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0, 0.0]]), [r]).token_ids == [4]
 
 
 def test_a_seeded_request_draws_from_one_generator_across_steps():

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanopaged.config import EngineConfig
-from nanopaged.worker.model_runner import ModelRunnerOutput
+from nanopaged.worker.model_runner import ModelRunnerOutput, per_request
 from nanopaged.core.scheduler import SchedulerOutput
 from nanopaged.extras.tensor_parallel import parallel_state as ps
 from nanopaged.extras.tensor_parallel.rank_runner import RankRunner
@@ -195,11 +195,8 @@ class TensorParallelRunner(RankRunner):
         """The gathered logits back into sampling rows and each request's prompt rows."""
         if logits is None:
             logits = torch.empty((0, self.config.model_config.vocab_size), dtype=self.dtype, device=self.device)
-        start, prompt_logits = len(inputs.sample_rows), []
-        for request, first, rows in inputs.prompt_rows:
-            prompt_logits.append((request, first, logits[start:start + len(rows)]))
-            start += len(rows)
-        return ModelRunnerOutput(inputs.sample_requests, logits[:len(inputs.sample_rows)], prompt_logits)
+        n = len(inputs.sample_rows)
+        return ModelRunnerOutput(inputs.sample_requests, logits[:n], per_request(logits[n:], inputs.prompt_rows))
 
     # ---- failure and shutdown --------------------------------------------------------
     def _fail(self, error: BaseException) -> None:
