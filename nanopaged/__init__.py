@@ -20,7 +20,8 @@ from nanopaged.sampling_params import RequestOutputKind, SamplingParams  # noqa:
 # nanopaged` loads the reading path and nothing else (PEP 562: a module's __getattr__).
 _ON_FIRST_USE = {"BeamSearchParams": "nanopaged.extras.beam_search", "BeamSearchOutput": "nanopaged.extras.beam_search",
                  "BeamSearchSequence": "nanopaged.extras.beam_search", "DEMO_MODEL": "nanopaged.models.demo_model",
-                 "TextPrompt": "nanopaged.inputs", "TokensPrompt": "nanopaged.inputs"}
+                 "TextPrompt": "nanopaged.inputs", "TokensPrompt": "nanopaged.inputs",
+                 "StructuredOutputsParams": "nanopaged.structured_output.params"}
 
 
 def __getattr__(name: str):
@@ -32,5 +33,5 @@ def __getattr__(name: str):
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
            "CompletionOutput", "TextPrompt", "TokensPrompt", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "DEMO_MODEL"]
+           "BeamSearchSequence", "DEMO_MODEL", "StructuredOutputsParams"]
 __version__ = "0.1.0"

@@ -5,15 +5,20 @@ built (with the one range check, `nanopaged/validation.py: check_range`), so a b
 with the field's name and its allowed range before any work; what needs the model (a token id
 inside the vocabulary) is checked by the input processor. The README's API section lists the
 fields; vLLM's fields that nanopaged does not implement are accepted at their off value and
-refused by name otherwise (VLLM_ONLY).
+refused by name otherwise (VLLM_ONLY). `structured_outputs` is checked by its own module
+(nanopaged/structured_output/params.py), read only when a request sets it.
 """
 from __future__ import annotations
 
 import enum
 import warnings
 from dataclasses import dataclass, field, make_dataclass
+from typing import TYPE_CHECKING
 
 from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_range
+
+if TYPE_CHECKING:
+    from nanopaged.structured_output.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20     # vLLM's default max_logprobs
 MIN_TEMPERATURE = 0.01   # vLLM's _MAX_TEMP: below it, float32 logits / T overflow into NaN
@@ -29,7 +34,7 @@ class RequestOutputKind(enum.Enum):
 
 # vLLM's fields that nanopaged does not implement, with their defaults: keyword-only, and any other
 # value is checked by nanopaged/vllm_compat.py (NOT_IMPLEMENTED_SAMPLING: accepted, or refused by name).
-VLLM_ONLY = {"best_of": None, "use_beam_search": False, "structured_outputs": None, "guided_decoding": None,
+VLLM_ONLY = {"best_of": None, "use_beam_search": False, "guided_decoding": None,
              "logits_processors": None, "logprob_token_ids": None, "prompt_logprob_token_ids": None,
              "prompt_logprob_start": None, "flat_logprobs": False, "stream_interval": None,
              "skip_reading_prefix_cache": None, "thinking_token_budget": None, "repetition_detection": None,
@@ -65,6 +70,8 @@ class SamplingParams(VllmOnlyFields):
     allowed_token_ids: list[int] | None = None   # only these tokens can be drawn
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, before the penalties
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # what LLMEngine.step returns for it
+    # a JSON schema, regex, choice or grammar the output follows (nanopaged/structured_output/)
+    structured_outputs: StructuredOutputsParams | None = field(default=None, kw_only=True)
     # bad_words as token ids, as the input processor tokenizes them (vLLM: update_from_tokenizer)
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -128,6 +135,9 @@ class SamplingParams(VllmOnlyFields):
                 raise ValueError("allowed_token_ids must hold at least one token id, got []")
         self.logit_bias = _logit_bias(self.logit_bias)
         check_choice("output_kind", self.output_kind, tuple(RequestOutputKind))
+        if self.structured_outputs is not None:
+            from nanopaged.structured_output.params import check_sampling_params    # read only when one is set
+            check_sampling_params(self)
         if any(getattr(self, name) != default for name, default in VLLM_ONLY.items()):
             from nanopaged.vllm_compat import check_sampling_fields     # read only when one is set
             check_sampling_fields(self)
@@ -164,3 +174,11 @@ def _logit_bias(bias) -> dict[int, float] | None:
         check_range(f"logit_bias[{token}]", value)
         out[token] = float(value)
     return out
+
+
+def __getattr__(name: str):
+    """`StructuredOutputsParams` where vLLM has it (vllm.sampling_params), imported when first asked for."""
+    if name == "StructuredOutputsParams":
+        from nanopaged.structured_output.params import StructuredOutputsParams
+        return StructuredOutputsParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,9 +11,14 @@ Extensions reach the engine through three hooks: `step(select_tokens)` takes a
 token-selection rule in place of the sampler (beam search; `track` follows the sequences it
 forks), every function in `observers` sees each step's `StepRecord` (statistics, the bench),
 and `make_runner` builds another runner with ModelRunner's interface (tensor parallelism).
+A SamplingParams field can also turn an extension on (FIELD_EXTENSIONS: structured outputs): it
+is installed the first time a request sets the field and hooks into the sampler's
+`logits_processors` and check_stop's `stop_rules`.
 """
 from __future__ import annotations
 
+import importlib
+import threading
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -32,6 +37,9 @@ from nanopaged.worker.model_runner import ModelRunner, ModelRunnerOutput
 from nanopaged.worker.sampler import Sampler
 
 SelectTokens = Callable[[ModelRunnerOutput], dict[Request, SampledToken]]
+# SamplingParams fields that an extension beside the engine implements: its module's `install(engine)`
+# runs when a request first sets the field, and returns what `prepare`s each such request.
+FIELD_EXTENSIONS = {"structured_outputs": "nanopaged.structured_output"}
 
 
 @dataclass
@@ -58,6 +66,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sampler = ParallelSampler(Sampler(self.runner.device, config.seed))
         self.observers: list[Callable[[StepRecord], None]] = []
+        self.extensions: dict[str, object] = {}            # FIELD_EXTENSIONS installed so far, by module
+        self._installing = threading.Lock()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -77,7 +87,19 @@ class LLMEngine:
         """Tokenize and validate without queueing: the request's n sequences, or a ValueError."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
-        return self.input_processor.process(request_id, prompt, params)
+        samples = self.input_processor.process(request_id, prompt, params)
+        for name, module in FIELD_EXTENSIONS.items():
+            if getattr(samples[0].sampling_params, name) is not None:
+                self.extension(module).prepare(samples)     # its own checks and work, before any queueing
+        return samples
+
+    def extension(self, module: str):
+        """The extension in `module`, installed into this engine on first use (under a lock: the
+        server processes requests on several threads); a ValueError if it cannot be."""
+        with self._installing:
+            if module not in self.extensions:
+                self.extensions[module] = importlib.import_module(module).install(self)
+            return self.extensions[module]
 
     def queue(self, samples: list[Request]) -> None:
         """Queue the first sequence; the others (n > 1) fork off it once its prompt is done."""

@@ -2,16 +2,18 @@
 
 Whether a request stops is decided here and nowhere else (`check_stop`): EOS and stop
 tokens, stop strings (which need the detokenized text) and length, in vLLM's order and
-with vLLM's `stop_reason`. The engine then takes the stopped requests out of the
-scheduler. The n samples of one request (n > 1) are gathered into one RequestOutput, each
-step or only at the end, whole or as what is new (SamplingParams.output_kind); with
-detokenize=False nothing is decoded at all (text "", logprobs without decoded tokens).
+with vLLM's `stop_reason`; an extension adds its own rule through `stop_rules` (structured
+outputs). The engine then takes the stopped requests out of the scheduler. The n samples
+of one request (n > 1) are gathered into one RequestOutput, each step or only at the end,
+whole or as what is new (SamplingParams.output_kind); with detokenize=False nothing is
+decoded at all (text "", logprobs without decoded tokens).
 vLLM: v1/engine/output_processor.py, v1/engine/detokenizer.py, v1/core/sched/utils.py.
 docs/04_scheduler.md, "Stopping".
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
@@ -21,14 +23,19 @@ from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
 from nanopaged.sampling_params import RequestOutputKind
 from nanopaged.worker.sampler import top_logprobs
 
+# An extension's stop rule: has the request's output just become complete? (check_stop, rule 0)
+StopRule = Callable[[Request], bool]
 FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
                   RequestStatus.FINISHED_ABORTED: "abort"}
 
 
-def check_stop(request: Request, detokenizer: IncrementalDetokenizer | None = None
+def check_stop(request: Request, detokenizer: IncrementalDetokenizer | None = None,
+               stop_rules: Sequence[StopRule] = ()
                ) -> tuple[RequestStatus, int | str | None] | None:
     """Does the request stop with the token it just got? (status, stop_reason), or None.
 
+    0. an extension's rule says the output is complete (`stop_rules`, a hook: each sees every
+       token once; structured outputs: the grammar has reached its end): "stop", as for EOS;
     1. EOS (unless ignore_eos) or a stop token id, once min_tokens are out (the sampler
        does not draw them before): "stop"; the token's text is left out of the output unless
        include_stop_str_in_output;
@@ -41,7 +48,8 @@ def check_stop(request: Request, detokenizer: IncrementalDetokenizer | None = No
     params, token = request.sampling_params, request.output_token_ids[-1]
     ready = request.num_output_tokens >= params.min_tokens
     stop = None
-    if ready and not params.ignore_eos and token in request.eos_token_ids:
+    complete = [rule(request) for rule in stop_rules]      # not any(): every rule must see the token
+    if any(complete) or (ready and not params.ignore_eos and token in request.eos_token_ids):
         stop = (RequestStatus.FINISHED_STOPPED, None)
     elif ready and token in params.stop_token_ids:
         stop = (RequestStatus.FINISHED_STOPPED, token)
@@ -82,6 +90,7 @@ class OutputProcessor:
         self.samples: dict[Request, tuple[str, SampleState]] = {}
         self.prompt_logprobs: dict[str, list] = {}          # request id -> one entry per prompt token
         self.aborted: list[RequestOutput] = []              # final outputs the next step returns
+        self.stop_rules: list[StopRule] = []                # the hook: check_stop's rule 0
 
     def add(self, samples: list[Request]) -> None:
         states = [SampleState(seq, self._detokenizer(seq)) for seq in samples]
@@ -102,7 +111,7 @@ class OutputProcessor:
             state.cumulative_logprob += sample.logprob
             if sample.top_logprobs is not None:
                 state.logprobs.append(self._logprob_dict(sample.top_logprobs, request.sampling_params.detokenize))
-            stop = check_stop(request, state.detokenizer)
+            stop = check_stop(request, state.detokenizer, self.stop_rules)
             if stop is not None:
                 status, state.stop_reason = stop
                 state.finish_reason = FINISH_REASONS[status]

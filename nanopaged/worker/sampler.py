@@ -1,8 +1,10 @@
 """The sampler: the next token of every sampling row, vectorised over the batch.
 
 In order, as vLLM's sampler (v1/sample/sampler.py) does:
-  1. logprobs of the raw logits (what `cumulative_logprob` and `logprobs=k` report), for the
-     rows that asked for them;
+  0. the logits processors, a hook for extensions (structured outputs mask the tokens a grammar
+     forbids: nanopaged/structured_output/), as vLLM applies its grammar bitmask before its sampler;
+  1. logprobs of the raw logits, after step 0 as in vLLM (what `cumulative_logprob` and
+     `logprobs=k` report), for the rows that asked for them;
   2. the token rules: allowed_token_ids, bad_words, logit_bias;
   3. penalties: repetition (prompt + output tokens), presence and frequency (output tokens);
   4. min_tokens: EOS and stop tokens cannot be drawn before the request has min_tokens;
@@ -40,10 +42,16 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.request_generators: dict[Request, torch.Generator] = {}
+        # The hook, step 0: each processor(logits, requests) returns the logits to sample from (row i
+        # is requests[i]'s), leaving the tensor it is given as it was; processor.forget(request) at the end.
+        self.logits_processors: list = []
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        raw = logits = logits.float()
+        logits = logits.float()
+        for process in self.logits_processors:
+            logits = process(logits, requests)
+        raw = logits
         params = [r.sampling_params for r in requests]
         if any(p.allowed_token_ids or p.bad_words_token_ids or p.logit_bias for p in params):
             logits = apply_token_rules(logits, requests)
@@ -96,8 +104,10 @@ class Sampler:
         return g
 
     def forget(self, request: Request) -> None:
-        """The request is finished: drop its generator."""
+        """The request is finished: drop its generator, and what the logits processors keep for it."""
         self.request_generators.pop(request, None)
+        for process in self.logits_processors:
+            process.forget(request)
 
 
 def indices(like: torch.Tensor, xs: list[int]) -> torch.Tensor:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from nanopaged.core.request import Request
 from nanopaged.engine.input_processor import render_chat
 from nanopaged.engine.llm_engine import LLMEngine
-from nanopaged.entrypoints.openai.protocol import OpenAIError, ParsedRequest, field_named
+from nanopaged.entrypoints.openai.protocol import OpenAIError, ParsedRequest, field_named, in_request_terms
 from nanopaged.outputs import RequestOutput
 
 logger = logging.getLogger("nanopaged.entrypoints.serve")
@@ -118,8 +118,9 @@ class EngineLoop:
     def _process(self, submission: Submission) -> list[list[Request]]:
         """Every prompt tokenized and checked, all or none (as LLM.generate), or an OpenAIError.
         Safe beside the engine thread's steps: process_request reads only the fixed config and
-        the tokenizer, whose encode may run on several threads at once; queueing, which changes
-        the engine, is left to the engine thread."""
+        the tokenizer, whose encode may run on several threads at once, and compiles a request's
+        constraint (structured outputs: a cache with its own lock, so a slow schema stalls no step);
+        queueing, which changes the engine, is left to the engine thread."""
         r, engine = submission.request, self.engine
         try:
             prompts = ([render_chat(engine.tokenizer, conv) for conv in r.prompts] if r.kind == "chat"
@@ -129,8 +130,9 @@ class EngineLoop:
             if r.max_tokens_given:
                 _refuse_past_context(batches, r, engine.config.max_model_len)
         except ValueError as e:
-            param = field_named(str(e)) or ("messages" if r.kind == "chat" else "prompt")
-            raise OpenAIError(str(e), param=param) from None
+            param = field_named(str(e), constraint_field=r.constraint_field) or (
+                "messages" if r.kind == "chat" else "prompt")
+            raise OpenAIError(in_request_terms(str(e), r.constraint_field), param=param) from None
         return batches
 
     # ---- the engine thread ---------------------------------------------------------------------

@@ -28,10 +28,17 @@ SAMPLING_FIELDS = {"n": "n", "temperature": "temperature", "top_p": "top_p", "st
                    "include_stop_str_in_output": "include_stop_str_in_output",
                    "skip_special_tokens": "skip_special_tokens"}
 # `user` is OpenAI's end-user tag for abuse monitoring: it changes no output, so it is accepted.
-COMMON_FIELDS = {"model", "stream", "stream_options", "user", "max_tokens", "logprobs", *SAMPLING_FIELDS}
+# A constraint on the output: OpenAI's `response_format`, or vLLM's extra field `structured_outputs`.
+COMMON_FIELDS = {"model", "stream", "stream_options", "user", "max_tokens", "logprobs", "response_format",
+                 "structured_outputs", *SAMPLING_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 STREAM_OPTIONS = {"include_usage"}
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}     # OpenAI's response_format.json_schema
+# vLLM's StructuredOutputsParams fields, as the extra field `structured_outputs` takes them
+STRUCTURED_OUTPUTS_FIELDS = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
+                             "disable_additional_properties", "whitespace_pattern", "structural_tag"}
 # OpenAI's defaults: a completion stops after 16 tokens; a chat answer may fill the context.
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": None}
 # OpenAI's deepest body (a chat message's content parts) nests 6 levels; a deeper one is an attack,
@@ -81,6 +88,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool              # stream_options.include_usage: a last chunk with the usage
     top_logprobs: int | None         # alternatives shown per token; None: no logprobs
+    constraint_field: str | None = None   # "response_format" or "structured_outputs": what a compile error names
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -138,21 +146,85 @@ def parse_request(body: dict, kind: str, served_model_name: str) -> ParsedReques
     max_tokens_given = max_tokens_field in fields
     max_tokens = fields.get(max_tokens_field, DEFAULT_MAX_TOKENS[kind])
     kwargs = {name: fields[field] for field, name in SAMPLING_FIELDS.items() if field in fields}
+    constraint_field, kwargs["structured_outputs"] = _constraint(fields)
     try:
         params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs)
     except ValueError as e:
-        raise OpenAIError(str(e), param=field_named(str(e), max_tokens_field)) from e
-    return ParsedRequest(kind, prompts, params, max_tokens_given, stream, include_usage, top_logprobs)
+        raise OpenAIError(str(e), param=field_named(str(e), max_tokens_field, constraint_field)) from e
+    return ParsedRequest(kind, prompts, params, max_tokens_given, stream, include_usage, top_logprobs,
+                         constraint_field)
 
 
-def field_named(message: str, max_tokens_field: str = "max_tokens") -> str | None:
+def field_named(message: str, max_tokens_field: str = "max_tokens",
+                constraint_field: str | None = "structured_outputs") -> str | None:
     """The request field an engine error is about (its messages start with the field's name)."""
     first = re.match(r"[a-z_]*", message).group()
     if first == "max_tokens":
         return max_tokens_field
     if first == "logprobs":
         return "logprobs"
+    if first == "structured_outputs":
+        return constraint_field
     return next((f for f, name in SAMPLING_FIELDS.items() if name == first), None)
+
+
+def in_request_terms(message: str, constraint_field: str | None) -> str:
+    """An engine error about the schema, in the words of the request that gave it through response_format."""
+    if constraint_field == "response_format":
+        return message.replace("structured_outputs.json ", "response_format.json_schema.schema ", 1)
+    return message
+
+
+def _constraint(fields: dict):
+    """(the field that gave it, StructuredOutputsParams) for `response_format` or `structured_outputs`,
+    or (None, None). Only the shape is checked here; whether it compiles, on the input threads."""
+    if "response_format" in fields and "structured_outputs" in fields:
+        raise OpenAIError("give response_format or structured_outputs, not both", param="structured_outputs")
+    if "response_format" in fields:
+        return "response_format", _response_format(fields["response_format"])
+    if "structured_outputs" not in fields:
+        return None, None
+    given = fields["structured_outputs"]
+    if not isinstance(given, dict):
+        raise OpenAIError(f"structured_outputs must be an object, got {shown(given)}", param="structured_outputs")
+    unknown = sorted(set(given) - STRUCTURED_OUTPUTS_FIELDS)
+    if unknown:
+        raise OpenAIError(f"unsupported field {shown('structured_outputs.' + unknown[0])}; supported: "
+                          f"{sorted(STRUCTURED_OUTPUTS_FIELDS)}", param="structured_outputs")
+    return "structured_outputs", _structured_outputs({k: v for k, v in given.items() if v is not None},
+                                                     "structured_outputs")
+
+
+def _response_format(value):
+    """OpenAI's response_format: {"type": "text"} (no constraint), {"type": "json_object"}, or
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}."""
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
+        raise OpenAIError(f"response_format must be an object whose type is one of {list(RESPONSE_FORMATS)}, "
+                          f"got {shown(value)}", param="response_format")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return _structured_outputs({"json_object": True}, "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise OpenAIError("response_format.json_schema must be an object with a 'schema' (a JSON schema object), "
+                          f"got {shown(spec)}", param="response_format")
+    unknown = sorted(set(spec) - JSON_SCHEMA_FIELDS)
+    if unknown:
+        raise OpenAIError(f"unsupported field {shown('response_format.json_schema.' + unknown[0])}; supported: "
+                          f"{sorted(JSON_SCHEMA_FIELDS)}", param="response_format")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise OpenAIError(f"response_format.json_schema.strict must be true or false, got {shown(spec['strict'])}",
+                          param="response_format")
+    return _structured_outputs({"json": spec["schema"]}, "response_format")   # strict or not: always followed
+
+
+def _structured_outputs(kwargs: dict, field: str):
+    from nanopaged.structured_output.params import StructuredOutputsParams   # read only when one is asked for
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=field) from None
 
 
 def _completion_prompts(prompt) -> list:

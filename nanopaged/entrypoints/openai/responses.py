@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from nanopaged.entrypoints.openai.protocol import ParsedRequest
 from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
 
+MIN_LOGPROB = -9999.0
+
 
 @dataclass
 class ChoiceState:
@@ -128,11 +130,16 @@ class ResponseBuilder:
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        return {"tokens": tokens, "token_logprobs": [entries[token].logprob for token, entries in steps],
+        return {"tokens": tokens, "token_logprobs": [finite(entries[token].logprob) for token, entries in steps],
                 # the chosen token and the k most likely (vLLM's completions: up to k + 1 entries)
-                "top_logprobs": [{(lp.decoded_token or ""): lp.logprob for lp in _by_rank(entries)}
+                "top_logprobs": [{(lp.decoded_token or ""): finite(lp.logprob) for lp in _by_rank(entries)}
                                  for _, entries in steps],
                 "text_offset": offsets}
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -Infinity: a token a grammar forbids (logprob -inf) is reported as -9999.0, as vLLM does."""
+    return max(logprob, MIN_LOGPROB)
 
 
 def _by_rank(entries: dict[int, Logprob]) -> list[Logprob]:
@@ -143,5 +150,5 @@ def _chat_entry(chosen: Logprob, entries: dict[int, Logprob], k: int) -> dict:
     """OpenAI's chat format: the token, its logprob and UTF-8 bytes, and exactly the top k."""
     def one(lp: Logprob) -> dict:
         text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8", "replace"))}
+        return {"token": text, "logprob": finite(lp.logprob), "bytes": list(text.encode("utf-8", "replace"))}
     return {**one(chosen), "top_logprobs": [one(lp) for lp in _by_rank(entries) if lp.rank <= k]}

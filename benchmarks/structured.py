@@ -1,0 +1,121 @@
+"""--workload structured: what a JSON schema costs per output token, and what compiling one costs.
+
+The same requests run with and without a JSON schema, in one process, alternating (unconstrained,
+constrained, twice; the faster of each pair counts, as the machine is shared). Both generate exactly
+their trace's output lengths: ignore_eos for the plain run, and a schema whose array needs more items
+(minItems) than any request has tokens for the constrained one, so the runs compare like for like.
+Reported: output tokens/s of each, the constrained run's extra cost per output token (target: at
+most 10% on CPU), the share of each constrained step spent filling and applying masks and advancing
+matchers, and the compile time of a few constraints, cold and cached. docs/10_structured_outputs.md.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from benchmarks.models import vocab_limit
+from benchmarks.trace import WARMUP_PROMPT, make_trace
+from nanopaged import LLM, SamplingParams, StructuredOutputsParams
+
+TARGET_OVERHEAD = 0.10      # the issue's target: <= 10% more per output token on CPU
+EXTENSION = "nanopaged.structured_output"
+# Records of a few fields, more items than any trace's output has tokens for: the grammar cannot end first.
+BENCH_SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                     "name": {"type": "string"},
+                                     "kind": {"type": "string", "enum": ["alpha", "beta", "gamma"]},
+                                     "score": {"type": "number"}, "ok": {"type": "boolean"}},
+    "required": ["id", "name", "kind", "score", "ok"]}}}, "required": ["records"]}
+# Constraints whose compile time is reported, cold (first request) and cached (every later one).
+COMPILED = {
+    "bench schema": {"json": BENCH_SCHEMA},
+    "flat object": {"json": {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+                             "required": ["a", "b"]}},
+    "json_object": {"json_object": True},
+    "regex": {"regex": r"[A-Z][a-z]{2,10} [0-9]{4}-[0-9]{2}-[0-9]{2}"},
+    "choice": {"choice": ["positive", "negative", "neutral"]},
+    "grammar": {"grammar": 'root ::= item ("," item)*\nitem ::= [a-z]+ "=" [0-9]+'},
+}
+
+
+def run_structured(args, model_dir: str, settings: dict) -> dict:
+    trace = make_trace(args.num_requests, args.input_len, args.output_len, args.seed, vocab_limit(model_dir))
+    prompts = [{"prompt_token_ids": p} for p in trace.prompts]
+    schema = StructuredOutputsParams(json=BENCH_SCHEMA, disable_any_whitespace=True)
+    plain = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in trace.output_lens]
+    constrained = [SamplingParams(temperature=0, max_tokens=n, structured_outputs=schema) for n in trace.output_lens]
+    llm = LLM(model_dir, **settings)
+    llm.generate(WARMUP_PROMPT, SamplingParams(max_tokens=4), use_tqdm=False)
+    result = {"settings": {"model": model_dir, "num_requests": args.num_requests, "input_len": list(args.input_len),
+                           "output_len": list(args.output_len), "seed": args.seed, **settings},
+              "compile": compile_times(llm)}            # the bench schema is compiled (cold) here, before any run
+    manager = llm.llm_engine.extension(EXTENSION)
+    runs = {"plain": [], "constrained": []}
+    for _ in range(2):
+        runs["plain"].append(timed(llm, prompts, plain, manager))
+        runs["constrained"].append(timed(llm, prompts, constrained, manager))
+    best = {name: min(rs, key=lambda r: r["wall_s"]) for name, rs in runs.items()}
+    assert best["plain"]["output_tokens"] == best["constrained"]["output_tokens"] == trace.num_output_tokens
+    per_token = {name: r["wall_s"] / r["output_tokens"] for name, r in best.items()}
+    overhead = per_token["constrained"] / per_token["plain"] - 1
+    result.update(plain=best["plain"], constrained=best["constrained"], runs=runs, overhead_per_token=overhead,
+                  target=TARGET_OVERHEAD, target_met=overhead <= TARGET_OVERHEAD)
+    return result
+
+
+def timed(llm: LLM, prompts: list, params: list, manager) -> dict:
+    """One timed generation: wall time, output tokens/s, and per step the share spent on masks and matchers."""
+    steps = []
+    seen = [manager.mask_seconds, manager.accept_seconds]
+
+    def observe(record) -> None:          # runs at the end of each step, after check_stop's matcher updates
+        now, (mask, accept) = time.perf_counter(), (manager.mask_seconds, manager.accept_seconds)
+        steps.append((now - record.times[0], mask - seen[0], accept - seen[1]))
+        seen[:] = [mask, accept]
+
+    llm.llm_engine.observers.append(observe)
+    try:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    finally:
+        llm.llm_engine.observers.remove(observe)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    step_s, mask_s, accept_s = (sum(s[i] for s in steps) for i in range(3))
+    return {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall, "steps": len(steps),
+            "step_s": step_s, "mask_s": mask_s, "matcher_s": accept_s,
+            "mask_and_matcher_share": (mask_s + accept_s) / step_s if step_s else 0.0,
+            "median_step_share": statistics.median((m + a) / s for s, m, a in steps) if steps else 0.0}
+
+
+def compile_times(llm: LLM) -> dict:
+    """Seconds to compile each constraint the first time, and to find it again in the cache."""
+    manager = llm.llm_engine.extension(EXTENSION)
+    times = {}
+    for name, constraint in COMPILED.items():
+        params = StructuredOutputsParams(**constraint, disable_any_whitespace=name == "bench schema")
+        start = time.perf_counter()
+        manager.grammar(params)
+        cold = time.perf_counter() - start
+        start = time.perf_counter()
+        manager.grammar(params)
+        times[name] = {"cold_s": cold, "cached_s": time.perf_counter() - start}
+    return times
+
+
+def print_structured(r: dict) -> None:
+    s = r["settings"]
+    print(f"\nstructured outputs: {s['num_requests']} requests, prompts {s['input_len'][0]}-{s['input_len'][1]} "
+          f"tokens, outputs {s['output_len'][0]}-{s['output_len'][1]} tokens, greedy; the same requests with "
+          "and without a JSON schema (the faster of two runs each)")
+    print(f"{'run':<13}{'wall s':>8}{'out tok/s':>11}{'steps':>7}{'mask s':>9}{'matcher s':>11}"
+          f"{'share':>8}{'median step':>13}")
+    for name in ("plain", "constrained"):
+        x = r[name]
+        print(f"{name:<13}{x['wall_s']:>8.2f}{x['output_tokens_per_s']:>11.1f}{x['steps']:>7}{x['mask_s']:>9.3f}"
+              f"{x['matcher_s']:>11.3f}{x['mask_and_matcher_share']:>8.1%}{x['median_step_share']:>13.1%}")
+    verdict = "met" if r["target_met"] else "missed"
+    print(f"the schema costs {r['overhead_per_token']:+.1%} per output token (target <= {r['target']:.0%}: {verdict})")
+    print(f"{'compile':<14}{'cold ms':>10}{'cached ms':>11}")
+    for name, t in r["compile"].items():
+        print(f"{name:<14}{t['cold_s'] * 1e3:>10.2f}{t['cached_s'] * 1e3:>11.4f}")

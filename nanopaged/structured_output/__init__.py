@@ -1,0 +1,32 @@
+"""Structured outputs: every token a request draws keeps its output inside a JSON schema, a regex,
+a list of choices or a grammar (docs/10_structured_outputs.md).
+
+    params.py            StructuredOutputsParams: the constraint, with vLLM's names (plain data)
+    backend_types.py     what a backend does: compile, match, fill a step's bitmask
+    backend_xgrammar.py  the xgrammar backend
+    bitmask.py           a packed bitmask applied to a step's logits in one operation
+    manager.py           the compiled grammars, a matcher per sequence, the engine's hooks
+
+Nothing here is imported until a request sets `SamplingParams.structured_outputs`; the engine then
+calls `install` once (engine/llm_engine.py: FIELD_EXTENSIONS). Needs the `structured` extra
+(`pip install -e '.[structured]'`: xgrammar).
+"""
+from __future__ import annotations
+
+INSTALL_HINT = "pip install -e '.[structured]'"
+
+
+def install(engine):
+    """Hook structured outputs into an engine: the manager becomes a logits processor of its sampler
+    and a stop rule of check_stop. A ValueError, naming the extra, if xgrammar is not installed."""
+    try:
+        from nanopaged.structured_output.backend_xgrammar import XgrammarBackend
+    except ImportError as e:
+        raise ValueError(f"structured_outputs needs xgrammar, which is not installed ({e}): "
+                         f"{INSTALL_HINT}") from None
+    from nanopaged.structured_output.manager import StructuredOutputManager
+    model = engine.config.model_config
+    manager = StructuredOutputManager(XgrammarBackend(engine.tokenizer, model.vocab_size, model.eos_token_ids))
+    engine.sampler.sampler.logits_processors.append(manager)
+    engine.output_processor.stop_rules.append(manager.ended)
+    return manager

@@ -1,0 +1,154 @@
+"""StructuredOutputManager: compiled grammars, one matcher per sequence, and the engine's two hooks.
+
+    prepare     when a request is processed (before it is queued; the server's input threads): compile
+                its constraint, once per text (a cache), or a ValueError that names what is wrong
+    __call__    a logits processor of the sampler: the bitmask of every constrained row of the step,
+                filled in one backend call and applied in one tensor operation (bitmask.py)
+    ended       a stop rule of check_stop: the sequence's matcher accepts the token it just got;
+                True once the grammar has reached its end (the request then stops: "stop")
+    forget      the sequence is finished: its matcher goes
+
+A matcher is made the first time its sequence samples, on the engine thread, from the compiled
+grammar, and follows the sequence's tokens: it has accepted exactly `output_token_ids`, which a
+preemption (recompute) does not change, so it is kept; each of n > 1 samples has its own.
+NOTE: nanopaged has no speculative decoding yet; with it, draft tokens must pass the matcher before
+they are accepted, and a rejected draft must roll the matcher back (xgrammar's `rollback`).
+vLLM: vllm/v1/structured_output/__init__.py (StructuredOutputManager). docs/10_structured_outputs.md.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+
+import torch
+
+from nanopaged.core.request import Request
+from nanopaged.structured_output.backend_types import GrammarMatcher, StructuredOutputBackend
+from nanopaged.structured_output.bitmask import apply_token_bitmask
+from nanopaged.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+# Compiled grammars kept, the least recently used dropped first (a server meets endless schemas;
+# one compiled JSON schema over a 49k vocabulary holds tens of kilobytes).
+MAX_CACHED_GRAMMARS = 256
+
+
+class SequenceMatcher:
+    """One sequence's place in its grammar: the backend's matcher and how many of its tokens it has seen."""
+
+    def __init__(self, matcher: GrammarMatcher) -> None:
+        self.matcher = matcher
+        self.num_accepted = 0
+        self.rejected: int | None = None    # a token the grammar refused (the mask makes that impossible)
+
+    def follow(self, request: Request) -> None:
+        """Accept the tokens the sequence got since the last call."""
+        while self.num_accepted < request.num_output_tokens and self.rejected is None:
+            token = request.output_token_ids[self.num_accepted]
+            if not self.matcher.accept_token(token):
+                self.rejected = token
+                logger.warning("request %r: the grammar refuses token %d after %d tokens; the request stops",
+                               request.request_id, token, self.num_accepted)
+            self.num_accepted += 1
+
+    @property
+    def ended(self) -> bool:
+        return self.rejected is not None or self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    def __init__(self, backend: StructuredOutputBackend) -> None:
+        self.backend = backend
+        self.grammars: OrderedDict[tuple, Future] = OrderedDict()   # (kind, text, any_whitespace) -> compiled
+        self.lock = threading.Lock()
+        self.matchers: dict[Request, SequenceMatcher] = {}
+        # what it cost, for bench.py: seconds spent masking and accepting, and every compile
+        self.mask_seconds = self.accept_seconds = 0.0
+        self.compiles: list[tuple[str, float]] = []         # (kind, seconds), one per compiled text
+
+    # ---- requests in (any thread) -----------------------------------------------------------
+    def prepare(self, samples: list[Request]) -> None:
+        """Compile the request's constraint now, so no step waits for it; a ValueError if it cannot be."""
+        self.grammar(samples[0].sampling_params.structured_outputs)
+
+    def grammar(self, params: StructuredOutputsParams):
+        """The compiled grammar of a constraint, compiled once per text. Threads asking for one that is
+        being compiled wait for it rather than compiling it again."""
+        kind, text = params.constraint()
+        key = (kind, text, not params.disable_any_whitespace)
+        with self.lock:
+            future = self.grammars.get(key)
+            mine = future is None
+            if mine:
+                future = self.grammars[key] = Future()
+            self.grammars.move_to_end(key)
+            while len(self.grammars) > MAX_CACHED_GRAMMARS:
+                self.grammars.popitem(last=False)
+        if mine:
+            self._compile(key, params, future)
+        return future.result()
+
+    def _compile(self, key: tuple, params: StructuredOutputsParams, future: Future) -> None:
+        kind, text, any_whitespace = key
+        start = time.perf_counter()
+        try:
+            compiled = self.backend.compile_grammar(kind, text, any_whitespace)
+        except BaseException as e:            # whatever it is, the threads waiting on it must hear of it
+            error = e
+            if isinstance(e, ValueError):     # the user's mistake: say which constraint it is
+                error = ValueError(f"{_named(params, kind, text)} cannot be followed: {e}")
+            with self.lock:                   # a bad constraint is not cached: the next one says so again
+                if self.grammars.get(key) is future:
+                    del self.grammars[key]
+            future.set_exception(error)
+            return
+        self.compiles.append((kind, time.perf_counter() - start))
+        future.set_result(compiled)
+
+    # ---- the step's hooks (the engine thread) ---------------------------------------------------
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The sampler's logits processor: the step's logits with every constrained row masked."""
+        start = time.perf_counter()
+        states = {i: self._matcher(r) for i, r in enumerate(requests)
+                  if r.sampling_params.structured_outputs is not None}
+        rows = [i for i, state in states.items() if not state.ended]   # an ended one is stopping: nothing to mask
+        if not rows:
+            return logits
+        matchers = [states[i].matcher for i in rows]
+        bitmask = torch.empty(len(rows), (self.backend.vocab_size + 31) // 32, dtype=torch.int32)
+        self.backend.fill_bitmask(matchers, bitmask)          # (constrained rows, vocab / 32)
+        logits = apply_token_bitmask(logits, bitmask, rows)
+        self.mask_seconds += time.perf_counter() - start
+        return logits
+
+    def ended(self, request: Request) -> bool:
+        """check_stop's rule: accept the sequence's new token; has its grammar reached its end?"""
+        if request.sampling_params.structured_outputs is None:
+            return False
+        start = time.perf_counter()
+        ended = self._matcher(request).ended
+        self.accept_seconds += time.perf_counter() - start
+        return ended
+
+    def forget(self, request: Request) -> None:
+        self.matchers.pop(request, None)
+
+    def _matcher(self, request: Request) -> SequenceMatcher:
+        """The sequence's matcher (made on first use), caught up with its tokens."""
+        state = self.matchers.get(request)
+        if state is None:
+            compiled = self.grammar(request.sampling_params.structured_outputs)   # cached since prepare
+            state = self.matchers[request] = SequenceMatcher(self.backend.matcher(compiled))
+        state.follow(request)
+        return state
+
+
+def _named(params: StructuredOutputsParams, kind: str, text: str) -> str:
+    """How an error names the constraint: the field, and the value when it is short enough to read."""
+    name = params.describe()
+    if name in ("structured_outputs.regex", "structured_outputs.grammar") and len(text) <= 200:
+        return f"{name}={text!r}"
+    return name
