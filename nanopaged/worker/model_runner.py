@@ -66,6 +66,7 @@ class ModelRunner:
         self.device = device or torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.backend = load_attention_backend(config.attention_backend)
+        self.quantized: dict | None = None       # what quantize_linears did, with quantization=
         self.model = self.load_model()
         self.num_kv_blocks = self.determine_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
@@ -80,6 +81,10 @@ class ModelRunner:
     def load_model(self) -> nn.Module:
         model = self.build_model().to(self.dtype)
         load_weights(model, self.config.model)
+        if self.config.quantization:              # 4- or 8-bit weights beside the dense ones (quant_linear.py)
+            from nanopaged.worker.quant_linear import quantize_linears
+            self.quantized = quantize_linears(model, self.config.quantization, self.config.quantization_group_size,
+                                              self.config.gguf_file)
         if self.config.cpu_linear == "packed":    # bfloat16 on the CPU's matrix units (cpu_linear.py)
             pack_linears(model)
         return model.eval()

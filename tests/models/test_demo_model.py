@@ -175,3 +175,26 @@ def test_the_conversion_checks_the_folder_it_writes(tiny_model_dirs, tmp_path):
     save_file(weights, out / "model.safetensors")
     with pytest.raises(ValueError, match="does not answer as the GGUF model does"):
         demo_model.check_folder(model, tokenizer, out)
+
+
+# ---------------------------------------------------------------- any GGUF file
+
+
+def test_any_gguf_file_converts_once_and_keeps_a_link_to_its_source(monkeypatch, tmp_path):
+    """`LLM("model.gguf")`: the folder is converted once, under the file's name, and remembers its
+    file, where quantization="gguf" finds the 4-bit blocks (models/gguf.py: find_gguf)."""
+    from nanopaged.models.gguf import find_gguf
+    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr(demo_model, "_convert", fake_convert(calls))
+    source = tmp_path / "tiny-model.Q4_0.gguf"
+    source.write_bytes(b"GGUF")
+    folder = demo_model.gguf_folder(source)
+    assert folder == tmp_path / "cache" / "tiny-model.Q4_0" and len(calls) == 1
+    assert demo_model.source_gguf(folder).resolve() == source.resolve()
+    assert find_gguf(str(folder)) == str(folder / demo_model.SOURCE_LINK)
+    assert demo_model.gguf_folder(source) == folder and len(calls) == 1       # not converted again
+    other = tmp_path / "plain"
+    other.mkdir()
+    with pytest.raises(ValueError, match=r"quantization='gguf' needs the model's GGUF file"):
+        find_gguf(str(other))

@@ -1,0 +1,42 @@
+"""What quantized weights cost in quality: perplexity on a fixed English text (benchmarks/data/english.txt,
+written for the bench: about 1,400 tokens in the demo model's tokenizer).
+
+Perplexity = exp(mean negative logprob of each token given those before it), from the logits of the
+prompt (prompt_logprobs). With `quantization`, a step of more than ROWS_FOR_QUANTIZED rows runs the
+dense weights, so the text is fed ROWS_FOR_QUANTIZED tokens a step (max_num_batched_tokens): every
+logit then comes from the quantized kernel, as it would one request at a time. The same weights
+dequantized to float32 (the model folder as converted) are the reference; llama.cpp on the same file
+is the other (its figure comes with its peer row).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.worker.quant_linear import ROWS_FOR_QUANTIZED
+
+TEXT = Path(__file__).resolve().parent / "data" / "english.txt"
+
+
+def text_ids(tokenizer) -> list[int]:
+    return tokenizer.encode(TEXT.read_text())
+
+
+def perplexity(llm: LLM, ids: list[int]) -> float:
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    logprobs = [entry[token].logprob for token, entry in zip(ids[1:], out.prompt_logprobs[1:])]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def quality_figures(model_dir: str, settings: dict, ids: list[int], llamacpp: dict | None = None) -> dict:
+    one_at_a_time = {**settings, "max_num_batched_tokens": ROWS_FOR_QUANTIZED, "enable_prefix_caching": False}
+    ours = perplexity(LLM(model_dir, **one_at_a_time), ids)
+    reference = perplexity(LLM(model_dir, **{**settings, "dtype": "float32", "quantization": None}), ids)
+    out = {"text_tokens": len(ids), "rows_per_step": ROWS_FOR_QUANTIZED,
+           "perplexity": {"nanopaged": ours, "dequantized_float32": reference},
+           "vs_float32": abs(ours / reference - 1)}
+    if llamacpp and "perplexity" in llamacpp:
+        out["perplexity"]["llama.cpp"] = llamacpp["perplexity"]
+        out["vs_llamacpp"] = abs(ours / llamacpp["perplexity"] - 1)
+    return out

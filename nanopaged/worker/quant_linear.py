@@ -1,0 +1,145 @@
+"""Weight-only quantized linear layers on CPU: 4-bit and 8-bit weights (`quantization=`).
+
+A decode step streams every weight once, so on a CPU its matmuls cost what their bytes cost:
+4-bit weights are a quarter of bfloat16's. torch has CPU kernels that unpack such weights
+inside the multiply: `aten::_weight_int4pack_mm_for_cpu` (groups of `group_size` input
+features, w = (q - 8) * scale + zero, q in 0..15) and `aten::_weight_int8pack_mm` (one scale
+per output feature, w = q * scale, q in -128..127), for activations in the model's dtype.
+They win for a few rows; from a few rows up the packed bfloat16 kernel (cpu_linear.py) runs
+near the matmul peak instead, and the 4-bit one does not. So a layer keeps both and picks by
+the step's row count: the quantized weight for at most ROWS_FOR_QUANTIZED rows (one request
+at a time, a few streams), the dense weight for more (docs/01_kv_cache_arithmetic.md, "What a
+weight costs", has the figures and the memory each choice holds).
+
+    gguf   the GGUF file's own 4-bit blocks (Q4_0, Q4_1), as they ship (models/gguf.py)
+    int4   the checkpoint quantized at load: min/max per group of `quantization_group_size`
+    int8   the checkpoint quantized at load: absmax per output feature
+
+Only the decoder layers' linears are quantized; the embeddings, the lm_head, the norms and the
+sampler keep the model's dtype, and so does the KV cache.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+ROWS_FOR_QUANTIZED = 6     # at most this many rows: the quantized kernel; more: the dense one (measured: docs/01)
+LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def quantized_ops_available() -> bool:
+    aten = torch.ops.aten
+    return all(hasattr(aten, op) for op in ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu",
+                                            "_weight_int8pack_mm"))
+
+
+# ---- the layers ------------------------------------------------------------------------
+class QuantizedLinear(nn.Module):
+    """A quantized weight, and the layer it replaced (`dense`) for steps of many rows."""
+
+    def __init__(self, dense: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = dense.in_features, dense.out_features
+        self.shard_sizes = getattr(dense, "shard_sizes", None)
+        self.bias = None if dense.bias is None else dense.bias.detach()
+        self.dense = dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: (tokens, in_features)
+        if x.shape[0] > ROWS_FOR_QUANTIZED:
+            return self.dense(x)
+        y = self.quantized_matmul(x)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(QuantizedLinear):
+    def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 group_size: int) -> None:
+        """codes (out, in) in 0..15; scale and zero (out, in / group_size): w = (q - 8) scale + zero."""
+        super().__init__(dense)
+        self.group_size = group_size
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        dtype = dense.weight.dtype
+        self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()   # (groups, out, 2)
+
+    def quantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zero)
+
+    @property
+    def quantized_bytes(self) -> int:
+        return self.packed.nbytes + self.scale_zero.nbytes
+
+
+class Int8Linear(QuantizedLinear):
+    def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        """codes (out, in) in -128..127; scale (out,): w = q scale."""
+        super().__init__(dense)
+        self.codes = codes.to(torch.int8).contiguous()
+        self.scale = scale.to(dense.weight.dtype)
+
+    def quantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+
+    @property
+    def quantized_bytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes
+
+
+# ---- quantizing a float weight ----------------------------------------------------------
+def int4_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes per group of `group_size` inputs: (codes, scale, zero), with the
+    group's minimum at q = 0 and its maximum at q = 15 (the round-to-nearest min/max method)."""
+    out_f, in_f = weight.shape
+    w = weight.float().reshape(out_f, in_f // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-10)
+    codes = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15)
+    return codes.reshape(out_f, in_f), scale, lo + 8 * scale
+
+
+def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric 8-bit codes per output feature: (codes, scale), the absmax mapped to 127."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
+    return (w / scale[:, None]).round().clamp(-128, 127), scale
+
+
+# ---- the model --------------------------------------------------------------------------
+def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: str | None) -> dict:
+    """Swap the decoder layers' linears for quantized ones, in place (before the dense weights are
+    packed: the packing then reaches the `dense` inside each). Returns what the load log and
+    get_stats report: the method, how many layers, their bytes, the linears left dense, and the
+    most rows a step may have to run the quantized kernel."""
+    if not quantized_ops_available():
+        logger.warning("quantization=%r: this torch has no weight-only int4/int8 CPU kernels; "
+                       "running the dense weights", method)
+        return {"quantization": None, "quantized_linears": 0, "quantized_bytes": 0, "left_dense": [],
+                "rows_for_quantized": 0}
+    found, left_dense = {}, []
+    if method == "gguf":
+        from nanopaged.models.gguf import BLOCK, load_gguf_linears
+        cfg = model.config
+        found, left_dense = load_gguf_linears(gguf_path, cfg)
+        group_size = BLOCK
+    swapped = []
+    for i, layer in enumerate(model.model.layers):
+        for name in LAYER_LINEARS:
+            full = f"model.layers.{i}.{name}"
+            dense = layer.get_submodule(name)
+            if method == "gguf":
+                if full not in found:
+                    continue
+                new = Int4Linear(dense, *found[full], group_size)
+            elif method == "int4":
+                new = Int4Linear(dense, *int4_codes(dense.weight.detach(), group_size), group_size)
+            else:
+                new = Int8Linear(dense, *int8_codes(dense.weight.detach()))
+            owner, _, attr = name.rpartition(".")
+            setattr(layer.get_submodule(owner), attr, new)
+            swapped.append(new)
+    return {"quantization": method, "quantized_linears": len(swapped),
+            "quantized_bytes": sum(m.quantized_bytes for m in swapped), "left_dense": left_dense,
+            "rows_for_quantized": ROWS_FOR_QUANTIZED}

@@ -1,0 +1,144 @@
+"""Weight-only quantization: the 4-bit and 8-bit kernels compute what their codes stand for, the
+GGUF file's own blocks are the weights the converter wrote, a step picks its kernel by its rows,
+and every bad setting is refused before any weight loads."""
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import nanopaged.worker.quant_linear as ql
+from conftest import check_logprobs_close, make_prompts, nanopaged_greedy
+from nanopaged import LLM, EngineConfig, SamplingParams
+
+
+def dequantize_int4(codes, scale, zero, group):
+    out_f, in_f = codes.shape
+    return ((codes.float() - 8).reshape(out_f, in_f // group, group) * scale[..., None]
+            + zero[..., None]).reshape(out_f, in_f)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int4_kernel_multiplies_by_what_its_codes_stand_for(group, dtype):
+    torch.manual_seed(group)
+    out_f, in_f = 96, 256
+    dense = nn.Linear(in_f, out_f, bias=False, dtype=dtype)
+    codes = torch.randint(0, 16, (out_f, in_f))
+    scale, zero = torch.rand(out_f, in_f // group) / 10, torch.randn(out_f, in_f // group) / 10
+    layer = ql.Int4Linear(dense, codes, scale, zero, group)
+    # the kernel's scales are in the activations' dtype: compare with the weight it can hold
+    s, z = scale.to(dtype).float(), zero.to(dtype).float()
+    x = torch.randn(3, in_f, dtype=dtype)
+    want = x.float() @ dequantize_int4(codes, s, z, group).t()
+    got = layer(x).float()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got, want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+def test_the_int8_kernel_multiplies_by_what_its_codes_stand_for():
+    torch.manual_seed(1)
+    dense = nn.Linear(128, 64, bias=True)
+    codes, scale = ql.int8_codes(dense.weight.detach())
+    layer = ql.Int8Linear(dense, codes, scale)
+    x = torch.randn(2, 128)
+    want = x @ (codes * scale[:, None]).t() + dense.bias
+    assert torch.allclose(layer(x), want, atol=1e-4)
+
+
+def test_quantizing_at_load_rounds_each_weight_to_its_nearest_code():
+    torch.manual_seed(2)
+    w = torch.randn(16, 64)
+    codes, scale, zero = ql.int4_codes(w, 32)
+    err = (dequantize_int4(codes, scale, zero, 32) - w).abs().reshape(16, 2, 32)
+    assert (err <= scale[..., None] / 2 + 1e-6).all() and 0 <= codes.min() and codes.max() <= 15
+    codes, scale = ql.int8_codes(w)
+    assert ((codes * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+def test_a_step_of_many_rows_runs_on_the_dense_weight():
+    calls = []
+
+    class Dense(nn.Linear):
+        def forward(self, x):
+            calls.append(x.shape[0])
+            return super().forward(x)
+
+    dense = Dense(64, 32, bias=False)
+    layer = ql.Int8Linear(dense, *ql.int8_codes(dense.weight.detach()))
+    few, many = torch.randn(ql.ROWS_FOR_QUANTIZED, 64), torch.randn(ql.ROWS_FOR_QUANTIZED + 1, 64)
+    assert torch.allclose(layer(few), layer.quantized_matmul(few))
+    assert torch.equal(layer(many), dense(many))
+    assert calls == [ql.ROWS_FOR_QUANTIZED + 1] * 2
+
+
+def test_the_gguf_blocks_as_shipped_are_the_weights_the_converter_wrote(demo_model_dir):
+    """The demo model's Q4_1 tensors, read as 4-bit codes and unpermuted, dequantize exactly to the
+    float32 folder transformers wrote from the same file."""
+    from safetensors import safe_open
+    from nanopaged.models.config import ModelConfig
+    from nanopaged.models.gguf import find_gguf, load_gguf_linears
+    found, dense = load_gguf_linears(find_gguf(demo_model_dir), ModelConfig.from_folder(demo_model_dir))
+    assert len(found) == 30 * 4 and dense == []
+    with safe_open(f"{demo_model_dir}/model.safetensors", "pt") as f:
+        for module, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("self_attn.o_proj", ("o_proj",)),
+                              ("mlp.gate_up_proj", ("gate_proj", "up_proj")), ("mlp.down_proj", ("down_proj",))):
+            for layer in (0, 17, 29):
+                codes, scale, zero = found[f"model.layers.{layer}.{module}"]
+                owner = module.split(".")[0]
+                written = torch.cat([f.get_tensor(f"model.layers.{layer}.{owner}.{p}.weight") for p in parts])
+                assert torch.equal(dequantize_int4(codes, scale, zero, 32), written), (layer, module)
+
+
+def test_the_demo_model_as_shipped_answers_as_its_dequantized_weights_do(demo_model_dir):
+    """One request at a time every step runs the 4-bit kernel; its greedy tokens are close to the
+    dequantized model's under vLLM's rule, in the same dtype."""
+    prompts = make_prompts(2000, n=3, seed=7, min_len=8, max_len=30)
+    shipped = LLM(demo_model_dir, dtype="bfloat16", quantization="gguf", max_num_seqs=1)
+    stats = shipped.get_stats()["quantization"]
+    assert stats["quantization"] == "gguf" and stats["quantized_linears"] == 120
+    assert 60e6 < stats["quantized_bytes"] < 90e6                 # 4.5 bits a weight, scales included
+    dense = LLM(demo_model_dir, dtype="bfloat16", max_num_seqs=1)
+    check_logprobs_close(nanopaged_greedy(shipped, prompts, 16), nanopaged_greedy(dense, prompts, 16))
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_quantizing_at_load_keeps_the_answers_close(tiny_model_dirs, method):
+    prompts = make_prompts(512, n=4, seed=9, min_len=4, max_len=20)
+    quantized = LLM(tiny_model_dirs["qwen2"], dtype="float32", quantization=method, max_num_seqs=1)
+    assert quantized.get_stats()["quantization"]["quantized_linears"] == 2 * 4
+    out = quantized.generate([{"prompt_token_ids": p} for p in prompts],
+                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"quantization": "awq"}, r"quantization must be one of \[None, 'gguf', 'int4', 'int8'\], got 'awq'"),
+    ({"quantization": "int4", "quantization_group_size": 48}, r"quantization_group_size must be one of \[32, 64"),
+    ({"quantization": "int4", "quantization_group_size": 256}, r"quantization_group_size=256 must divide the "
+                                                               r"model's hidden_size=64"),
+    ({"quantization": "int4", "tensor_parallel_size": 2}, r"runs on CPU in one process"),
+    ({"quantization": "gguf"}, r"quantization='gguf' needs the model's GGUF file: pass the .gguf file itself"),
+])
+def test_a_bad_quantization_is_refused_before_loading(tiny_model_dirs, kwargs, match):
+    with pytest.raises(ValueError, match=match):        # the settings alone: no weight is read
+        EngineConfig.from_kwargs(tiny_model_dirs["llama"], **kwargs)
+
+
+def test_without_the_kernels_the_model_runs_dense(tiny_model_dirs, monkeypatch, caplog):
+    """An AVX2-only host or another torch may lack the ops: a warning, and the dense weights."""
+    monkeypatch.setattr(ql, "quantized_ops_available", lambda: False)
+    logging.getLogger("nanopaged").addHandler(caplog.handler)      # nanopaged's log does not propagate
+    try:
+        llm = LLM(tiny_model_dirs["llama"], dtype="float32", quantization="int4")
+    finally:
+        logging.getLogger("nanopaged").removeHandler(caplog.handler)
+    assert llm.get_stats()["quantization"]["quantized_linears"] == 0
+    assert "no weight-only int4/int8 CPU kernels" in caplog.text
+    reference = LLM(tiny_model_dirs["llama"], dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    assert (llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+            == reference.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
+    assert math.isfinite(llm.get_stats()["kv_cache_usage"])
