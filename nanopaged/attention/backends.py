@@ -18,6 +18,7 @@ ATTENTION_BACKENDS = {
     "torch": "nanopaged.attention.torch_backend:TorchAttentionBackend",
     "triton": "nanopaged.attention.triton_backend:TritonAttentionBackend",
     "flash": "nanopaged.attention.flash_backend:FlashAttentionBackend",
+    "cpu": "nanopaged.attention.cpu_backend:CpuAttentionBackend",
 }
 
 
@@ -40,6 +41,12 @@ def resolve_attention_backend(name: str, device: str, dtype: str) -> str:
         if not (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
             raise ValueError(f"attention_backend='triton' needs CUDA (device is {device!r}) "
                              "or TRITON_INTERPRET=1 set before triton is imported (CPU, tests only)")
+    if name == "cpu":
+        if device != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on CPU (device is {device!r})")
+        if not _compiler():
+            raise ValueError("attention_backend='cpu' compiles its kernel on first use and needs a C++ compiler "
+                             "(c++ or g++ on the PATH)")
     if name == "flash":
         if not cuda:
             raise ValueError(f"attention_backend='flash' needs CUDA (device is {device!r}); "
@@ -60,3 +67,9 @@ def load_attention_backend(name: str):
 def _installed(package: str) -> bool:
     """Whether `package` can be imported, without importing it (find_spec only looks)."""
     return importlib.util.find_spec(package) is not None
+
+
+def _compiler() -> bool:
+    """Whether a C++ compiler is on the PATH (the `cpu` backend builds its kernel with it)."""
+    import shutil
+    return any(shutil.which(c) for c in ("c++", "g++"))
