@@ -31,11 +31,14 @@ from benchmarks.nanopaged_run import resolved_settings, run_nanopaged
 from benchmarks.noise import noise_figures
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
 from benchmarks.report import plot, print_shared_prefix, print_sharing, print_table
+from benchmarks.quality import quality_figures, text_ids
 from benchmarks.roofline import measure_matmul_flops, roofline_figures
 from benchmarks.single_stream import single_stream_figures, single_stream_length
+from benchmarks.structured import print_structured, run_structured
 from benchmarks.trace import make_trace
 from benchmarks.workloads import run_shared_prefix, run_sharing
 from nanopaged import EngineConfig
+from nanopaged.engine.input_processor import load_tokenizer
 
 # ==== settings ===========================================================================
 
@@ -44,12 +47,13 @@ from nanopaged import EngineConfig
 DEFAULTS = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))
 # nano-vllm's bench.py: 256 requests, lengths uniform in 100..1024 (a GPU-sized run).
 PRESETS = {"nano-vllm": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))}
-WORKLOADS = ("throughput", "shared-prefix", "sharing", "serve")   # serve: benchmarks/serve.py, its own flags
+WORKLOADS = ("throughput", "shared-prefix", "sharing", "structured", "serve")   # serve: benchmarks/serve.py, its own flags
 # shared-prefix: each request = one system prompt (--prefix-len) + its own question.
 SHARED_PREFIX_DEFAULTS = dict(num_requests=64, input_len=(16, 48), output_len=(8, 16))
 # The other workloads: how each runs and how it prints.
 OTHER_WORKLOADS = {"shared-prefix": (run_shared_prefix, print_shared_prefix),
-                   "sharing": (run_sharing, print_sharing)}
+                   "sharing": (run_sharing, print_sharing),
+                   "structured": (run_structured, print_structured)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-linear", choices=["auto", "packed", "reference"],
                    help="nanopaged's CPU linear kernel: packed (oneDNN bfloat16 on packed weights), reference "
                         "(F.linear); auto (the engine's default): packed where the CPU's matrix units run it")
+    p.add_argument("--quantization", choices=["gguf", "int4", "int8"],
+                   help="nanopaged's weight-only quantization of the decoder layers (default: none); gguf runs "
+                        "the GGUF file's own 4-bit blocks (the demo model's Q4_1)")
+    p.add_argument("--llamacpp-python", metavar="PATH",
+                   help="the python of llama.cpp's side environment (default: $NANOPAGED_LLAMACPP_PYTHON, else "
+                        "the one scripts/setup_llamacpp_peer.sh builds)")
     p.add_argument("--vllm-python", metavar="PATH",
                    help="the python of vLLM's side environment (default: $NANOPAGED_VLLM_PYTHON, else the one "
                         "scripts/setup_vllm_peer.sh builds)")
@@ -131,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def engine_settings(args) -> dict:
     """The engine settings given on the command line (the rest keep nanopaged's defaults)."""
     names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
-             "max_model_len", "dtype", "device", "cpu_threads", "cpu_linear", "tensor_parallel_size")
+             "max_model_len", "dtype", "device", "cpu_threads", "cpu_linear", "tensor_parallel_size", "quantization")
     settings = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if settings.get("cpu_threads") == "none":
         settings["cpu_threads"] = None
@@ -150,7 +160,8 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
     peak_after_engine = measure_matmul_flops(device, dtype)   # the roofline's ceiling, timed twice
     resolved = resolved_settings(config, stats)
     one = {"prompt": trace.prompts[0], "output_tokens": single_stream_length(trace)}
-    peers = {name: run_peer(name, model_dir, trace, args, settings, config, resolved, one)
+    quality_ids = text_ids(load_tokenizer(config.tokenizer)) if config.quantization or "llama.cpp" in args.peers else None
+    peers = {name: run_peer(name, model_dir, trace, args, settings, config, resolved, one, quality_ids)
              for name in args.peers}
     if "token_ids" in peers.get("vllm", {}):      # do the engines agree? (greedy: they should, mostly)
         theirs = peers["vllm"].pop("token_ids")
@@ -165,7 +176,7 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
         "overhead": overhead_figures(stats, run),
         "roofline": roofline_figures(config.model_config, trace, run, device, dtype, (peak_after_engine,),
                                      packed=config.cpu_linear == "packed"),
-        "single_stream": single_stream_figures(model_dir, trace, settings, config, peers.get("vllm")),
+        "single_stream": single_stream_figures(model_dir, trace, settings, config, peers),
         "machine": machine_info(device),
         "versions": versions(),
         "settings": {"model": model_dir, "num_requests": args.num_requests,
@@ -176,6 +187,8 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
                      "random_weights": args.random_weights, "dtype": config.dtype,
                      "sampling": "greedy, ignore_eos", **resolved},
     }
+    if quality_ids:
+        result["quality"] = quality_figures(model_dir, settings, quality_ids, peers.get("llama.cpp"))
     if args.noise:
         result["noise"] = noise_figures(model_dir, trace, settings, config, engine, peers.get("hf"))
     result["kv_utilization"], result["memory"] = memory_figures(

@@ -12,30 +12,36 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import vllm_peer
+from benchmarks import llamacpp_peer, vllm_peer
 from benchmarks.memory import hf_static_kv_utilization
 from benchmarks.trace import WARMUP_PROMPT, Run, Trace
 from nanopaged import EngineConfig
 
-PEERS = ("hf", "hf-paged", "vllm")
+PEERS = ("hf", "hf-paged", "vllm", "llama.cpp")
 VLLM_TIMEOUT_S = 1800     # vLLM compiles for about two minutes before its first step
 
 
 def run_peer(name: str, model_dir: str, trace: Trace, args, settings: dict, config: EngineConfig,
-             resolved: dict, single_stream: dict | None = None) -> dict:
+             resolved: dict, single_stream: dict | None = None, perplexity_ids: list[int] | None = None) -> dict:
     """One peer's figures, or why it did not run (the table says so instead of a number).
 
     `settings` are the engine settings given on the command line, `config` and `resolved` what
     nanopaged made of them: every peer follows those (dtype, block size, KV budget, batch limits).
-    `single_stream` ({"prompt", "output_tokens"}): vLLM also times one request at a time.
+    `single_stream` ({"prompt", "output_tokens"}): vLLM and llama.cpp also time one request at a time;
+    `perplexity_ids`: llama.cpp also scores this text (benchmarks/quality.py).
     """
     if name == "vllm" and vllm_python(args) is None:
         return {"skipped": "no vLLM environment: run `bash scripts/setup_vllm_peer.sh` (or give --vllm-python)"}
+    if name == "llama.cpp" and side_python(args, "llamacpp") is None:
+        return {"skipped": "no llama.cpp environment: run `bash scripts/setup_llamacpp_peer.sh` (or give "
+                           "--llamacpp-python)"}
     try:
         if name == "hf":
             return run_hf_sweep(model_dir, trace, config, args.hf_batch_sizes)
         if name == "hf-paged":
             return run_hf_paged(model_dir, trace, config, resolved).figures()
+        if name == "llama.cpp":
+            return run_llamacpp(model_dir, trace, config, side_python(args, "llamacpp"), single_stream, perplexity_ids)
         return run_vllm(model_dir, trace, config, resolved, vllm_python(args), single_stream)
     except Exception as e:                   # a peer failing is a result to report, not a crash
         return {"skipped": f"{type(e).__name__}: {e}"}
@@ -146,14 +152,32 @@ def cb_generate(manager, prompts, output_lens) -> list:
 
 # ---- vLLM ---------------------------------------------------------------------------------
 
-def vllm_python(args) -> Path | None:
-    """The side environment's python (scripts/setup_vllm_peer.sh): --vllm-python, else
-    $NANOPAGED_VLLM_PYTHON, else the script's default folder."""
-    for candidate in (getattr(args, "vllm_python", None), os.environ.get("NANOPAGED_VLLM_PYTHON"),
-                      Path.home() / ".cache" / "nanopaged" / "vllm-peer" / "bin" / "python"):
+def side_python(args, peer: str) -> Path | None:
+    """A side environment's python (scripts/setup_{peer}_peer.sh): --{peer}-python, else
+    $NANOPAGED_{PEER}_PYTHON, else the script's default folder."""
+    for candidate in (getattr(args, f"{peer}_python", None), os.environ.get(f"NANOPAGED_{peer.upper()}_PYTHON"),
+                      Path.home() / ".cache" / "nanopaged" / f"{peer}-peer" / "bin" / "python"):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
     return None
+
+
+def vllm_python(args) -> Path | None:
+    return side_python(args, "vllm")
+
+
+def run_side(python: Path, script, job: dict) -> dict:
+    """Run a peer's script (benchmarks/*_peer.py) in its own environment on `job`; its result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path_in, path_out = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        path_in.write_text(json.dumps(job))
+        env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+        done = subprocess.run([str(python), script.__file__, str(path_in), str(path_out)], env=env,
+                              capture_output=True, text=True, timeout=VLLM_TIMEOUT_S)
+        if done.returncode != 0 or not path_out.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"exited with {done.returncode}: {' | '.join(tail)}")
+        return json.loads(path_out.read_text())
 
 
 def run_vllm(model_dir: str, trace: Trace, config: EngineConfig, resolved: dict, python: Path,
@@ -164,21 +188,38 @@ def run_vllm(model_dir: str, trace: Trace, config: EngineConfig, resolved: dict,
     m = config.model_config
     kv_bytes = resolved["num_kv_blocks"] * resolved["block_size"] * m.kv_bytes_per_token(
         getattr(torch, config.dtype).itemsize)
+    # vLLM refuses a max_model_len whose one request would not fit its KV cache (nanopaged checks each
+    # request instead): cap it at what the same bytes hold, in whole 128-token blocks, with 5% to spare.
+    max_model_len = min(resolved["max_model_len"],
+                        int(resolved["num_kv_blocks"] * resolved["block_size"] * 0.95) // 128 * 128)
     job = {"model": model_dir, "prompts": trace.prompts, "output_lens": trace.output_lens,
            "dtype": config.dtype, "kv_cache_bytes": kv_bytes, "single_stream": single_stream,
-           **{k: resolved[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")}}
-    with tempfile.TemporaryDirectory() as tmp:
-        path_in, path_out = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        path_in.write_text(json.dumps(job))
-        env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-        done = subprocess.run([str(python), vllm_peer.__file__, str(path_in), str(path_out)], env=env,
-                              capture_output=True, text=True, timeout=VLLM_TIMEOUT_S)
-        if done.returncode != 0 or not path_out.exists():
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(f"vLLM exited with {done.returncode}: {' | '.join(tail)}")
-        out = json.loads(path_out.read_text())
+           "max_model_len": max_model_len,
+           **{k: resolved[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")}}
+    out = run_side(python, vllm_peer, job)
     run = Run("vllm", out["wall_s"], out["output_tokens"], trace.num_prompt_tokens, len(trace.prompts),
               {"version": out["vllm"], "load_s": out["load_s"], "kv_cache_bytes": kv_bytes,
-               "block_size": out["block_size"]})
+               "block_size": out["block_size"], "max_model_len": max_model_len})
     return {**run.figures(), "token_ids": out["token_ids"],
             **({"decode_tokens_per_s": out["decode_tokens_per_s"]} if "decode_tokens_per_s" in out else {})}
+
+
+# ---- llama.cpp ----------------------------------------------------------------------------
+
+def run_llamacpp(model_dir: str, trace: Trace, config: EngineConfig, python: Path, single_stream: dict,
+                 perplexity_ids: list[int] | None = None) -> dict:
+    """llama.cpp on the model's own GGUF file (benchmarks/llamacpp_peer.py, in its own environment):
+    the trace one request at a time (it serves no batches), one request's decode speed, and the
+    perplexity of `perplexity_ids` when given."""
+    from nanopaged.models.gguf import find_gguf
+    gguf = find_gguf(model_dir)        # a ValueError (the row says it) for a folder with no GGUF
+    longest = max(len(p) + n for p, n in zip(trace.prompts, trace.output_lens))
+    job = {"gguf": gguf, "threads": torch.get_num_threads(), "eos": config.model_config.eos_token_ids[0],
+           "n_ctx": max(longest, len(perplexity_ids or []), len(single_stream["prompt"]) + single_stream["output_tokens"]) + 8,
+           "prompts": trace.prompts, "output_lens": trace.output_lens, "single_stream": single_stream,
+           "perplexity_ids": perplexity_ids}
+    out = run_side(python, llamacpp_peer, job)
+    run = Run("llama.cpp", out["wall_s"], out["output_tokens"], trace.num_prompt_tokens, len(trace.prompts),
+              {"version": out["version"], "one_request_at_a_time": True, "gguf": Path(gguf).name})
+    return {**run.figures(), "decode_tokens_per_s": out["decode_tokens_per_s"],
+            **({"perplexity": out["perplexity"]} if "perplexity" in out else {})}

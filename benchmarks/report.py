@@ -12,7 +12,7 @@ def print_table(r: dict) -> None:
           f"model {Path(s['model']).name}, {r['machine']['cpu']} ({r['machine']['cpu_cores']} cores, "
           f"{s['threads']} torch threads)")
     mach = r["machine"]
-    print(f"{s['dtype']}, cpu_linear {s['cpu_linear']}; CPU flags {' '.join(mach['matrix_flags']) or 'none'} "
+    print(f"{s['dtype']}, cpu_linear {s['cpu_linear']}, quantization {s.get('quantization')}; CPU flags {' '.join(mach['matrix_flags']) or 'none'} "
           f"(bfloat16 matrix units: {', '.join(mach['bf16_matrix_units']) or 'none'})")
     print(f"\n{'engine (measured, this run)':30} {'out tok/s':>10} {'total tok/s':>12} {'req/s':>7} "
           f"{'wall s':>8} {'vs nanopaged':>13}")
@@ -24,6 +24,9 @@ def print_table(r: dict) -> None:
         rel = e["output_tokens_per_s"] / f["output_tokens_per_s"]
         print(f"{name:30} {f['output_tokens_per_s']:10.1f} {f['total_tokens_per_s']:12.1f} "
               f"{f['requests_per_s']:7.2f} {f['wall_s']:8.2f} {rel:12.2f}x")
+    if "one_request_at_a_time" in r["peers"].get("llama.cpp", {}):
+        print(f"  llama.cpp {r['peers']['llama.cpp']['version']} on {r['peers']['llama.cpp']['gguf']}, one request at a "
+              "time (its Python API serves no batches)")
     v = r["peers"].get("vllm", {})
     if "identical_outputs" in v:
         print(f"  vllm {v['version']} in its own environment (loaded in {v['load_s']:.0f} s, the same KV bytes); "
@@ -77,8 +80,12 @@ def print_table(r: dict) -> None:
     print(f"one request at a time ({ss['prompt_tokens']}-token prompt, {ss['output_tokens']} tokens): decode "
           f"nanopaged {ss['nanopaged_decode_tokens_per_s']:.1f} tok/s, hf generate "
           f"{ss['hf_decode_tokens_per_s']:.1f} tok/s ({ss['ratio']:.2f}x)"
-          + (f", vllm {ss['vllm_decode_tokens_per_s']:.1f} tok/s ({ss['ratio_vs_vllm']:.2f}x)"
-             if "vllm_decode_tokens_per_s" in ss else ""))
+          + "".join(f", {name} {ss[f'{key}_decode_tokens_per_s']:.1f} tok/s ({ss[f'ratio_vs_{key}']:.2f}x)"
+                    for name, key in (("vllm", "vllm"), ("llama.cpp", "llamacpp")) if f"{key}_decode_tokens_per_s" in ss))
+    if "quality" in r:
+        q = r["quality"]
+        print(f"perplexity of {q['text_tokens']} tokens of English ({q['rows_per_step']} a step): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in q["perplexity"].items()))
     if "noise" in r:
         n = r["noise"]
         for name in ("nanopaged", "hf"):

@@ -26,9 +26,9 @@ def single_stream_length(trace: Trace) -> int:
 
 
 def single_stream_figures(model_dir: str, trace: Trace, settings: dict, config: EngineConfig,
-                          vllm: dict | None = None) -> dict:
-    """`vllm`: the vLLM peer's figures, whose `decode_tokens_per_s` its own process timed the same
-    way on the same prompt (not alternating with these rounds: it runs apart, before them)."""
+                          peers: dict | None = None) -> dict:
+    """`peers`: the peers' figures; vLLM's and llama.cpp's `decode_tokens_per_s` were timed the same
+    way on the same prompt in their own processes (not alternating with these rounds: before them)."""
     prompt, n = trace.prompts[0], single_stream_length(trace)
     llm = LLM(model_dir, **{**settings, "enable_prefix_caching": False})
 
@@ -48,9 +48,11 @@ def single_stream_figures(model_dir: str, trace: Trace, settings: dict, config: 
     engine, peer = decode_tokens_per_s([nanopaged, hf], n)
     out = {"prompt_tokens": len(prompt), "output_tokens": n, "nanopaged_decode_tokens_per_s": engine,
            "hf_decode_tokens_per_s": peer, "ratio": engine / peer}
-    if vllm and "decode_tokens_per_s" in vllm:
-        out["vllm_decode_tokens_per_s"] = vllm["decode_tokens_per_s"]
-        out["ratio_vs_vllm"] = engine / vllm["decode_tokens_per_s"]
+    for name, key in (("vllm", "vllm"), ("llama.cpp", "llamacpp")):
+        peer = (peers or {}).get(name, {})
+        if "decode_tokens_per_s" in peer:
+            out[f"{key}_decode_tokens_per_s"] = peer["decode_tokens_per_s"]
+            out[f"ratio_vs_{key}"] = engine / peer["decode_tokens_per_s"]
     return out
 
 

@@ -258,3 +258,13 @@ def test_benchmarks_holds_what_bench_py_uses_and_research_the_rest():
                 todo.append(root / "benchmarks" / f"{name}.py")
     modules = {p.stem for p in (root / "benchmarks").glob("*.py")} - {"__init__"}
     assert modules == seen & modules, f"not used by bench.py, belongs in benchmarks/research/: {modules - seen}"
+
+
+def test_quality_compares_the_quantized_kernel_with_the_float32_weights(tiny_model_dirs):
+    from benchmarks.quality import quality_figures, text_ids
+    from nanopaged.engine.input_processor import load_tokenizer
+    ids = text_ids(load_tokenizer(tiny_model_dirs["llama"]))[:120]
+    q = quality_figures(tiny_model_dirs["llama"], {"quantization": "int8", "dtype": "float32"}, ids)
+    assert q["text_tokens"] == 120 and set(q["perplexity"]) == {"nanopaged", "dequantized_float32"}
+    assert q["vs_float32"] == pytest.approx(abs(q["perplexity"]["nanopaged"] / q["perplexity"]["dequantized_float32"] - 1))
+    assert q["vs_float32"] < 0.05            # 8-bit rows: close to the float weights, and not equal
