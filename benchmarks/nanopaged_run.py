@@ -35,7 +35,7 @@ def run_nanopaged(model_dir: str, trace: Trace, settings: dict) -> tuple[Run, di
         scheduled = step.scheduler_output.scheduled     # counters already advanced by the step
         steps.append(StepTiming(len(scheduled), sum(n for _, n in scheduled),
                                 sum(r.num_computed_tokens for r, _ in scheduled),
-                                step.times[2] - step.times[1], len(step.sampled),
+                                step.times[2] - step.times[1], step.num_tokens,
                                 sum(causal_pairs(n, r.num_computed_tokens) for r, n in scheduled)))
         look_s += time.perf_counter() - t
 

@@ -57,6 +57,7 @@ class EngineConfig:
     cpu_threads: str | None = "auto"        # CPU: follow the free cores (extras/thread_governor.py); None: torch's
     cpu_linear: str = "auto"                # CPU: packed (oneDNN bf16 weights) | reference (F.linear); auto: packed where it runs
     tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
+    speculative_config: dict | None = None  # ngram or draft_model drafts, verified in one pass (spec_decode/)
     quantization: str | None = None         # CPU weight-only: gguf | int4 | int8 (worker/quant_linear.py); None: off
     quantization_group_size: int = 32       # int4: input features per scale and zero (gguf: the file's 32)
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
@@ -87,6 +88,9 @@ class EngineConfig:
         self.model_config = ModelConfig.from_folder(self.model)
         self._resolve_defaults()
         check_tensor_parallel(self.model_config, self.tensor_parallel_size, self.device)
+        if self.speculative_config is not None:   # read only when set; checked before any weight loads
+            from nanopaged.spec_decode.config import SpeculativeConfig
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config, self, check_model_folder)
         self.gguf_file = check_quantization(self)
 
     def _resolve_defaults(self) -> None:

@@ -114,9 +114,10 @@ NOT_IMPLEMENTED = [
       "video_pruning_rate", "disable_chunked_mm_input", "disable_mm_preprocessor_cache"), ANY,
      "runs text-only models, so these size or switch nothing"),
     # ---- decoding
-    (("speculative_config", "speculative_model", "num_speculative_tokens", "speculative_model_quantization",
+    (("speculative_model", "num_speculative_tokens", "speculative_model_quantization",
       "speculative_draft_tensor_parallel_size", "speculative_max_model_len", "speculative_disable_by_batch_size",
-      "ngram_prompt_lookup_max", "ngram_prompt_lookup_min"), (None,), "has no speculative decoding"),
+      "ngram_prompt_lookup_max", "ngram_prompt_lookup_min"), (None,),
+     "takes speculative decoding as speculative_config={...} (vLLM's current form) only"),
     (("structured_outputs_config",), (None, {}, {"backend": "auto"}, {"backend": "xgrammar"}),
      "runs structured outputs on xgrammar, with each request's own options (StructuredOutputsParams)"),
     (("reasoning_parser",), ("", None), "has no reasoning parser"),

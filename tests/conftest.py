@@ -61,6 +61,13 @@ def make_prompts(vocab_size, n=10, seed=0, min_len=3, max_len=60):
 TOP_LOGPROBS = 5
 
 
+def chi2_critical(dof: int, z: float = 3.09) -> float:
+    """The chi-square value a statistic passes with probability 0.001 (z = 3.09), by Wilson and
+    Hilferty's approximation (good to ~1% here; scipy is not a dependency)."""
+    a = 2 / (9 * dof)
+    return dof * (1 - a + z * a ** 0.5) ** 3
+
+
 def check_logprobs_close(outputs_0, outputs_1):
     """vLLM's rule for outputs in reduced precision (tests/models/utils.py: check_logprobs_close):
     each output is (token_ids, logprobs), logprobs a list of {token: logprob} per position. The

@@ -5,6 +5,8 @@ The whole scheduler runs on two counters (the seed article, section 2.5): `num_t
 in the cache). A step schedules `num_new_tokens` for a request to let the second counter
 chase the first; a prompt, a chunk of a prompt, a decode step and a recomputation after
 preemption are all the same thing seen through these two numbers (docs/04_scheduler.md).
+Speculative decoding only raises the target: `num_tokens_with_spec` counts the draft tokens
+a proposer guessed, which a step computes beside the real ones (docs/11_speculative_decoding.md).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class Request:
     num_cached_tokens: int = 0            # prefix-cache hit at its first admission (vLLM's meaning)
     num_preemptions: int = 0
     num_seqs: int = 1                     # seats it takes in max_num_seqs: n while n - 1 samples will fork off it
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in its next step
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -61,9 +64,16 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """The target `num_computed_tokens` chases: the tokens, then the drafts (vLLM's name)."""
+        return self.num_tokens + len(self.spec_token_ids)
+
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without building the whole list."""
-        p = len(self.prompt_token_ids)
+        """Tokens [start, end) of prompt + output (+ drafts past the end), without building the whole list."""
+        p, n = len(self.prompt_token_ids), self.num_tokens
+        if end > n:
+            return self.token_ids(start, n) + self.spec_token_ids[max(start - n, 0):end - n]
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:

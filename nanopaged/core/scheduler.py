@@ -10,6 +10,11 @@ When a running request needs a block and none is free, the newest running reques
 preempted by *recompute*: its blocks are freed, its `num_computed_tokens` drops to 0 and
 it goes back to the front of the waiting queue, keeping the tokens it generated.
 
+Speculative decoding (nanopaged/spec_decode/) changes one number: a running request chases
+`num_tokens_with_spec`, its tokens plus the drafts a proposer guessed, so one step computes
+them all; `update` rolls the drafts the sampler rejected back off `num_computed_tokens`
+(docs/11_speculative_decoding.md).
+
 Admission first looks the request's prefix up in the block pool's prefix cache, so its
 prefill starts where the cache ends. After every step the blocks that became full are named
 in the cache. `fork` lets a request share every block of another (n > 1 samples, beams);
@@ -23,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanopaged.core.block_pool import BlockPool
+from nanopaged.core.block_pool import BlockPool, cdiv
 from nanopaged.core.request import Request, RequestStatus, SampledToken
 
 
@@ -64,7 +69,9 @@ class Scheduler:
         for request in list(self.running):
             if token_budget == 0 or request.status != RequestStatus.RUNNING:
                 break
-            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, token_budget)
+            # drafts past the budget are dropped, not chunked: they are guesses (vLLM does the same)
+            del request.spec_token_ids[max(0, request.num_computed_tokens + num_new - request.num_tokens):]
             if num_new == 0:      # a request that computed its last token got the next one, or was finished
                 raise RuntimeError(f"running request {request.request_id!r} has no new token: a "
                                    "token-selection rule gave it none and it was not aborted")
@@ -167,6 +174,7 @@ class Scheduler:
         request.block_ids = []
         request.num_cached_blocks = 0
         request.num_computed_tokens = 0
+        request.spec_token_ids = []       # guessed for K/V that is gone
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -193,23 +201,36 @@ class Scheduler:
         self.running.append(child)
 
     # ---- after the forward pass -------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[Request, SampledToken]) -> None:
+    def update(self, out: SchedulerOutput, sampled: dict[Request, list[SampledToken]]) -> None:
         """Advance the counters, append the sampled tokens, name the blocks that became full.
 
-        `sampled` holds a token for each request whose step reached the end of its known
-        tokens (one in the middle of a prompt samples nothing). Whether a request stops is
-        not decided here but where its text is known (engine/output_processor.py: check_stop).
+        `sampled` holds the tokens of each request whose step reached the end of its known
+        tokens (one in the middle of a prompt samples nothing): one, or with drafts the ones
+        accepted and one more. Whether a request stops is not decided here but where its text
+        is known (engine/output_processor.py: check_stop).
         """
         for request, num_new in out.scheduled:
             request.num_computed_tokens += num_new
         # Fork first, append after: a child shares its parent's blocks as they were computed.
-        forked = [r for r, sample in sampled.items() if sample.parent is not None]
+        forked = [r for r, tokens in sampled.items() if tokens[0].parent is not None]
         for request in forked:            # n > 1 samples, new beams: drawn from the parent's row
-            self.fork(sampled[request].parent, request)
-        for request, sample in sampled.items():
-            request.output_token_ids.append(sample.token_id)
+            self.fork(sampled[request][0].parent, request)
+        for request, tokens in sampled.items():
+            self._append(request, tokens)
         for request in [r for r, _ in out.scheduled] + forked:
             self.block_pool.cache_full_blocks(request)   # before a finish frees them
+
+    def _append(self, request: Request, tokens: list[SampledToken]) -> None:
+        """Append the step's tokens. With k drafts the step computed k + 1 positions and the
+        sampler accepted len(tokens) - 1 drafts: the rejected ones roll back off the counter (their
+        slots are overwritten later), and a block that holds none of the request's tokens goes back."""
+        request.num_computed_tokens -= len(request.spec_token_ids) - (len(tokens) - 1)
+        request.spec_token_ids = []
+        request.output_token_ids += [t.token_id for t in tokens]
+        keep = cdiv(request.num_tokens, self.block_pool.block_size)
+        if len(request.block_ids) > keep:
+            self.block_pool.free(request.block_ids[keep:])
+            del request.block_ids[keep:]
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of the queues and give its blocks back."""

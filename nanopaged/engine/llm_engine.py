@@ -13,7 +13,9 @@ forks), every function in `observers` sees each step's `StepRecord` (statistics,
 and `make_runner` builds another runner with ModelRunner's interface (tensor parallelism).
 A SamplingParams field can also turn an extension on (FIELD_EXTENSIONS: structured outputs): it
 is installed the first time a request sets the field and hooks into the sampler's
-`logits_processors` and check_stop's `stop_rules`.
+`logits_processors` and check_stop's `stop_rules`. An engine setting can too (CONFIG_EXTENSIONS:
+speculative decoding), installed with the engine: it replaces the sampler and adds a proposer, a
+function in `proposers` that each step ends with, guessing the running requests' next tokens.
 """
 from __future__ import annotations
 
@@ -36,21 +38,29 @@ from nanopaged.sampling_params import SamplingParams
 from nanopaged.worker.model_runner import ModelRunner, ModelRunnerOutput
 from nanopaged.worker.sampler import Sampler
 
-SelectTokens = Callable[[ModelRunnerOutput], dict[Request, SampledToken]]
+# A token-selection rule: each sampling request's tokens this step (one; with drafts, those accepted and one more)
+SelectTokens = Callable[[ModelRunnerOutput], dict[Request, list[SampledToken]]]
 # SamplingParams fields that an extension beside the engine implements: its module's `install(engine)`
 # runs when a request first sets the field, and returns what `prepare`s each such request.
 FIELD_EXTENSIONS = {"structured_outputs": "nanopaged.structured_output"}
+# EngineConfig fields that do the same: installed when the engine is built, if set
+CONFIG_EXTENSIONS = {"speculative_config": "nanopaged.spec_decode"}
 
 
 @dataclass
 class StepRecord:
     """What one step did, for observers; taken before the stopped requests free their blocks."""
     scheduler_output: SchedulerOutput
-    sampled: dict[Request, SampledToken]
+    sampled: dict[Request, list[SampledToken]]
     outputs: list[RequestOutput]
     stopped: list[tuple[Request, RequestStatus]]
     running: list[Request]                  # the requests holding blocks during the step
     times: tuple[float, float, float, float]   # perf_counter at start, scheduled, executed, updated
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the step generated (with drafts, a request may get several)."""
+        return sum(map(len, self.sampled.values()))
 
 
 class LLMEngine:
@@ -66,8 +76,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sampler = ParallelSampler(Sampler(self.runner.device, config.seed))
         self.observers: list[Callable[[StepRecord], None]] = []
-        self.extensions: dict[str, object] = {}            # FIELD_EXTENSIONS installed so far, by module
+        self.proposers: list[Callable[[list[Request]], None]] = []   # set running requests' spec_token_ids
+        self.extensions: dict[str, object] = {}            # the extensions installed so far, by module
         self._installing = threading.Lock()
+        for name, module in CONFIG_EXTENSIONS.items():
+            if getattr(config, name) is not None:
+                self.extension(module)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -149,6 +163,8 @@ class LLMEngine:
                 observer(record)
             for request, status in stopped:
                 self._finish(request, status)
+            for propose in self.proposers:                                           # 5. guess ahead
+                propose(self.scheduler.running)
         except BaseException:
             self._abort_step(scheduler_output)
             raise

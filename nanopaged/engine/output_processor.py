@@ -99,19 +99,16 @@ class OutputProcessor:
         if samples[0].sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs[samples[0].request_id] = [None]     # nothing scores the first token
 
-    def process(self, sampled: dict[Request, SampledToken], prompt_logits=()
+    def process(self, sampled: dict[Request, list[SampledToken]], prompt_logits=()
                 ) -> tuple[list[RequestOutput], list[tuple[Request, RequestStatus]]]:
         """The outputs of the requests that advanced, and the sequences that stop.
         `prompt_logits` (ModelRunnerOutput.prompt_logits) score prompt tokens (prompt_logprobs)."""
         for request, start, logits in prompt_logits:
             self._add_prompt_logprobs(request, start, logits)
         advanced, stopped = {}, []
-        for request, sample in sampled.items():
+        for request, tokens in sampled.items():
             request_id, state = self.samples[request]
-            state.cumulative_logprob += sample.logprob
-            if sample.top_logprobs is not None:
-                state.logprobs.append(self._logprob_dict(sample.top_logprobs, request.sampling_params.detokenize))
-            stop = check_stop(request, state.detokenizer, self.stop_rules)
+            stop = self._take(request, state, tokens)
             if stop is not None:
                 status, state.stop_reason = stop
                 state.finish_reason = FINISH_REASONS[status]
@@ -122,6 +119,22 @@ class OutputProcessor:
             if o.finished:
                 self._forget(o.request_id)
         return outputs, stopped
+
+    def _take(self, request: Request, state: SampleState, tokens: list[SampledToken]):
+        """The step's tokens (scheduler.update has appended them), checked one at a time in order:
+        a request stops at the first that stops it, and the tokens after it (accepted drafts) go,
+        from the request and from `tokens` (what the step's observers count)."""
+        del request.output_token_ids[len(request.output_token_ids) - len(tokens):]
+        for i, sample in enumerate(tokens):
+            request.output_token_ids.append(sample.token_id)
+            state.cumulative_logprob += sample.logprob
+            if sample.top_logprobs is not None:
+                state.logprobs.append(self._logprob_dict(sample.top_logprobs, request.sampling_params.detokenize))
+            stop = check_stop(request, state.detokenizer, self.stop_rules)
+            if stop is not None:
+                del tokens[i + 1:]
+                return stop
+        return None
 
     def _detokenizer(self, seq: Request) -> IncrementalDetokenizer | None:
         p = seq.sampling_params

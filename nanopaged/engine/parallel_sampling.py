@@ -29,7 +29,7 @@ class ParallelSampler:
             self.unforked[first] = others
             first.num_seqs = len(samples)
 
-    def __call__(self, runner_output: ModelRunnerOutput) -> dict[Request, SampledToken]:
+    def __call__(self, runner_output: ModelRunnerOutput) -> dict[Request, list[SampledToken]]:
         rows, requests, parents = [], [], []
         for row, request in enumerate(runner_output.requests):
             others = self.unforked.pop(request, [])
@@ -41,7 +41,7 @@ class ParallelSampler:
         if not requests:
             return {}
         out = self.sampler(runner_output.logits[rows], requests)
-        return {seq: SampledToken(token, logprob, top, parent) for seq, token, logprob, top, parent
+        return {seq: [SampledToken(token, logprob, top, parent)] for seq, token, logprob, top, parent
                 in zip(requests, out.token_ids, out.logprobs, out.top_logprobs, parents)}
 
     def forget(self, request: Request) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import sys
 from dataclasses import fields
@@ -105,9 +106,21 @@ def add_setting(group, name: str, type_name: str, default) -> None:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
     elif name in SETTINGS_OFF_IS_NONE:
         group.add_argument(flag, type=_auto_or_none, metavar="{auto,none}", **kw)
+    elif type_name.startswith("dict"):         # --speculative-config '{"method": "ngram", ...}', as vLLM's
+        group.add_argument(flag, type=_json_object, metavar="JSON", **kw)
     else:
         convert = int if type_name.startswith("int") else float if type_name.startswith("float") else str
         group.add_argument(flag, type=convert, **kw)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _auto_or_none(text: str) -> str | None:

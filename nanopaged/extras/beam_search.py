@@ -109,6 +109,8 @@ def beam_search(engine: LLMEngine, prompts: PromptType | list[PromptType],
         raise ValueError(f"2 x beam_width={2 * params.beam_width} is larger than the vocabulary ({vocab})")
     if engine.scheduler.has_unfinished_requests():
         raise ValueError("beam_search needs an idle engine; finish the queued requests first")
+    if engine.config.speculative_config is not None:   # beams choose their own tokens: nothing to verify
+        raise ValueError("beam_search does not run on an engine with speculative_config; build an LLM without it")
     # Every prompt must fit, before any work; max_tokens past the context is clipped, as generate does.
     checked = [engine.process_request(f"beam-check-{i}", p, SamplingParams(max_tokens=params.max_tokens))
                for i, p in enumerate(prompts)]
@@ -141,7 +143,7 @@ class BeamSearcher:
             raise
         return [BeamSearchOutput(sequences=list(s.finished)) for s in self.searches]
 
-    def select_tokens(self, runner_output: ModelRunnerOutput) -> dict[Request, SampledToken]:
+    def select_tokens(self, runner_output: ModelRunnerOutput) -> dict[Request, list[SampledToken]]:
         """The rule handed to LLMEngine.step: note each beam's best 2 x beam_width next tokens,
         step every search whose beams all have theirs, and return the tokens it chose."""
         if runner_output.requests:
@@ -149,7 +151,7 @@ class BeamSearcher:
             values, tokens = logprobs.topk(2 * self.params.beam_width, dim=-1)
             for request, v, t in zip(runner_output.requests, values.tolist(), tokens.tolist()):
                 self.beam_of[request][1].top = (v, t)
-        sampled: dict[Request, SampledToken] = {}
+        sampled: dict[Request, list[SampledToken]] = {}
         for s in self.searches:
             if not s.done and all(b.top is not None for b in s.beams):
                 self._step(s, sampled)
@@ -188,7 +190,7 @@ class BeamSearcher:
         return request
 
     # ---- one step of one prompt's search ---------------------------------------------
-    def _step(self, s: _Search, sampled: dict[Request, SampledToken]) -> None:
+    def _step(self, s: _Search, sampled: dict[Request, list[SampledToken]]) -> None:
         p, width = self.params, self.params.beam_width
         cands = []       # (score, beam index, token)
         for i, b in enumerate(s.beams):
@@ -224,11 +226,11 @@ class BeamSearcher:
                 pass                        # the parent gave its blocks back: queued from its tokens
             elif i not in used:
                 beam.request = parent.request
-                sampled[beam.request] = SampledToken(t)
+                sampled[beam.request] = [SampledToken(t)]
             else:
                 beam.request = self._new_sequence(s, parent.tokens)
                 self.engine.track([beam.request])
-                sampled[beam.request] = SampledToken(t, parent=parent.request)
+                sampled[beam.request] = [SampledToken(t, parent=parent.request)]
             if beam.request is not None:
                 self.beam_of[beam.request] = (s, beam)
             used.add(i)

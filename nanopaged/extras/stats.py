@@ -31,6 +31,16 @@ class EngineStats:
         self.kv_tokens_stored = self.kv_slots_held = 0              # tokens with K/V / slots of the tables
         self.max_num_running = 0
         self.model_time_s = self.schedule_time_s = 0.0
+        spec = self._spec_decode()
+        self.spec_base = spec.stats.copy() if spec else None     # its counters run on; these count from here
+
+    def _spec_decode(self):
+        """Speculative decoding's counters, where the engine has it (nanopaged/spec_decode/stats.py)."""
+        return self.engine.extensions.get("nanopaged.spec_decode")
+
+    def spec_decode_stats(self):
+        spec = self._spec_decode()
+        return spec.stats.since(self.spec_base) if spec else None
 
     def __call__(self, step: StepRecord) -> None:
         out, pool = step.scheduler_output, self.engine.scheduler.block_pool
@@ -43,7 +53,7 @@ class EngineStats:
         self.num_prompt_tokens_computed += sum(
             max(0, min(r.num_computed_tokens, r.num_prompt_tokens) - (r.num_computed_tokens - n))
             for r, n in out.scheduled)
-        self.num_generated_tokens += len(step.sampled)
+        self.num_generated_tokens += step.num_tokens
         t0, t1, t2, t3 = step.times
         self.model_time_s += t2 - t1
         self.schedule_time_s += (t1 - t0) + (t3 - t2)
@@ -53,7 +63,7 @@ class EngineStats:
         """KV figures of the requests that held blocks during the step (samples forked
         off a parent in this very step join the next one)."""
         pool = self.engine.scheduler.block_pool
-        forked = {r for r, s in step.sampled.items() if s.parent is not None}
+        forked = {r for r, tokens in step.sampled.items() if tokens[0].parent is not None}
         held = [r for r in step.running if r not in forked]
         in_use = pool.num_blocks - pool.num_free_blocks
         self.peak_kv_blocks_used = max(self.peak_kv_blocks_used, in_use)
@@ -93,6 +103,8 @@ class EngineStats:
             "num_generated_tokens": self.num_generated_tokens,
             "model_time_s": self.model_time_s,
             "schedule_time_s": self.schedule_time_s,
+            # speculative_config: drafts, draft tokens, accepted tokens (per position), mean acceptance length
+            "spec_decode": spec.as_dict() if (spec := self.spec_decode_stats()) else None,
         }
 
     def prefix_cache_hit_rate(self) -> float:
@@ -121,11 +133,13 @@ class ProgressBar:
         self.bar.update(n)
 
     def on_step(self, step: StepRecord) -> None:
-        self.tokens += len(step.sampled)
+        self.tokens += step.num_tokens
         if self.enabled:
             s = self.stats
             self.bar.set_postfix_str(
                 f"out {self.tokens / (time.perf_counter() - self.start):.1f} tok/s, "
                 f"KV {s.engine.scheduler.block_pool.usage():.1%}, "
                 f"prefix hit {s.prefix_cache_hit_rate():.0%}, "
-                f"preempted {s.num_preemptions}", refresh=False)
+                f"preempted {s.num_preemptions}"
+                + (f", accepted {spec.mean_acceptance_length:.2f}/step" if (spec := s.spec_decode_stats()) else ""),
+                refresh=False)

@@ -11,8 +11,9 @@
 A matcher is made the first time its sequence samples, on the engine thread, from the compiled
 grammar, and follows the sequence's tokens: it has accepted exactly `output_token_ids`, which a
 preemption (recompute) does not change, so it is kept; each of n > 1 samples has its own.
-NOTE: nanopaged has no speculative decoding yet; with it, draft tokens must pass the matcher before
-they are accepted, and a rejected draft must roll the matcher back (xgrammar's `rollback`).
+NOTE: with speculative decoding a request with a grammar gets no drafts (spec_decode/ngram_proposer.py:
+draft_budget); drafting it would need each draft to pass the matcher and a rejection to roll the
+matcher back (xgrammar's `rollback`).
 vLLM: vllm/v1/structured_output/__init__.py (StructuredOutputManager). docs/10_structured_outputs.md.
 """
 from __future__ import annotations

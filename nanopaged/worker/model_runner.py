@@ -13,7 +13,8 @@ Per step (vLLM: v1/worker/gpu_model_runner.py, `_prepare_inputs`):
   query_start_loc        cu_seqlens_q: where each request's rows start in the flat batch
   seq_lens               each request's context length after this step
 Only requests whose step reaches the end of their known tokens sample (a request in the
-middle of a chunked prompt has nothing to sample yet). docs/05_model_runner_and_kernels.md.
+middle of a chunked prompt has nothing to sample yet); one with k draft tokens (speculative
+decoding) samples from its last k + 1 rows. docs/05_model_runner_and_kernels.md.
 """
 from __future__ import annotations
 
@@ -42,14 +43,14 @@ class ModelInput:
     input_ids: torch.Tensor        # (num_tokens,)
     positions: torch.Tensor        # (num_tokens,)
     meta: AttentionMetadata
-    sample_rows: list[int]         # the last row of each request whose step reaches its end
-    sample_requests: list[Request]
+    sample_rows: list[int]         # the last row (with k drafts: k + 1 rows) of each request whose step reaches its end
+    sample_requests: list[Request]  # the request of each sample row
     prompt_rows: list[tuple[Request, int, list[int]]]   # prompt_logprobs: (request, first position, rows)
 
 
 @dataclass
 class ModelRunnerOutput:
-    requests: list[Request]        # the requests that sample this step, in row order
+    requests: list[Request]        # the request of each logits row: one row each, k + 1 in a row with k drafts
     logits: torch.Tensor           # (len(requests), vocab_size)
     prompt_logits: list[tuple[Request, int, torch.Tensor]]   # (request, first position, its rows' logits)
 
@@ -176,9 +177,10 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             query_lens.append(num_new)
             seq_lens.append(end)
-            if end == request.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sample_requests.append(request)
+            if end == request.num_tokens_with_spec:
+                rows = 1 + len(request.spec_token_ids)
+                sample_rows += range(len(input_ids) - rows, len(input_ids))
+                sample_requests += [request] * rows
         max_blocks = max(len(r.block_ids) for r, _ in out.scheduled)
         tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in out.scheduled]
         cu = [0]

@@ -48,6 +48,17 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        raw, logits = self.process_logits(logits, requests)
+        params = [r.sampling_params for r in requests]
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            idx = indices(logits, random_rows)
+            tokens[idx] = self._sample(logits[idx], [requests[i] for i in random_rows])
+        return SamplerOutput(tokens.tolist(), *self._logprobs(raw, tokens, params))
+
+    def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 0-4: (the raw logits the logprobs are taken from, the logits to choose from)."""
         logits = logits.float()
         for process in self.logits_processors:
             logits = process(logits, requests)
@@ -59,12 +70,7 @@ class Sampler:
             logits = apply_penalties(logits, requests)
         if any(r.num_output_tokens < r.sampling_params.min_tokens for r in requests):
             logits = block_stop_tokens(logits, requests)
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            idx = indices(logits, random_rows)
-            tokens[idx] = self._sample(logits[idx], [requests[i] for i in random_rows])
-        return SamplerOutput(tokens.tolist(), *self._logprobs(raw, tokens, params))
+        return raw, logits
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, params) -> tuple[list, list]:
         """The chosen tokens' logprobs and the top-k, in the raw distribution, for the rows that
@@ -83,17 +89,25 @@ class Sampler:
         return chosen, tops
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        return self.draw(self.probs(logits, requests), requests)
+
+    def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Step 5 for the sampled rows: the distribution they draw from (temperature, top-k, top-p, min-p)."""
         params = [r.sampling_params for r in requests]
         temps = logits.new_tensor([p.temperature for p in params])
         probs = torch.softmax(logits / temps[:, None], dim=-1)
-        probs = top_k_top_p_min_p(probs, [p.top_k for p in params], [p.top_p for p in params],
-                                  [p.min_p for p in params])
+        return top_k_top_p_min_p(probs, [p.top_k for p in params], [p.top_p for p in params],
+                                 [p.min_p for p in params])
+
+    def draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token per row from `probs`, each with its request's generator (the exponential trick:
+        argmax p / E with E ~ Exp(1) draws from p)."""
         q = torch.empty_like(probs)
         for j, r in enumerate(requests):
-            q[j].exponential_(generator=self._generator(r))
+            q[j].exponential_(generator=self.generator_of(r))
         return (probs / q).argmax(dim=-1)
 
-    def _generator(self, request: Request) -> torch.Generator:
+    def generator_of(self, request: Request) -> torch.Generator:
         seed = request.sampling_params.seed
         if seed is None:
             return self.generator

@@ -30,7 +30,7 @@ def make_scheduler(num_blocks=100, block_size=4, max_num_seqs=8, budget=64, enab
 
 def update_and_stop(sched, out, tokens):
     """What the engine does after the forward pass: update, then finish the requests that stop."""
-    sched.update(out, {r: SampledToken(t) for r, t in tokens.items()})
+    sched.update(out, {r: [SampledToken(t)] for r, t in tokens.items()})
     finished = []
     for r in tokens:
         stop = check_stop(r)
@@ -294,7 +294,7 @@ def test_a_running_request_left_without_a_token_must_be_finished_before_the_next
     sched.add_request(a)
     sched.add_request(b)
     out = sched.schedule()
-    sched.update(out, {b: SampledToken(7)})          # a gets no token this step
+    sched.update(out, {b: [SampledToken(7)]})          # a gets no token this step
     with pytest.raises(RuntimeError, match="running request 'a' has no new token"):
         sched.schedule()
     sched.finish_request(a, RequestStatus.FINISHED_ABORTED)
@@ -353,3 +353,58 @@ def test_token_ids_is_a_slice_of_prompt_plus_output():
     for start in range(len(everything) + 1):
         for end in range(start, len(everything) + 1):
             assert r.token_ids(start, end) == everything[start:end], (start, end)
+
+
+# ---- speculative decoding: the drafts raise the target, the rejected ones roll back -----------------
+
+def test_drafts_are_new_tokens_and_rejections_roll_back():
+    sched, pool = make_scheduler(block_size=4)
+    a = make_request("a", 6, max_tokens=20)
+    sched.add_request(a)
+    run_step(sched)                                  # prompt: 6 computed, 7 tokens, 2 blocks
+    a.spec_token_ids = [1, 2, 3]                     # a proposer's guesses
+    assert a.num_tokens_with_spec == 10
+    out = sched.schedule()
+    assert out.scheduled == [(a, 4)] and len(a.block_ids) == 3   # positions 6..9: a third block
+    assert a.token_ids(6, 10) == [7, 1, 2, 3]
+    sched.update(out, {a: [SampledToken(1), SampledToken(9)]})  # draft 1 kept, then the model's 9
+    # 2 of the 3 drafts rejected: computed = 6 + 4 - 2 = 8 = num_tokens - 1; block 2 holds the 9: kept
+    assert (a.num_tokens, a.num_computed_tokens, a.spec_token_ids, a.output_token_ids) == (9, 8, [], [7, 1, 9])
+    assert len(a.block_ids) == 3 and pool.num_free_blocks == 97
+    a.spec_token_ids = [4, 5, 6]
+    out = sched.schedule()
+    assert out.scheduled == [(a, 4)]
+    sched.update(out, {a: [SampledToken(4), SampledToken(5), SampledToken(6), SampledToken(8)]})  # all + bonus
+    assert (a.num_tokens, a.num_computed_tokens) == (13, 12)
+    a.spec_token_ids = [1, 1]
+    out = sched.schedule()
+    sched.update(out, {a: [SampledToken(3)]})        # nothing kept
+    assert (a.num_tokens, a.num_computed_tokens, len(a.block_ids)) == (14, 13, 4)   # the 5th block went back
+    pool.check_invariants()
+    assert pool.num_free_blocks == 96
+
+
+def test_drafts_past_the_budget_are_dropped_and_preemption_clears_them():
+    sched, pool = make_scheduler(block_size=4, budget=3)
+    a = make_request("a", 2, max_tokens=20)
+    sched.add_request(a)
+    run_step(sched)
+    a.spec_token_ids = [1, 2, 3, 4]
+    out = sched.schedule()
+    assert out.scheduled == [(a, 3)] and a.spec_token_ids == [1, 2]     # a budget of 3: two drafts fit
+    sched.update(out, {a: [SampledToken(5)]})
+    a.spec_token_ids = [6]
+    sched._preempt(sched.running.pop())
+    assert a.spec_token_ids == [] and a.num_computed_tokens == 0
+
+
+def test_prefix_hashes_cover_accepted_tokens_only():
+    sched, pool = make_scheduler(block_size=4, enable_caching=True)
+    a = make_request("a", 3, max_tokens=20)
+    sched.add_request(a)
+    run_step(sched)                                  # 3 computed, 4 tokens
+    a.spec_token_ids = [1, 2, 3, 4, 5]               # positions 3..8 computed this step
+    out = sched.schedule()
+    sched.update(out, {a: [SampledToken(9)]})        # every draft rejected
+    assert a.num_computed_tokens == 4 and len(pool.cached_block_hash_to_block) == 1   # block 0 only
+    assert a.block_hashes == pool.block_hashes(a)[:1] and a.token_ids(0, 5) == [10, 11, 12, 7, 9]

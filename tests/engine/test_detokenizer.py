@@ -35,7 +35,7 @@ def test_streamed_outputs_never_show_half_a_character(tiny_model_dirs):
     ids = llm.get_tokenizer().encode(TEXT, add_special_tokens=False)
     engine = llm.llm_engine
     engine.add_request("s", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=len(ids), ignore_eos=True))
-    spell = lambda out: {r: SampledToken(ids[r.num_output_tokens]) for r in out.requests}  # noqa: E731
+    spell = lambda out: {r: [SampledToken(ids[r.num_output_tokens])] for r in out.requests}  # noqa: E731
     texts = []
     while engine.has_unfinished_requests():
         texts += [o.outputs[0].text for o in engine.step(spell)]
@@ -50,7 +50,7 @@ def test_a_stop_string_spanning_a_multibyte_character(tiny_model_dirs):
                        SamplingParams(max_tokens=len(ids), stop=["😀 —"], ignore_eos=True))
     final = None
     while engine.has_unfinished_requests():
-        for o in engine.step(lambda out: {r: SampledToken(ids[r.num_output_tokens]) for r in out.requests}):
+        for o in engine.step(lambda out: {r: [SampledToken(ids[r.num_output_tokens])] for r in out.requests}):
             final = o.outputs[0]
     assert final.finish_reason == "stop" and final.text == "naïve café "
 

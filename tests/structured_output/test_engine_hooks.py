@@ -139,7 +139,7 @@ def test_a_token_the_grammar_refuses_ends_the_request(llm, caplog):
     logging.getLogger("nanopaged").addHandler(caplog.handler)          # nanopaged's log does not propagate
     try:
         while engine.has_unfinished_requests():
-            outputs += engine.step(lambda out: {r: SampledToken(5) for r in out.requests})
+            outputs += engine.step(lambda out: {r: [SampledToken(5)] for r in out.requests})
     finally:
         logging.getLogger("nanopaged").removeHandler(caplog.handler)
     final = outputs[-1].outputs[0]

@@ -382,7 +382,7 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(llm):
     engine.add_request("skipped", ids([5, 6, 7]), SamplingParams(max_tokens=3))
     finished = {}
     while engine.has_unfinished_requests():
-        for o in engine.step(lambda runner_output: {r: SampledToken(1) for r in runner_output.requests}):
+        for o in engine.step(lambda runner_output: {r: [SampledToken(1)] for r in runner_output.requests}):
             finished[o.request_id] = o.outputs[0]
     assert finished["kept"].token_ids == finished["skipped"].token_ids == [1, 1, 1]
     assert finished["kept"].text == "<|im_start|>" * 3 and finished["skipped"].text == ""

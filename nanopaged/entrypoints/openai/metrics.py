@@ -57,6 +57,16 @@ class ServerMetrics:
         self.arrival: dict[str, float] = {}        # request id -> monotonic arrival time
         self.first_token: dict[str, float] = {}    # request id -> monotonic time of its first token
         self.seen = (0, 0, 0)                      # stats' (preemptions, queries, hits) at the last step
+        self.spec = engine.extensions.get("nanopaged.spec_decode")    # speculative_config: vLLM's four counters
+        if self.spec is not None:
+            name = PREFIX + "spec_decode_num_"
+            self.spec_counters = (
+                Counter(name + "drafts", "Verify steps of a request with drafts.", **r),
+                Counter(name + "draft_tokens", "Draft tokens verified.", **r),
+                Counter(name + "accepted_tokens", "Draft tokens accepted.", **r))
+            self.spec_per_pos = Counter(name + "accepted_tokens_per_pos", "Draft tokens accepted, by position.",
+                                        ["position"], **r)
+            self.spec_seen = self.spec.stats.copy()
         engine.observers.append(self)
 
     def exposition(self) -> bytes:
@@ -78,6 +88,14 @@ class ServerMetrics:
         self.waiting.set(len(scheduler.waiting))
         self.kv_usage.set(scheduler.block_pool.usage())
 
+    def _count_spec(self) -> None:
+        new = self.spec.stats.since(self.spec_seen)
+        for counter, n in zip(self.spec_counters, (new.num_drafts, new.num_draft_tokens, new.num_accepted_tokens)):
+            counter.inc(n)
+        for pos, n in enumerate(new.accepted_per_pos):
+            self.spec_per_pos.labels(position=str(pos)).inc(n)
+        self.spec_seen = self.spec.stats.copy()
+
     # ---- a step observer -----------------------------------------------------------------------
     def __call__(self, step: StepRecord) -> None:
         now = time.monotonic()
@@ -87,7 +105,9 @@ class ServerMetrics:
             if new > old:
                 counter.inc(new - old)
         self.seen = counts
-        self.generation_tokens.inc(len(step.sampled))
+        self.generation_tokens.inc(step.num_tokens)
+        if self.spec is not None:
+            self._count_spec()
         for output in step.outputs:
             rid = output.request_id
             if rid not in self.arrival:            # not a server request

@@ -1,0 +1,50 @@
+"""Speculative decoding: guess a request's next k tokens cheaply, verify them in one forward pass.
+
+    config.py             SpeculativeConfig: `speculative_config={...}` with vLLM's names, checked at once
+    ngram_proposer.py     drafts from the request's own tokens (prompt lookup)
+    draft_model.py        drafts from a smaller model that shares the tokenizer
+    rejection_sampler.py  which drafts to keep, so the output is what plain decoding gives
+    stats.py              drafts, accepted tokens, mean acceptance length (vLLM's counters)
+
+The core sees one number more: a request's `spec_token_ids`, which the scheduler adds to the
+target that `num_computed_tokens` chases (`num_tokens_with_spec`) and rolls back off the counter
+when drafts are rejected (core/scheduler.py: `_append`). The engine installs this module when
+`speculative_config` is set (engine/llm_engine.py: CONFIG_EXTENSIONS): the proposer becomes one of
+its `proposers`, the rejection sampler its sampler. docs/11_speculative_decoding.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanopaged.spec_decode.config import SpeculativeConfig
+from nanopaged.spec_decode.stats import SpecDecodeStats
+
+
+@dataclass
+class SpecDecode:
+    """What an engine with speculation holds (engine.extensions["nanopaged.spec_decode"])."""
+    config: SpeculativeConfig
+    stats: SpecDecodeStats
+    proposer: object
+
+
+def install(engine) -> SpecDecode:
+    from nanopaged.spec_decode.rejection_sampler import RejectionSampler
+    cfg: SpeculativeConfig = engine.config.speculative_config
+    stats = SpecDecodeStats(cfg.num_speculative_tokens)
+    if cfg.method == "ngram":
+        from nanopaged.spec_decode.ngram_proposer import NgramProposer
+        proposer, draft_probs = NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_max,
+                                              cfg.prompt_lookup_min), None
+    else:
+        from nanopaged.spec_decode.draft_model import DraftModelProposer
+        proposer = DraftModelProposer(engine, cfg)
+        draft_probs = proposer.draft_probs
+    engine.sampler = RejectionSampler(engine.sampler, stats, draft_probs)
+    engine.proposers.append(proposer)
+    return SpecDecode(cfg, stats, proposer)
+
+
+def of(engine) -> SpecDecode | None:
+    """The engine's speculative decoding, or None."""
+    return engine.extensions.get(__name__)

@@ -1,0 +1,86 @@
+"""SpeculativeConfig: what `speculative_config={...}` asks for, with vLLM's names, checked at once.
+
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": a, "prompt_lookup_min": b}
+    {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}
+
+vLLM: vllm/config/speculative.py. As there, an n-gram config without prompt_lookup_min/max looks
+for 5-grams, one without the other takes the given value for both, and a config with a `model`
+and no method is a draft model. Every check runs in EngineConfig, before any weight loads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanopaged.validation import check_range
+
+METHODS = ("ngram", "draft_model")
+OTHER_VLLM_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+MAX_SPECULATIVE_TOKENS = 32
+DEFAULT_LOOKUP = 5          # vLLM's prompt_lookup_min = prompt_lookup_max when neither is given
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None     # ngram: the longest n-gram looked up
+    prompt_lookup_min: int | None = None     # ngram: the shortest
+    model: str | None = None                 # draft_model: a smaller model's folder, same vocabulary
+
+    @classmethod
+    def from_dict(cls, given, target, check_model_folder) -> "SpeculativeConfig":
+        """`target` is the EngineConfig being built, `check_model_folder` its folder check (passed in:
+        nanopaged/config.py imports this module, so this one does not import it back)."""
+        if isinstance(given, SpeculativeConfig):
+            return given
+        if not isinstance(given, dict):
+            raise ValueError(f"speculative_config must be a dict, got {given!r}")
+        unknown = sorted(set(given) - set(KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; nanopaged knows {list(KEYS)}")
+        method = given.get("method") or ("draft_model" if given.get("model") else None)
+        if method in OTHER_VLLM_METHODS:
+            raise ValueError(f"speculative_config method {method!r} is not supported; nanopaged has {list(METHODS)}")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(METHODS)}, got {method!r}")
+        k = given.get("num_speculative_tokens")
+        check_range("speculative_config num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS, integer=True)
+        if method == "ngram":
+            return cls(method, k, *_lookup(given.get("prompt_lookup_max"), given.get("prompt_lookup_min")))
+        for key in ("prompt_lookup_max", "prompt_lookup_min"):
+            if given.get(key) is not None:
+                raise ValueError(f"speculative_config {key} belongs to method 'ngram', not {method!r}")
+        return cls(method, k, model=check_draft_model(given.get("model"), target, check_model_folder))
+
+
+def _lookup(longest, shortest) -> tuple[int, int]:
+    if longest is None and shortest is None:
+        return DEFAULT_LOOKUP, DEFAULT_LOOKUP
+    longest = shortest if longest is None else longest
+    shortest = longest if shortest is None else shortest
+    check_range("speculative_config prompt_lookup_max", longest, 1, integer=True)
+    check_range("speculative_config prompt_lookup_min", shortest, 1, integer=True)
+    if shortest > longest:
+        raise ValueError(f"speculative_config prompt_lookup_min={shortest} is above prompt_lookup_max={longest}")
+    return longest, shortest
+
+
+def check_draft_model(path, target, check_model_folder) -> str:
+    """The draft model must exist, be a model nanopaged runs, and score the same vocabulary as the
+    target: its token ids are the target's (it shares the tokenizer)."""
+    from nanopaged.models.config import ModelConfig
+    if not path:
+        raise ValueError("speculative_config method 'draft_model' needs a 'model': the draft model's folder")
+    check_model_folder(path, target.tokenizer)      # the draft model uses the target's tokenizer
+    draft = ModelConfig.from_folder(path)
+    m = target.model_config
+    if draft.vocab_size != m.vocab_size:
+        raise ValueError(f"speculative_config draft model {path!r} has vocab_size={draft.vocab_size}; the target "
+                         f"model has {m.vocab_size}: a draft model must share the target's vocabulary")
+    if draft.max_position_embeddings < target.max_model_len:
+        raise ValueError(f"speculative_config draft model {path!r} has max_position_embeddings="
+                         f"{draft.max_position_embeddings}, below the engine's max_model_len={target.max_model_len}")
+    if target.tensor_parallel_size > 1:
+        raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size=1 only")
+    return str(path)
