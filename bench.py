@@ -3,6 +3,7 @@
     python bench.py                              # CPU-sized default, peers hf and hf-paged
     python bench.py --preset nano-vllm --random-weights qwen3-0.6b --device cuda
     python bench.py --json out.json --plot out.png
+    python bench.py --workload spec              # speculative decoding (benchmarks/spec.py)
 
 Throughput follows nano-vllm's bench.py: seeded random token-id prompts, input and output
 lengths uniform in a range, `ignore_eos=True`, one warm-up, then output tokens / wall time
@@ -34,6 +35,7 @@ from benchmarks.report import plot, print_shared_prefix, print_sharing, print_ta
 from benchmarks.quality import quality_figures, text_ids
 from benchmarks.roofline import measure_matmul_flops, roofline_figures
 from benchmarks.single_stream import single_stream_figures, single_stream_length
+from benchmarks.spec import print_spec, run_spec
 from benchmarks.structured import print_structured, run_structured
 from benchmarks.trace import make_trace
 from benchmarks.workloads import run_shared_prefix, run_sharing
@@ -47,13 +49,14 @@ from nanopaged.engine.input_processor import load_tokenizer
 DEFAULTS = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))
 # nano-vllm's bench.py: 256 requests, lengths uniform in 100..1024 (a GPU-sized run).
 PRESETS = {"nano-vllm": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))}
-WORKLOADS = ("throughput", "shared-prefix", "sharing", "structured", "serve")   # serve: benchmarks/serve.py, its own flags
+WORKLOADS = ("throughput", "shared-prefix", "sharing", "structured", "spec", "serve")   # serve: benchmarks/serve.py, its own flags
 # shared-prefix: each request = one system prompt (--prefix-len) + its own question.
 SHARED_PREFIX_DEFAULTS = dict(num_requests=64, input_len=(16, 48), output_len=(8, 16))
 # The other workloads: how each runs and how it prints.
 OTHER_WORKLOADS = {"shared-prefix": (run_shared_prefix, print_shared_prefix),
                    "sharing": (run_sharing, print_sharing),
-                   "structured": (run_structured, print_structured)}
+                   "structured": (run_structured, print_structured),
+                   "spec": (run_spec, print_spec)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,9 +64,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=WORKLOADS, default="throughput",
                    help="throughput (vs peers, default); shared-prefix (prefix caching on vs off); "
-                        "sharing (KV saved by n > 1 and beam search)")
+                        "sharing (KV saved by n > 1 and beam search); spec (speculative decoding: "
+                        "benchmarks/spec.py)")
     p.add_argument("--prefix-len", type=int, default=256,
                    help="shared-prefix: tokens of the system prompt every request starts with")
+    # spec: the repeating workload (benchmarks/spec.py); the random-token trace takes the flags below
+    p.add_argument("--num-prompts", type=int, default=16, help="spec: chat prompts (default 16)")
+    p.add_argument("--concurrency", type=int, default=16, help="spec: prompts at once in the batched run (default 16)")
+    p.add_argument("--spec-max-tokens", type=int,
+                   help="spec: max_tokens of every prompt (default: its passage's tokens + 16)")
+    p.add_argument("--ngram-k", default="3,5",
+                   help="spec: n-gram num_speculative_tokens, comma-separated (default 3,5)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="spec: n-gram prompt_lookup_max (default 4)")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="spec: n-gram prompt_lookup_min (default 2)")
+    p.add_argument("--draft-layers", type=int, default=6,
+                   help="spec: decoder layers the layer-truncated self-draft keeps (default 6)")
+    p.add_argument("--draft-k", type=int, default=3, help="spec: the draft model's num_speculative_tokens (default 3)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named trace size (default: CPU-sized)")
     p.add_argument("--num-requests", type=int, help=f"default {DEFAULTS['num_requests']}")
     p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"),
@@ -74,8 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="a local Hugging Face folder (default: the demo model)")
     p.add_argument("--random-weights", choices=sorted(RANDOM_CONFIGS), metavar="CONFIG",
                    help=f"build a model with random weights: {', '.join(RANDOM_CONFIGS)}")
-    p.add_argument("--peers", "--peer", default="hf,hf-paged",
-                   help=f"comma-separated, from {', '.join(PEERS)}; 'none' for none (default hf,hf-paged)")
+    p.add_argument("--peers", "--peer",
+                   help=f"comma-separated, from {', '.join(PEERS)}; 'none' for none (default hf,hf-paged; "
+                        "spec: none, vllm the one it takes)")
     p.add_argument("--hf-batch-sizes", "--hf-batch-size", default="8,16,32",
                    help="static batch sizes the hf peer is timed at, comma-separated; it is "
                         "reported at its fastest (default 8,16,32)")
@@ -115,10 +132,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in {**defaults, **PRESETS.get(args.preset, {})}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.peers is None:
+        args.peers = "none" if args.workload == "spec" else "hf,hf-paged"
     args.peers = [] if args.peers == "none" else [x.strip() for x in args.peers.split(",") if x.strip()]
     for peer in args.peers:
         if peer not in PEERS:
             p.error(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
+    if args.workload == "spec" and set(args.peers) - {"vllm"}:
+        p.error(f"--workload spec takes --peers vllm or none, got {','.join(args.peers)}")
+    try:
+        args.ngram_k = [int(x) for x in args.ngram_k.split(",")]
+    except ValueError:
+        p.error(f"--ngram-k takes integers separated by commas, got {args.ngram_k!r}")
+    for name in ("num_prompts", "concurrency", "spec_max_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "draft_layers", "draft_k"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.ngram_k or min(args.ngram_k) < 1 or args.prompt_lookup_min > args.prompt_lookup_max:
+        p.error("--ngram-k needs values >= 1, and --prompt-lookup-min at most --prompt-lookup-max")
     try:
         args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
     except ValueError:

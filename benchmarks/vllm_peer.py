@@ -9,6 +9,10 @@ process; this file imports nothing of nanopaged or of benchmarks/, only vLLM and
 library, and vLLM only inside main(), so bench.py can import it to find it. The timing rules are
 bench.py's: one warm-up, then output tokens / wall time of one generate over the whole trace
 (greedy, ignore_eos); one request at a time, decode tokens/s = (N - 1) / (time(N) - time(1)).
+
+Optional keys (bench.py --workload spec): "speculative_config" (vLLM's own dict, e.g. n-gram drafts;
+its spec-decode counters come back as "spec_decode"), "ignore_eos" (default true), "enable_prefix_caching"
+(default true) and "one_at_a_time" (the prompts also each alone, in turn: "one_at_a_time" in OUT.json).
 """
 from __future__ import annotations
 
@@ -31,16 +35,20 @@ def main(path_in: str, path_out: str) -> None:
     from vllm.inputs import TokensPrompt
     load = time.perf_counter()
     # Its own block size: vLLM's CPU attention takes only multiples of 32 (nanopaged's default is 16).
+    spec = job.get("speculative_config")
     llm = LLM(job["model"], dtype=job["dtype"], max_num_seqs=job["max_num_seqs"],
               max_num_batched_tokens=job["max_num_batched_tokens"], max_model_len=job["max_model_len"],
-              kv_cache_memory_bytes=job["kv_cache_bytes"], enable_prefix_caching=True, seed=0)
+              kv_cache_memory_bytes=job["kv_cache_bytes"], enable_prefix_caching=job.get("enable_prefix_caching", True),
+              seed=0, **({"speculative_config": spec, "disable_log_stats": False} if spec else {}))
     load = time.perf_counter() - load
+    ignore_eos = job.get("ignore_eos", True)
 
     def generate(prompts, lens):
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos) for n in lens]
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
     generate(WARMUP, [4])
+    before = spec_counters(llm) if spec else None
     start = time.perf_counter()
     outs = generate(job["prompts"], job["output_lens"])
     wall = time.perf_counter() - start
@@ -48,10 +56,45 @@ def main(path_in: str, path_out: str) -> None:
               "load_s": load, "vllm": vllm.__version__,
               "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
               "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+    if spec:
+        result["spec_decode"] = counters_since(spec_counters(llm), before)
+    if job.get("one_at_a_time"):
+        before = spec_counters(llm) if spec else None
+        start = time.perf_counter()
+        alone = [generate([p], [n])[0] for p, n in zip(job["prompts"], job["output_lens"])]
+        result["one_at_a_time"] = {"wall_s": time.perf_counter() - start,
+                                   "output_tokens": sum(len(o.outputs[0].token_ids) for o in alone),
+                                   "token_ids": [list(o.outputs[0].token_ids) for o in alone]}
+        if spec:
+            result["one_at_a_time"]["spec_decode"] = counters_since(spec_counters(llm), before)
     one = job.get("single_stream")
     if one:
         result["decode_tokens_per_s"] = decode_tokens_per_s(generate, one["prompt"], one["output_tokens"])
     open(path_out, "w").write(json.dumps(result))
+
+
+def spec_counters(llm) -> dict | None:
+    """vLLM's speculative-decoding counters (vllm:spec_decode_num_drafts, ..._draft_tokens,
+    ..._accepted_tokens), summed over their labels; None where its metrics cannot be read."""
+    try:
+        out = {}
+        for m in llm.get_metrics():
+            if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
+                name = m.name.removeprefix("vllm:spec_decode_").removesuffix("_total")
+                out[name] = out.get(name, 0) + m.value
+        return out
+    except Exception:
+        return None
+
+
+def counters_since(now: dict | None, before: dict | None) -> dict | None:
+    """The counts of one run, with the mean acceptance length and rate (vLLM's meanings)."""
+    if now is None or before is None:
+        return None
+    d = {k: v - before.get(k, 0) for k, v in now.items()}
+    drafts, tokens, accepted = d.get("num_drafts", 0), d.get("num_draft_tokens", 0), d.get("num_accepted_tokens", 0)
+    return {**d, "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "draft_acceptance_rate": accepted / tokens if tokens else 0.0}
 
 
 def decode_tokens_per_s(generate, prompt: list[int], n: int) -> float:

@@ -23,7 +23,7 @@ class SpecDecodeStats:
         self.accepted_per_pos = self.accepted_per_pos or [0] * self.k
 
     def since(self, base: "SpecDecodeStats") -> "SpecDecodeStats":
-        """The counts from `base` (a copy taken earlier: get_stats counts per call) to now."""
+        """The counts from `base` (a copy taken earlier: get_stats counts from the last reset_stats) to now."""
         return SpecDecodeStats(self.k, self.num_drafts - base.num_drafts, self.num_draft_tokens - base.num_draft_tokens,
                                self.num_accepted_tokens - base.num_accepted_tokens,
                                [a - b for a, b in zip(self.accepted_per_pos, base.accepted_per_pos)])
