@@ -11,6 +11,10 @@
     figures.py         ratios to the peers, where step time goes, the targets, published figures
     workloads.py       the other workloads: prefix caching on vs off, sharing inside a request
     serve.py           --workload serve: streaming clients at a Poisson rate against nanopaged serve and transformers serve
+    structured.py      --workload structured: what a JSON schema, a regex or a choice costs per token
+    spec.py            --workload spec: speculative decoding where the answer repeats its prompt, and on random tokens
+    quality.py         perplexity of a fixed English text: quantized weights against float32 and llama.cpp
+    vllm_peer.py, llamacpp_peer.py   the scripts vLLM and llama.cpp run in their own environments (peers.py starts them)
     machine.py         the machine and the library versions a result was measured with
     report.py          the tables printed and the plot drawn
 
