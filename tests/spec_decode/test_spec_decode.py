@@ -21,16 +21,19 @@ def draft(path, k=3):
     return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
 
 
-@pytest.fixture(scope="module")
-def near_draft(tiny_model_dirs, tmp_path_factory):
-    """The tiny llama with noise on every weight: a draft that agrees with it often, not always."""
-    folder = tmp_path_factory.mktemp("near_draft") / "llama"
-    shutil.copytree(tiny_model_dirs["llama"], folder)
+def perturbed_copy(model_dir, folder):
+    """The model with noise on every weight: a draft that agrees with it often, not always."""
+    shutil.copytree(model_dir, folder)
     weights = load_file(folder / "model.safetensors")
     g = torch.Generator().manual_seed(0)
     save_file({k: v + 0.005 * torch.randn(v.shape, generator=g) for k, v in weights.items()},
               folder / "model.safetensors")
     return folder
+
+
+@pytest.fixture(scope="module")
+def near_draft(tiny_model_dirs, tmp_path_factory):
+    return perturbed_copy(tiny_model_dirs["llama"], tmp_path_factory.mktemp("near_draft") / "llama")
 
 
 def repeating_prompts(n=8, seed=0):
@@ -68,10 +71,11 @@ def test_greedy_ngram_equals_plain_decoding(tiny_model_dirs, arch):
     assert s.num_drafts > 0 and s.num_accepted_tokens > 0 and s.num_accepted_tokens < s.num_draft_tokens
 
 
-def test_greedy_draft_model_equals_plain_decoding(tiny_model_dirs, near_draft):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_draft_model_equals_plain_decoding(tiny_model_dirs, tmp_path, arch):
     prompts = repeating_prompts()
-    plain = token_ids(engine(tiny_model_dirs["llama"]), prompts, GREEDY)
-    llm = engine(tiny_model_dirs["llama"], draft(near_draft))
+    plain = token_ids(engine(tiny_model_dirs[arch]), prompts, GREEDY)
+    llm = engine(tiny_model_dirs[arch], draft(perturbed_copy(tiny_model_dirs[arch], tmp_path / arch)))
     assert token_ids(llm, prompts, GREEDY) == plain
     s = stats(llm)                       # accepted often, rejected too: both paths ran
     assert 0.2 * s.num_draft_tokens < s.num_accepted_tokens < s.num_draft_tokens
@@ -290,3 +294,15 @@ def test_demo_model_greedy_ngram(demo_model_dir):
     assert token_ids(llm, prompts, p) == plain
     assert stats(llm).mean_acceptance_length > 1.5
     json.dumps(llm.get_stats())          # the stats stay JSON
+
+
+def test_demo_model_greedy_draft_model(demo_model_dir):
+    """A draft model with the demo model's vocabulary: its own first 4 layers (the bench's early-exit
+    draft). Its drafts are poor; the output is the target's all the same."""
+    from benchmarks.spec import build_draft_model
+    prompts = ["Name three colours.", "Write the word blue four times."]
+    p = SamplingParams(temperature=0, max_tokens=12)
+    plain = token_ids(engine(demo_model_dir), prompts, p)
+    llm = engine(demo_model_dir, draft(build_draft_model(demo_model_dir, 4), k=2))
+    assert token_ids(llm, prompts, p) == plain
+    assert stats(llm).num_draft_tokens > 0
