@@ -19,8 +19,6 @@ vLLM: v1/spec_decode/draft_model.py (which allocates lookahead slots in the targ
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from nanopaged.config import EngineConfig
@@ -29,6 +27,7 @@ from nanopaged.core.request import Request
 from nanopaged.core.scheduler import SchedulerOutput
 from nanopaged.sampling_params import SamplingParams
 from nanopaged.spec_decode.ngram_proposer import draft_budget
+from nanopaged.spec_decode.rejection_sampler import with_output
 from nanopaged.worker.model_runner import ModelRunner
 
 _PLAIN = SamplingParams()
@@ -61,7 +60,8 @@ class DraftModelProposer:
     @torch.inference_mode()
     def __call__(self, running: list[Request]) -> None:
         self.q = {}
-        self.computed = {r: c for r, c in self.computed.items() if r in set(running)}
+        alive = set(running)
+        self.computed = {r: c for r, c in self.computed.items() if r in alive}
         todo = [(r, b) for r in running if (b := draft_budget(r, self.k))]
         if not todo:
             return
@@ -129,11 +129,7 @@ class DraftModelProposer:
         and min_tokens, with the drafts so far in its history), so it drafts what the target may
         accept; greedy requests draft the argmax, sampled ones draw from q, that distribution after
         temperature, top-k, top-p and min-p, with the request's generator."""
-        history = []
-        for r, v in zip(requests, views):
-            h = copy.copy(r)
-            h.output_token_ids = v.output_token_ids
-            history.append(h)
+        history = [with_output(r, v.output_token_ids) for r, v in zip(requests, views)]
         _, logits = self.sampler.process_logits(logits, history)
         tokens, q = logits.argmax(dim=-1), [None] * len(requests)
         sampled = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]

@@ -44,8 +44,8 @@ class NgramProposer:
         for request in running:
             budget = draft_budget(request, self.k)
             if budget:
-                tokens = request.prompt_token_ids + request.output_token_ids
-                request.spec_token_ids = propose_ngram(tokens, budget, self.longest, self.shortest)
+                request.spec_token_ids = propose_ngram(request.token_ids(0, request.num_tokens), budget,
+                                                       self.longest, self.shortest)
 
 
 def draft_budget(request: Request, k: int) -> int:

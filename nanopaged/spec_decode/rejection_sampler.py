@@ -82,6 +82,8 @@ class RejectionSampler:
     @torch.inference_mode()
     def __call__(self, runner_output: ModelRunnerOutput) -> dict[Request, list[SampledToken]]:
         rows = runs(runner_output.requests)
+        if len(rows) == len(runner_output.requests):     # no drafts this step: the plain sampler, as is
+            return self.parallel(runner_output)
         plain = [(r, start) for r, start, n in rows if n == 1]
         out = {}
         if plain:
@@ -140,9 +142,13 @@ def runs(requests: list[Request]) -> list[tuple[Request, int, int]]:
 def row_views(request: Request, n: int) -> list[Request]:
     """What the sampler's rules see at each of a request's n rows: row j as if its first j drafts
     were already output (penalties, min_tokens and bad_words count them)."""
-    views = [request]
-    for j in range(1, n):
-        view = copy.copy(request)
-        view.output_token_ids = request.output_token_ids + request.spec_token_ids[:j]
-        views.append(view)
-    return views
+    return [request] + [with_output(request, request.output_token_ids + request.spec_token_ids[:j])
+                        for j in range(1, n)]
+
+
+def with_output(request: Request, output_token_ids: list[int]) -> Request:
+    """A shallow copy of the request whose output is `output_token_ids`: what the sampler's rules
+    read for a position past its real tokens (the request itself keeps its generator)."""
+    view = copy.copy(request)
+    view.output_token_ids = output_token_ids
+    return view

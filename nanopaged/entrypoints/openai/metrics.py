@@ -18,6 +18,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from nanopaged import spec_decode
 from nanopaged.engine.llm_engine import LLMEngine, StepRecord
 from nanopaged.extras.stats import EngineStats
 
@@ -57,7 +58,7 @@ class ServerMetrics:
         self.arrival: dict[str, float] = {}        # request id -> monotonic arrival time
         self.first_token: dict[str, float] = {}    # request id -> monotonic time of its first token
         self.seen = (0, 0, 0)                      # stats' (preemptions, queries, hits) at the last step
-        self.spec = engine.extensions.get("nanopaged.spec_decode")    # speculative_config: vLLM's four counters
+        self.spec = spec_decode.of(engine)         # speculative_config: vLLM's four counters
         if self.spec is not None:
             name = PREFIX + "spec_decode_num_"
             self.spec_counters = (
