@@ -109,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-linear", choices=["auto", "packed", "reference"],
                    help="nanopaged's CPU linear kernel: packed (oneDNN bfloat16 on packed weights), reference "
                         "(F.linear); auto (the engine's default): packed where the CPU's matrix units run it")
+    p.add_argument("--cpu-kernels", choices=["auto", "fused", "reference"],
+                   help="nanopaged's CPU layer kernels: fused (C++ norms, rotary + K/V store, SiLU, decode "
+                        "attention), reference (torch ops); auto (the engine's default): fused with packed linears")
     p.add_argument("--quantization", choices=["gguf", "int4", "int8"],
                    help="nanopaged's weight-only quantization of the decoder layers (default: none); gguf runs "
                         "the GGUF file's own 4-bit blocks (the demo model's Q4_1)")
@@ -172,7 +175,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def engine_settings(args) -> dict:
     """The engine settings given on the command line (the rest keep nanopaged's defaults)."""
     names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
-             "max_model_len", "dtype", "device", "cpu_threads", "cpu_linear", "tensor_parallel_size", "quantization")
+             "max_model_len", "dtype", "device", "cpu_threads", "cpu_linear", "cpu_kernels", "tensor_parallel_size",
+             "quantization")
     settings = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if settings.get("cpu_threads") == "none":
         settings["cpu_threads"] = None

@@ -12,7 +12,8 @@ def print_table(r: dict) -> None:
           f"model {Path(s['model']).name}, {r['machine']['cpu']} ({r['machine']['cpu_cores']} cores, "
           f"{s['threads']} torch threads)")
     mach = r["machine"]
-    print(f"{s['dtype']}, cpu_linear {s['cpu_linear']}, quantization {s.get('quantization')}; CPU flags {' '.join(mach['matrix_flags']) or 'none'} "
+    print(f"{s['dtype']}, cpu_linear {s['cpu_linear']}, cpu_kernels {s.get('cpu_kernels')}, attention "
+          f"{s.get('attention_backend')}, quantization {s.get('quantization')}; CPU flags {' '.join(mach['matrix_flags']) or 'none'} "
           f"(bfloat16 matrix units: {', '.join(mach['bf16_matrix_units']) or 'none'})")
     print(f"\n{'engine (measured, this run)':30} {'out tok/s':>10} {'total tok/s':>12} {'req/s':>7} "
           f"{'wall s':>8} {'vs nanopaged':>13}")

@@ -28,6 +28,9 @@ DEVICES = ("auto", "cpu", "cuda")
 # CPU linear kernels: packed = oneDNN's bfloat16 kernel on weights reordered once at load
 # (worker/cpu_linear.py), reference = F.linear on the weights as loaded.
 CPU_LINEARS = ("auto", "packed", "reference")
+# CPU layer kernels: fused = C++ kernels for the norms, rotary + K/V store, SiLU-and-mul and the
+# decode attention (worker/cpu_fused.py, kernels/cpu_ops.cpp); reference = the model's torch ops.
+CPU_KERNELS = ("auto", "fused", "reference")
 # weight-only quantization of the decoder layers' linears on CPU (worker/quant_linear.py)
 QUANTIZATIONS = (None, "gguf", "int4", "int8")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -56,6 +59,7 @@ class EngineConfig:
     max_logprobs: int = MAX_LOGPROBS        # the most logprobs / prompt_logprobs a request may ask for
     cpu_threads: str | None = "auto"        # CPU: follow the free cores (extras/thread_governor.py); None: torch's
     cpu_linear: str = "auto"                # CPU: packed (oneDNN bf16 weights) | reference (F.linear); auto: packed where it runs
+    cpu_kernels: str = "auto"               # CPU: fused (C++ layer kernels) | reference (torch ops); auto: fused with packed linears
     tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
     speculative_config: dict | None = None  # ngram or draft_model drafts, verified in one pass (spec_decode/)
     quantization: str | None = None         # CPU weight-only: gguf | int4 | int8 (worker/quant_linear.py); None: off
@@ -81,6 +85,7 @@ class EngineConfig:
         check_choice("attention_backend", self.attention_backend, ("auto", *ATTENTION_BACKENDS))
         check_choice("cpu_threads", self.cpu_threads, (None, "auto"))
         check_choice("cpu_linear", self.cpu_linear, CPU_LINEARS)
+        check_choice("cpu_kernels", self.cpu_kernels, CPU_KERNELS)
         check_range("tensor_parallel_size", self.tensor_parallel_size, 1, integer=True)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("quantization_group_size", self.quantization_group_size, (32, 64, 128, 256))
@@ -102,6 +107,7 @@ class EngineConfig:
             self.dtype = "bfloat16" if self.device == "cuda" else auto_cpu_dtype()
         self.dtype = DTYPES[self.dtype][0]
         self.cpu_linear = resolve_cpu_linear(self.cpu_linear, self.device, self.dtype)
+        self.cpu_kernels = resolve_cpu_kernels(self.cpu_kernels, self.device, self.cpu_linear)
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -112,6 +118,8 @@ class EngineConfig:
             self.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS[self.device]
         if self.device == "cpu" and self.kv_cache_memory_bytes is None:
             self.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES     # on CUDA: measured by the runner
+        if self.attention_backend == "auto" and self.cpu_kernels == "fused":
+            self.attention_backend = "cpu"      # the fused layer's decode rows attend in C++ too
         self.attention_backend = resolve_attention_backend(self.attention_backend, self.device, self.dtype)
 
     @classmethod
@@ -136,6 +144,25 @@ def resolve_cpu_linear(name: str, device: str, dtype: str) -> str:
         raise ValueError(f"cpu_linear='packed' needs device='cpu', dtype='bfloat16' and a CPU with bfloat16 "
                          f"matrix units (amx_bf16 or avx512_bf16); got device={device!r}, dtype={dtype!r}, "
                          f"units {bf16_matrix_units() or 'none'}")
+    return name
+
+
+def resolve_cpu_kernels(name: str, device: str, cpu_linear: str) -> str:
+    """auto: fused where the linears are packed (a bfloat16 model on a CPU with bfloat16 matrix
+    units: the path that is not held to Hugging Face token for token) and the kernels build here
+    (the first time on a machine, a ~40 s compile); the torch reference elsewhere, float32
+    included. fused off the CPU, or where the kernels cannot build, is a ValueError that says why."""
+    if name == "reference" or (name == "auto" and not (device == "cpu" and cpu_linear == "packed")):
+        return "reference"
+    from nanopaged.kernels.cpu_ops import available     # only when the fast path is a candidate
+    if name == "auto":
+        return "fused" if available() is None else "reference"
+    if name == "fused":
+        if device != "cpu":
+            raise ValueError(f"cpu_kernels='fused' runs on CPU (device is {device!r})")
+        why_not = available()
+        if why_not:
+            raise ValueError(f"cpu_kernels='fused': {why_not}")
     return name
 
 

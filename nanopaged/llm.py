@@ -53,10 +53,10 @@ class LLM:
         if cfg.cpu_threads == "auto" and cfg.device == "cpu" and cfg.tensor_parallel_size == 1:
             self.thread_governor = governor
             self.llm_engine.observers.append(governor)
-        logger.info("%s: %s on %s, linear kernels %s (CPU bfloat16 matrix units: %s); %d KV blocks of %d tokens",
-                    cfg.model_config.architecture, cfg.dtype, cfg.device,
-                    cfg.cpu_linear if cfg.device == "cpu" else "torch", ", ".join(bf16_matrix_units()) or "none",
-                    self.llm_engine.runner.num_kv_blocks, cfg.block_size)
+        logger.info("%s: %s on %s, linear kernels %s, layer kernels %s, attention %s (CPU bfloat16 matrix units: "
+                    "%s); %d KV blocks of %d tokens", cfg.model_config.architecture, cfg.dtype, cfg.device,
+                    cfg.cpu_linear if cfg.device == "cpu" else "torch", cfg.cpu_kernels, cfg.attention_backend,
+                    ", ".join(bf16_matrix_units()) or "none", self.llm_engine.runner.num_kv_blocks, cfg.block_size)
         quantized = getattr(self.llm_engine.runner, "quantized", None)
         if quantized:
             logger.info("quantization=%s: %d linears also hold %.1f MB of quantized weights (steps of at most %d "

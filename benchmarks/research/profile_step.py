@@ -46,10 +46,10 @@ OP_PREFIXES = ("aten::", "mkldnn::")     # mkldnn::_linear_pointwise: the packed
 
 
 @contextmanager
-def decoding_engine(model: str, rows: int, seed: int = 0, dtype: str = "auto"):
+def decoding_engine(model: str, rows: int, seed: int = 0, dtype: str = "auto", **settings):
     """An engine with `rows` requests past their prompts: every further step is decode-only.
     The requests are aborted on the way out."""
-    engine = LLM(model, cpu_threads=None, dtype=dtype).llm_engine
+    engine = LLM(model, cpu_threads=None, dtype=dtype, **settings).llm_engine
     rng = random.Random(seed)
     vocab = min(engine.runner.model_config.vocab_size, len(engine.tokenizer))
     for i in range(rows):
@@ -76,9 +76,10 @@ def step_ms(engine, steps: int = 7) -> float:
 
 
 def profile_decode_step(model: str, rows: int, seed: int = 0, without: bool = False,
-                        dtype: str = "auto") -> dict:
-    """The step's time and profile; with `without`, also `times_without` on the same engine."""
-    with decoding_engine(model, rows, seed, dtype) as engine:
+                        dtype: str = "auto", **settings) -> dict:
+    """The step's time and profile; with `without`, also `times_without` on the same engine.
+    `settings`: the engine's (cpu_kernels, quantization, ...)."""
+    with decoding_engine(model, rows, seed, dtype, **settings) as engine:
         ms = step_ms(engine)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.step()
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
     p.add_argument("--dtype", default="auto", help="the engine's dtype (default auto); --without in bfloat16 "
                    "feeds garbage through the pass-throughs, whose huge values slow some kernels: time it in float32")
+    p.add_argument("--cpu-kernels", default="auto", help="the engine's cpu_kernels: auto, fused, reference")
+    p.add_argument("--quantization", help="the engine's quantization: gguf, int4, int8 (default: none)")
     p.add_argument("--without", action="store_true",
                    help="also time the step without each piece of the layer (unprofiled)")
     args = p.parse_args(argv)
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = args.model or str(demo_model_path())
-    fig = profile_decode_step(model, args.rows, without=args.without, dtype=args.dtype)
+    fig = profile_decode_step(model, args.rows, without=args.without, dtype=args.dtype,
+                              cpu_kernels=args.cpu_kernels, quantization=args.quantization)
     print_profile(fig)
     if args.without:
         print_without(fig["without"])

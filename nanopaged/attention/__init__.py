@@ -3,6 +3,7 @@
     metadata.py        AttentionMetadata: slot mapping, block tables, lengths
     backends.py        the table of backends, what `auto` means here, loading one
     torch_backend.py   the reference: store by slot mapping, gather blocks, SDPA (any device)
+    cpu_backend.py     the `cpu` backend: decode rows attend through the block table in C++
     triton_kernels.py  Triton store / gather / paged-attention kernels
     triton_backend.py  the `triton` backend (CUDA; CPU under TRITON_INTERPRET=1 in tests)
     flash_backend.py   the `flash` backend on flash-attn (CUDA)

@@ -44,9 +44,10 @@ def resolve_attention_backend(name: str, device: str, dtype: str) -> str:
     if name == "cpu":
         if device != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on CPU (device is {device!r})")
-        if not _compiler():
-            raise ValueError("attention_backend='cpu' compiles its kernel on first use and needs a C++ compiler "
-                             "(c++ or g++ on the PATH)")
+        from nanopaged.kernels.cpu_ops import available
+        why_not = available()
+        if why_not:
+            raise ValueError(f"attention_backend='cpu': {why_not}")
     if name == "flash":
         if not cuda:
             raise ValueError(f"attention_backend='flash' needs CUDA (device is {device!r}); "
@@ -67,9 +68,3 @@ def load_attention_backend(name: str):
 def _installed(package: str) -> bool:
     """Whether `package` can be imported, without importing it (find_spec only looks)."""
     return importlib.util.find_spec(package) is not None
-
-
-def _compiler() -> bool:
-    """Whether a C++ compiler is on the PATH (the `cpu` backend builds its kernel with it)."""
-    import shutil
-    return any(shutil.which(c) for c in ("c++", "g++"))

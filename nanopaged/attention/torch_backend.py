@@ -113,6 +113,13 @@ class TorchAttentionBackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim)."""
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The second job alone, the new K/V already in the pool (the fused CPU layer stores them
+        in the same pass that rotates them: worker/cpu_fused.py)."""
         if meta.plan is None:
             meta.plan = plan_step(meta, q.dtype)
         plan = meta.plan

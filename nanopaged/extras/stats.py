@@ -80,6 +80,8 @@ class EngineStats:
             "num_preemptions": self.num_preemptions,
             "dtype": self.engine.config.dtype,
             "cpu_linear": self.engine.config.cpu_linear,         # the CPU linear kernel (worker/cpu_linear.py)
+            "cpu_kernels": self.engine.config.cpu_kernels,       # the layers' small ops: fused C++ or torch (worker/cpu_fused.py)
+            "attention_backend": self.engine.config.attention_backend,
             "cpu_bf16_matrix_units": bf16_matrix_units(),         # what dtype="auto" read (cpu_features.py)
             "quantization": getattr(self.engine.runner, "quantized", None),   # quantization=: what and how much
             "kv_cache_usage": pool.usage(),

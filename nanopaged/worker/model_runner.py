@@ -88,6 +88,9 @@ class ModelRunner:
                                               self.config.gguf_file)
         if self.config.cpu_linear == "packed":    # bfloat16 on the CPU's matrix units (cpu_linear.py)
             pack_linears(model)
+        if self.config.cpu_kernels == "fused":    # the layers' small ops in C++ (cpu_fused.py)
+            from nanopaged.worker.cpu_fused import fuse_layers
+            fuse_layers(model)
         return model.eval()
 
     def wrap_model(self, model: nn.Module):

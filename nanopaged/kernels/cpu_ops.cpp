@@ -1,0 +1,459 @@
+// nanopaged's CPU kernels: the small ops of a decoder layer fused into one pass each, and paged
+// decode attention. Built on first use by nanopaged/kernels/cpu_ops.py; every op has a torch
+// reference beside it (the model's own modules) and tests/kernels/test_cpu_ops.py holds it to that.
+//
+// Why C++: on a CPU a decode step of a small model launches ~1,600 torch ops (a norm is eight:
+// float, pow, mean, add, rsqrt, mul, to, mul), each a few microseconds of dispatch for a few
+// microseconds of work. One pass over the data per op, as vLLM's csrc/cpu kernels do, removes
+// both the launches and the intermediate tensors (docs/05_model_runner_and_kernels.md).
+//
+// Rounding: T is the model's dtype. Where the torch reference rounds an intermediate to T (a
+// bfloat16 tensor between two ops), the kernel rounds it too (`round_to<T>`: round to nearest
+// even, as torch does), so a norm, a rotation or a SiLU here gives the reference's values up to
+// the order of a float32 sum and the last bit of an exp.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// How many elements a thread should get before a loop is split over threads: below that the
+// fork/join costs more than the work (a 24-row decode step's norm is 14k elements).
+static constexpr int64_t kGrainElements = 32768;
+
+static int64_t grain(int64_t per_row) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, per_row)); }
+
+#define DISPATCH_MODEL_DTYPES(dtype, name, ...) \
+  AT_DISPATCH_SWITCH(dtype, name, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+// ---- 16 floats at a time ----------------------------------------------------------------------
+// Every kernel below is written once on Vec16: AVX-512 registers where the CPU has them, else
+// an array of 16 floats whose loops the compiler turns into AVX2 (two 8-wide halves). Loads and
+// stores convert from and to the model's dtype T; `round_to<T>` rounds a float to T's precision
+// and keeps it a float (what a bfloat16 tensor between two torch ops holds).
+using bf16 = c10::BFloat16;
+using fp16 = c10::Half;
+
+#if defined(__AVX512F__)
+struct Vec16 {
+  __m512 v;
+  static Vec16 fill(float x) { return {_mm512_set1_ps(x)}; }
+  static Vec16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec16 load(const bf16* p) {         // a bfloat16 is the top half of a float32
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+  }
+  static Vec16 load(const fp16* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store(bf16* p) const {                // v already holds bfloat16 values: keep the top halves
+    const __m256i top = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), top);
+  }
+  void store(fp16* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+  float max() const { return _mm512_reduce_max_ps(v); }
+  Vec16 operator+(Vec16 o) const { return {_mm512_add_ps(v, o.v)}; }
+  Vec16 operator-(Vec16 o) const { return {_mm512_sub_ps(v, o.v)}; }
+  Vec16 operator*(Vec16 o) const { return {_mm512_mul_ps(v, o.v)}; }
+  Vec16 operator/(Vec16 o) const { return {_mm512_div_ps(v, o.v)}; }
+  friend Vec16 fma(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  friend Vec16 max(Vec16 a, Vec16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  friend Vec16 min(Vec16 a, Vec16 b) { return {_mm512_min_ps(a.v, b.v)}; }
+  friend Vec16 round_nearest(Vec16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT)}; }
+  friend Vec16 times_pow2(Vec16 a, Vec16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }   // a * 2^n
+};
+template <typename T> static inline Vec16 round_to(Vec16 x);
+template <> inline Vec16 round_to<float>(Vec16 x) { return x; }
+template <> inline Vec16 round_to<bf16>(Vec16 x) {     // nearest even on the dropped 16 bits, as torch rounds
+  const __m512i u = _mm512_castps_si512(x.v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  return {_mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u))))};
+}
+template <> inline Vec16 round_to<fp16>(Vec16 x) { return {_mm512_cvtph_ps(_mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT))}; }
+#else
+struct Vec16 {
+  float v[16];
+  static Vec16 fill(float x) { Vec16 r; for (int i = 0; i < 16; ++i) r.v[i] = x; return r; }
+  template <typename T> static Vec16 load(const T* p) { Vec16 r; for (int i = 0; i < 16; ++i) r.v[i] = float(p[i]); return r; }
+  template <typename T> void store(T* p) const { for (int i = 0; i < 16; ++i) p[i] = T(v[i]); }
+  float sum() const { float s = 0.f; for (int i = 0; i < 16; ++i) s += v[i]; return s; }
+  float max() const { float m = v[0]; for (int i = 1; i < 16; ++i) m = std::max(m, v[i]); return m; }
+#define NP_VEC_OP(op) Vec16 operator op(Vec16 o) const { Vec16 r; for (int i = 0; i < 16; ++i) r.v[i] = v[i] op o.v[i]; return r; }
+  NP_VEC_OP(+) NP_VEC_OP(-) NP_VEC_OP(*) NP_VEC_OP(/)
+#undef NP_VEC_OP
+  friend Vec16 fma(Vec16 a, Vec16 b, Vec16 c) { Vec16 r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r; }
+  friend Vec16 max(Vec16 a, Vec16 b) { Vec16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::max(a.v[i], b.v[i]); return r; }
+  friend Vec16 min(Vec16 a, Vec16 b) { Vec16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::min(a.v[i], b.v[i]); return r; }
+  friend Vec16 round_nearest(Vec16 a) { Vec16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::nearbyint(a.v[i]); return r; }
+  friend Vec16 times_pow2(Vec16 a, Vec16 n) {
+    Vec16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = std::ldexp(a.v[i], int(n.v[i]));
+    return r;
+  }
+};
+template <typename T> static inline Vec16 round_to(Vec16 x) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = float(T(x.v[i]));
+  return r;
+}
+#endif
+
+// e^x to about one unit in the last place: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes'
+// polynomial, then times 2^n. Inputs below -87 give ~0, as a softmax or a SiLU needs.
+static inline Vec16 exp(Vec16 x) {
+  x = min(max(x, Vec16::fill(-87.3f)), Vec16::fill(88.3f));
+  const Vec16 n = round_nearest(x * Vec16::fill(1.44269504088896341f));
+  Vec16 r = fma(n, Vec16::fill(-0.693359375f), x);
+  r = fma(n, Vec16::fill(2.12194440e-4f), r);
+  Vec16 p = Vec16::fill(1.9875691500e-4f);
+  p = fma(p, r, Vec16::fill(1.3981999507e-3f));
+  p = fma(p, r, Vec16::fill(8.3334519073e-3f));
+  p = fma(p, r, Vec16::fill(4.1665795894e-2f));
+  p = fma(p, r, Vec16::fill(1.6666665459e-1f));
+  p = fma(p, r, Vec16::fill(5.0000001201e-1f));
+  p = fma(p * r, r, r + Vec16::fill(1.f));
+  return times_pow2(p, n);
+}
+
+static inline float exp_scalar(float x) {       // the same e^x for a loop's tail
+  float lanes[16] = {x};
+  exp(Vec16::load(lanes)).store(lanes);
+  return lanes[0];
+}
+
+// ---- RMSNorm --------------------------------------------------------------------------------
+// Hugging Face's LlamaRMSNorm in dtype T: x in float32, times rsqrt(mean(x^2) + eps), rounded to
+// T, then times the weight (a T product, rounded again). One row of `d` values; out may be x.
+template <typename T>
+static inline void rms_norm_row(const T* x, const T* w, T* out, int64_t d, float eps) {
+  const int64_t body = d - d % 16;
+  Vec16 acc = Vec16::fill(0.f);
+  for (int64_t i = 0; i < body; i += 16) { const Vec16 v = Vec16::load(x + i); acc = fma(v, v, acc); }
+  float sum = acc.sum();
+  for (int64_t i = body; i < d; ++i) sum += float(x[i]) * float(x[i]);
+  const float inv = 1.f / std::sqrt(sum / float(d) + eps);
+  const Vec16 scale = Vec16::fill(inv);
+  for (int64_t i = 0; i < body; i += 16)
+    round_to<T>(Vec16::load(w + i) * round_to<T>(Vec16::load(x + i) * scale)).store(out + i);
+  for (int64_t i = body; i < d; ++i) out[i] = T(float(w[i]) * float(T(float(x[i]) * inv)));
+}
+
+// x (rows, d) with unit stride in d: a new (rows, d) tensor.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be (rows, d) with unit stride in d");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be (d,) contiguous, in x's dtype");
+  const int64_t rows = x.size(0), d = x.size(1), row = x.stride(0);
+  auto out = torch::empty({rows, d}, x.options());
+  DISPATCH_MODEL_DTYPES(x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(d), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * row, wp, op + r * d, d, float(eps));
+    });
+  });
+  return out;
+}
+
+// The residual add and the norm after it, in one pass: x = x + y rounded to T in place (the
+// residual stream, rounded as the reference's add rounds it: a sum kept in float32 instead shifts
+// greedy tokens at near ties), then a new tensor with RMSNorm(x). vLLM's fused_add_rms_norm.
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.dim() == 2 && y.stride(1) == 1 && x.sizes() == y.sizes(),
+              "add_rms_norm: x must be contiguous (rows, d) and y (rows, d) with unit stride in d");
+  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "add_rms_norm: x and y in one dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: weight must be (d,) contiguous, in x's dtype");
+  const int64_t rows = x.size(0), d = x.size(1), y_row = y.stride(0);
+  auto out = torch::empty({rows, d}, x.options());
+  DISPATCH_MODEL_DTYPES(x.scalar_type(), "add_rms_norm", [&] {
+    using T = scalar_t;
+    T* xp = x.data_ptr<T>();
+    const T* yp = y.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t body = d - d % 16;
+    at::parallel_for(0, rows, grain(d), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        T* xr = xp + r * d;
+        const T* yr = yp + r * y_row;
+        for (int64_t i = 0; i < body; i += 16) round_to<T>(Vec16::load(xr + i) + Vec16::load(yr + i)).store(xr + i);
+        for (int64_t i = body; i < d; ++i) xr[i] = T(float(xr[i]) + float(yr[i]));
+        rms_norm_row(xr, wp, op + r * d, d, float(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// ---- rotary embedding, and the K/V store ------------------------------------------------------
+// One head of D values rotated in place: x * cos + rotate_half(x) * sin, Hugging Face's
+// rotate_half (the first half of a head pairs with the second, negated), each product and the
+// sum rounded to T as the reference's three bfloat16 ops round them.
+template <typename T>
+static inline void rotate_head(T* x, const T* cos, const T* sin, int64_t D) {
+  const int64_t half = D / 2;
+  float tmp[1024];
+  for (int64_t i = 0; i < D; ++i) tmp[i] = float(x[i]);
+  for (int64_t i = 0; i < D; ++i) {
+    const float rot = i < half ? -tmp[i + half] : tmp[i - half];
+    x[i] = T(float(T(tmp[i] * float(cos[i]))) + float(T(rot * float(sin[i]))));
+  }
+}
+
+// One step's attention inputs, from the fused q/k/v projection's output:
+//   qkv (n, (heads + 2 kv_heads) D): q's heads, then k's, then v's, per row (any row stride)
+//   cos, sin (n, D): the rows' rotary tables, in qkv's dtype
+//   q_norm, k_norm (D,) or empty: Qwen3's RMSNorm over each q and k head, before the rotation
+// q's and k's heads are rotated in place; k and v are written to their slots of the pool,
+// k_cache and v_cache (blocks, block_size, kv_heads, D): slot s is block s / block_size, offset
+// s % block_size (the paper's section 4.1; vLLM's reshape_and_cache). Afterwards q, k and v are
+// the views of qkv the attention reads.
+void rotary_and_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor q_norm,
+                      torch::Tensor k_norm, double eps, int64_t heads, int64_t kv_heads, torch::Tensor k_cache,
+                      torch::Tensor v_cache, torch::Tensor slot_mapping) {
+  const int64_t n = qkv.size(0), D = k_cache.size(3), block_size = k_cache.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (heads + 2 * kv_heads) * D,
+              "rotary_and_store: qkv must be (tokens, (heads + 2 kv_heads) head_dim) with unit stride");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * D && sin.numel() == n * D,
+              "rotary_and_store: cos and sin must be contiguous (tokens, head_dim)");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.strides() == v_cache.strides() && k_cache.size(2) == kv_heads,
+              "rotary_and_store: caches must be (blocks, block_size, kv_heads, head_dim), one layout");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == n, "slot_mapping: int64 (tokens,)");
+  TORCH_CHECK(D % 2 == 0 && D <= 1024, "head_dim must be even and at most 1024");
+  const bool norm = q_norm.defined() && q_norm.numel() > 0;
+  TORCH_CHECK(!norm || (q_norm.numel() == D && k_norm.numel() == D), "q_norm and k_norm must be (head_dim,)");
+  auto slots = slot_mapping.contiguous();
+  const int64_t row = qkv.stride(0), c_block = k_cache.stride(0), c_token = k_cache.stride(1),
+                c_head = k_cache.stride(2);
+  DISPATCH_MODEL_DTYPES(qkv.scalar_type(), "rotary_and_store", [&] {
+    using T = scalar_t;
+    T* base = qkv.data_ptr<T>();
+    const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+    const T* qn = norm ? q_norm.data_ptr<T>() : nullptr;
+    const T* kn = norm ? k_norm.data_ptr<T>() : nullptr;
+    T *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    at::parallel_for(0, n, grain((heads + 2 * kv_heads) * D), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        T* x = base + t * row;
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {   // q's heads, then k's
+          T* head = x + h * D;
+          if (norm) rms_norm_row(head, h < heads ? qn : kn, head, D, float(eps));
+          rotate_head(head, cp + t * D, sp + t * D, D);
+        }
+        const int64_t s = sl[t];
+        const int64_t at = (s / block_size) * c_block + (s % block_size) * c_token;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          std::memcpy(kc + at + h * c_head, x + (heads + h) * D, D * sizeof(T));
+          std::memcpy(vc + at + h * c_head, x + (heads + kv_heads + h) * D, D * sizeof(T));
+        }
+      }
+    });
+  });
+}
+
+// ---- SiLU(gate) * up ----------------------------------------------------------------------
+// gate_up (n, 2 I) -> (n, I): SiLU of the first half times the second, SiLU rounded to T before
+// the product as the reference's two ops round it.
+template <typename T>
+static inline void silu_and_mul_row(const T* g, const T* u, T* o, int64_t I) {
+  const int64_t body = I - I % 16;
+  const Vec16 one = Vec16::fill(1.f), zero = Vec16::fill(0.f);
+  for (int64_t i = 0; i < body; i += 16) {
+    const Vec16 x = Vec16::load(g + i);
+    const Vec16 silu = round_to<T>(x / (one + exp(zero - x)));
+    round_to<T>(silu * Vec16::load(u + i)).store(o + i);
+  }
+  for (int64_t i = body; i < I; ++i) {
+    const float x = float(g[i]);
+    o[i] = T(float(T(x / (1.f + exp_scalar(-x)))) * float(u[i]));
+  }
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "silu_and_mul: gate_up must be (rows, 2 I) with unit stride");
+  const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2, row = gate_up.stride(0);
+  auto out = torch::empty({rows, I}, gate_up.options());
+  DISPATCH_MODEL_DTYPES(gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(I), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) silu_and_mul_row(gp + r * row, gp + r * row + I, op + r * I, I);
+    });
+  });
+  return out;
+}
+
+// ---- paged decode attention -------------------------------------------------------------------
+// One (request, KV head) pair: its G query heads (the heads that share this KV head, GQA) over
+// the request's n keys, which the block table scatters over the pool. Three passes: q . k of
+// every query head with every key (each key row read once for all G heads), a softmax over
+// each head's scores, then the values weighted by it (each value row read once). DIM
+// (head_dim) is known when compiled, so a head's DIM / 16 registers unroll.
+static constexpr int kMaxGroup = 16;    // query heads per KV head the vector kernel takes
+
+// The next block's rows of one head, asked for while this block is computed: blocks lie anywhere
+// in the pool, so the hardware prefetcher, which follows streams, cannot guess them.
+template <typename T>
+static inline void prefetch_block(const T* first, int64_t block_size, int64_t c_token, int64_t D) {
+  for (int64_t j = 0; j < block_size; ++j)
+    for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(first + j * c_token + d);
+}
+
+template <typename T, int DIM>
+static void attend_one_head(const T* q, int64_t q_head, const T* kc, const T* vc, const int64_t* table, int64_t n,
+                            int64_t block_size, int64_t c_block, int64_t c_token, int64_t offset, int64_t G,
+                            float scale, T* out, float* scores) {
+  constexpr int V = DIM / 16;
+  Vec16 qg[kMaxGroup][V], acc[kMaxGroup][V];
+  for (int64_t g = 0; g < G; ++g)
+    for (int v = 0; v < V; ++v) qg[g][v] = Vec16::load(q + g * q_head + 16 * v) * Vec16::fill(scale);
+  for (int64_t t0 = 0, b = 0; t0 < n; t0 += block_size, ++b) {      // block by block: no division per key
+    const T* k = kc + table[b] * c_block + offset;
+    const int64_t m = std::min(block_size, n - t0);
+    if (t0 + block_size < n) prefetch_block(kc + table[b + 1] * c_block + offset, block_size, c_token, DIM);
+    for (int64_t j = 0; j < m; ++j, k += c_token) {
+      Vec16 key[V];
+      for (int v = 0; v < V; ++v) key[v] = Vec16::load(k + 16 * v);
+      for (int64_t g = 0; g < G; ++g) {
+        Vec16 dot = qg[g][0] * key[0];
+        for (int v = 1; v < V; ++v) dot = fma(qg[g][v], key[v], dot);
+        scores[g * n + t0 + j] = dot.sum();
+      }
+    }
+  }
+  // softmax over each head's n scores, 16 at a time; 1 / sum is applied to the output
+  const int64_t body = n - n % 16;
+  float inv_sum[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * n;
+    Vec16 mv = Vec16::fill(-INFINITY);
+    for (int64_t t = 0; t < body; t += 16) mv = max(mv, Vec16::load(s + t));
+    float mx = mv.max();
+    for (int64_t t = body; t < n; ++t) mx = std::max(mx, s[t]);
+    Vec16 sv = Vec16::fill(0.f);
+    for (int64_t t = 0; t < body; t += 16) {
+      const Vec16 e = exp(Vec16::load(s + t) - Vec16::fill(mx));
+      e.store(s + t);
+      sv = sv + e;
+    }
+    float sum = sv.sum();
+    for (int64_t t = body; t < n; ++t) { s[t] = exp_scalar(s[t] - mx); sum += s[t]; }
+    inv_sum[g] = 1.f / sum;
+    for (int v = 0; v < V; ++v) acc[g][v] = Vec16::fill(0.f);
+  }
+  // the values, weighted
+  for (int64_t t0 = 0, b = 0; t0 < n; t0 += block_size, ++b) {
+    const T* x = vc + table[b] * c_block + offset;
+    const int64_t m = std::min(block_size, n - t0);
+    if (t0 + block_size < n) prefetch_block(vc + table[b + 1] * c_block + offset, block_size, c_token, DIM);
+    for (int64_t j = 0; j < m; ++j, x += c_token) {
+      Vec16 value[V];
+      for (int v = 0; v < V; ++v) value[v] = Vec16::load(x + 16 * v);
+      for (int64_t g = 0; g < G; ++g) {
+        const Vec16 p = Vec16::fill(scores[g * n + t0 + j]);
+        for (int v = 0; v < V; ++v) acc[g][v] = fma(p, value[v], acc[g][v]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const Vec16 inv = Vec16::fill(inv_sum[g]);
+    for (int v = 0; v < V; ++v) round_to<T>(acc[g][v] * inv).store(out + g * DIM + 16 * v);
+  }
+}
+
+// Any head_dim, plain loops: the same three passes for the shapes the vector kernel does not take.
+template <typename T>
+static void attend_one_head_any(const T* q, int64_t q_head, const T* kc, const T* vc, const int64_t* table,
+                                int64_t n, int64_t block_size, int64_t c_block, int64_t c_token, int64_t offset,
+                                int64_t G, float scale, T* out, float* scores, int64_t D) {
+  std::vector<float> acc(D);
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * n;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* k = kc + table[t / block_size] * c_block + (t % block_size) * c_token + offset;
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += float(q[g * q_head + d]) * float(k[d]);
+      s[t] = dot * scale;
+    }
+    float mx = s[0], sum = 0.f;
+    for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
+    for (int64_t t = 0; t < n; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* x = vc + table[t / block_size] * c_block + (t % block_size) * c_token + offset;
+      for (int64_t d = 0; d < D; ++d) acc[d] += s[t] * float(x[d]);
+    }
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = T(acc[d] / sum);
+  }
+}
+
+// Every (row, KV head) pair of a step is one job for torch's threads.
+template <typename T>
+static void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                        const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, float scale) {
+  const int64_t rows = q.size(0), heads = q.size(1), D = q.size(2), kv_heads = k_cache.size(2);
+  const int64_t G = heads / kv_heads, max_blocks = tables.size(1), block_size = k_cache.size(1);
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), c_block = k_cache.stride(0), c_token = k_cache.stride(1),
+                c_head = k_cache.stride(2);
+  const T *qp = q.data_ptr<T>(), *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
+  const int64_t *tp = tables.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  const int64_t longest = rows ? *std::max_element(lp, lp + rows) : 0;
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * longest);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t r = job / kv_heads, h = job % kv_heads;
+      const T* qr = qp + r * q_row + h * G * q_head;
+      const int64_t* table = tp + r * max_blocks;
+      T* o = op + (r * heads + h * G) * D;
+      const int64_t n = lp[r], offset = h * c_head;
+      if (D == 64 && G <= kMaxGroup)
+        attend_one_head<T, 64>(qr, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o, scores.data());
+      else if (D == 128 && G <= kMaxGroup)
+        attend_one_head<T, 128>(qr, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o, scores.data());
+      else if (D == 256 && G <= kMaxGroup)
+        attend_one_head<T, 256>(qr, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o, scores.data());
+      else
+        attend_one_head_any<T>(qr, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o,
+                               scores.data(), D);
+    }
+  });
+}
+
+// q (rows, heads, dim), caches (blocks, block_size, kv_heads, dim) with unit stride in dim,
+// block_tables (rows, max_blocks) and seq_lens (rows,) int64: out (rows, heads, dim).
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "paged_decode_attention: q (rows, heads, head_dim) and caches with unit stride in head_dim");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "paged_decode_attention: K and V caches of one layout");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: q and the caches in one dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode_attention: heads must be a multiple of kv_heads");
+  auto tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  DISPATCH_MODEL_DTYPES(q.scalar_type(), "paged_decode_attention", [&] {
+    attend_rows<scalar_t>(q, k_cache, v_cache, tables, lens, out, float(scale));
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, as Hugging Face's LlamaRMSNorm");
+  m.def("add_rms_norm", &add_rms_norm, "x += y in place (the residual), then RMSNorm of x");
+  m.def("rotary_and_store", &rotary_and_store, "rotate q and k in place (Qwen3: norm each head first), store k and v");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
+  m.def("paged_decode_attention", &paged_decode_attention, "one-token rows attending through their block tables");
+}

@@ -1,0 +1,68 @@
+"""nanopaged's C++ CPU kernels (cpu_ops.cpp beside this file), compiled on first use.
+
+torch's extension builder compiles the file once per machine and source version and caches
+the library under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR); later loads take a
+fraction of a second. The instruction sets are the CPU's own, named from its flags: a
+-march=native build has produced code a VM could not run. Where no compiler or ninja is
+found, `available()` says why and the torch reference runs instead.
+docs/05_model_runner_and_kernels.md, "Fused CPU kernels".
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from functools import lru_cache
+from pathlib import Path
+
+from nanopaged.cpu_features import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+# Reassociating float sums lets the compiler vectorize the dot products and reductions.
+# -fopenmp: at::parallel_for is an inline OpenMP loop in torch's headers, serial without it; the
+# library then asks for libgomp.so.1, which resolves to the copy torch has already loaded.
+OPT_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp"]
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl")
+
+
+def missing_tools() -> str | None:
+    """What building the kernels needs and this machine lacks, or None."""
+    if not any(shutil.which(c) for c in ("c++", "g++")):
+        return "a C++ compiler (c++ or g++ on the PATH)"
+    try:
+        from torch.utils.cpp_extension import is_ninja_available
+    except ImportError:
+        return "torch.utils.cpp_extension"
+    if not is_ninja_available():
+        return "ninja (pip install ninja)"
+    return None
+
+
+@lru_cache(maxsize=1)
+def cpu_ops():
+    """The compiled module: rms_norm, rotary_and_store, silu_and_mul, paged_decode_attention."""
+    return build("nanopaged_cpu_ops", [f for f in ISA_FLAGS if f in cpu_flags()])
+
+
+def build(name: str, isa: list[str]):
+    """cpu_ops.cpp compiled for the instruction sets `isa` (gcc's names: avx2, avx512f, ...): with
+    avx512f its Vec16 is one AVX-512 register, without it an array the compiler splits. The tests
+    build an AVX2-only copy too, so the path an AVX2 host runs is checked on any host."""
+    from torch.utils.cpp_extension import load
+    return load(name, sources=[str(SOURCE)], extra_cflags=OPT_FLAGS + [f"-m{f}" for f in isa],
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+@lru_cache(maxsize=1)
+def available() -> str | None:
+    """None when the kernels load here; else why not (the build's error, shortened)."""
+    missing = missing_tools()
+    if missing:
+        return f"building nanopaged's CPU kernels needs {missing}"
+    try:
+        cpu_ops()
+    except Exception as e:          # a failed build: say so once and run the reference
+        logger.warning("nanopaged's CPU kernels did not build (%s); running the torch reference", str(e)[:300])
+        return f"nanopaged's CPU kernels did not build: {str(e)[:300]}"
+    return None

@@ -1,0 +1,173 @@
+"""nanopaged's C++ CPU kernels (nanopaged/kernels/cpu_ops.cpp) against the torch ops they replace.
+
+Each kernel rounds where its torch reference rounds, so in bfloat16 and float16 it gives the
+reference's values except where a float32 sum taken in another order, or the last bit of an exp,
+lands on the other side of a rounding boundary: those differ by a unit or two of the dtype, and rarely.
+Every check runs twice: on the build for this CPU, and on a build without AVX-512 (the loops an
+AVX2-only host runs), so both paths are held to the reference on any x86 host.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanopaged.attention.torch_backend import store_kvcache
+from nanopaged.cpu_features import cpu_flags
+from nanopaged.kernels.cpu_ops import available, build, cpu_ops
+from nanopaged.models.llama import RMSNorm, apply_rotary
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=f"{available()}")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def ops(request):
+    if request.param == "native":
+        return cpu_ops()
+    if "avx2" not in cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    return build("nanopaged_cpu_ops_avx2", ["avx2", "fma", "f16c"])
+
+
+def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, min_exact: float = 0.98) -> None:
+    """float32: within float32 rounding; otherwise identical but for a few values a unit or two of
+    the dtype apart (a sum in another order, rounded twice on its way out), never more."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return
+    exact = (got == want).float().mean().item()
+    assert exact >= min_exact, f"only {exact:.1%} of the values equal the reference's"
+    ulp = torch.finfo(got.dtype).eps * want.float().abs().clamp(min=1e-3)
+    assert ((got.float() - want.float()).abs() <= 2 * ulp).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, dim", [(1, 576), (24, 576), (7, 40), (300, 1024)])
+def test_rms_norm_equals_the_models_rmsnorm(ops, dtype, rows, dim):
+    torch.manual_seed(rows + dim)
+    norm = RMSNorm(dim, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim))
+    x = (3 * torch.randn(rows, dim + 8)).to(dtype)[:, :dim]        # a strided view, as the model may pass
+    with torch.no_grad():
+        assert_close_to_reference(ops.rms_norm(x, norm.weight.detach(), 1e-5), norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, dim", [(1, 576), (24, 576), (7, 40)])
+def test_add_rms_norm_adds_the_residual_in_place_then_norms(ops, dtype, rows, dim):
+    """x = x + y rounded as the reference's add rounds it (the residual stream), then RMSNorm(x)."""
+    torch.manual_seed(rows * dim)
+    norm = RMSNorm(dim, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim))
+    x = (3 * torch.randn(rows, dim)).to(dtype)
+    y = torch.randn(rows, dim + 3).to(dtype)[:, :dim]
+    want_x = x + y
+    with torch.no_grad():
+        want_h = norm(want_x)
+        got_h = ops.add_rms_norm(x, y, norm.weight.detach(), 1e-6)
+    assert torch.equal(x, want_x)                                   # one rounding, as torch's add
+    assert_close_to_reference(got_h, want_h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (24, 1536), (5, 40)])
+def test_silu_and_mul_equals_silu_times_up(ops, dtype, rows, inter):
+    torch.manual_seed(rows + inter)
+    gate_up = (4 * torch.randn(rows, 2 * inter)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_close_to_reference(ops.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+def test_silu_and_mul_is_finite_far_out(ops):
+    gate_up = torch.tensor([[-1e4, -100.0, 0.0, 100.0, 1e4, 3.0] + [0.0] * 10 + [1.0] * 16])
+    out = ops.silu_and_mul(gate_up)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, F.silu(gate_up[:, :16]) * gate_up[:, 16:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, dim, qk_norm", [(9, 3, 64, False), (4, 2, 128, True), (2, 2, 16, False),
+                                                           (6, 1, 96, True)])
+def test_rotary_and_store_equals_rotating_then_storing(ops, dtype, heads, kv_heads, dim, qk_norm):
+    """q and k rotated in place (after each head's norm for Qwen3), k and v at their slots of a
+    shuffled pool, as the reference model rotates them and store_kvcache stores them."""
+    torch.manual_seed(heads * dim)
+    n, block, num_blocks = 11, 4, 40
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(n, width + 5).to(dtype)[:, :width]       # a row stride wider than the row
+    cos = torch.randn(n, 1, dim).to(dtype)
+    sin = torch.randn(n, 1, dim).to(dtype)
+    slots = torch.randperm(num_blocks * block)[:n]
+    q_norm, k_norm = RMSNorm(dim, 1e-6).to(dtype), RMSNorm(dim, 1e-6).to(dtype)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.randn(dim))
+        k_norm.weight.copy_(torch.randn(dim))
+
+    # the reference: the model's ops, then store_kvcache
+    q, k, v = qkv.clone().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    qk = torch.cat([q, k], dim=-1).view(n, heads + kv_heads, dim)
+    if qk_norm:
+        with torch.no_grad():
+            qk = torch.cat((q_norm(qk[:, :heads]), k_norm(qk[:, heads:])), dim=1)
+    qk = apply_rotary(qk, (cos, sin))
+    k_want, v_want = torch.zeros(2, num_blocks, block, kv_heads, dim, dtype=dtype)
+    store_kvcache(qk[:, heads:], v.reshape(n, kv_heads, dim), k_want, v_want, slots)
+
+    k_cache, v_cache = torch.zeros(2, num_blocks, block, kv_heads, dim, dtype=dtype)
+    weights = (q_norm.weight.detach(), k_norm.weight.detach(), 1e-6) if qk_norm else (torch.empty(0), torch.empty(0), 0.0)
+    ops.rotary_and_store(qkv, cos, sin, *weights, heads, kv_heads, k_cache, v_cache, slots)
+    q_got = qkv[:, :heads * dim].reshape(n, heads, dim)
+    assert_close_to_reference(q_got, qk[:, :heads].contiguous())
+    assert_close_to_reference(k_cache, k_want)
+    assert torch.equal(v_cache, v_want)                           # v is copied, not computed
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v)
+
+
+def reference_attention(q, k_cache, v_cache, tables, lens, scale):
+    """Each row's attention over its first lens[r] keys, gathered through its block table, in float32."""
+    rows, heads, dim = q.shape
+    kv_heads, block = k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty(rows, heads, dim)
+    for r in range(rows):
+        n = int(lens[r])
+        blocks = tables[r, :-(-n // block)]
+        kk, vv = k_cache[blocks].flatten(0, 1)[:n].float(), v_cache[blocks].flatten(0, 1)[:n].float()
+        qq = q[r].float().view(kv_heads, heads // kv_heads, dim)
+        scores = torch.einsum("hgd,thd->hgt", qq, kk) * scale
+        out[r] = torch.einsum("hgt,thd->hgd", scores.softmax(-1), vv).reshape(heads, dim)
+    return out
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("heads, kv_heads, dim, block", [(9, 3, 64, 16), (8, 8, 128, 8), (16, 2, 64, 32),
+                                                         (4, 2, 16, 8), (6, 2, 96, 16), (32, 1, 64, 16),
+                                                         (4, 4, 256, 16)])
+def test_paged_decode_attention_equals_gathering_the_blocks(ops, dtype, tolerance, heads, kv_heads, dim, block):
+    """Shuffled pool with noise in the spare blocks, strided queries, lengths from 1 to past a
+    few blocks; head_dim 64/128/256 take the vector kernel, 16 and 96 the plain loops, and 32
+    query heads per KV head more than the vector kernel holds."""
+    torch.manual_seed(heads + dim + block)
+    num_blocks, rows = 300, 7
+    k_cache = torch.randn(num_blocks, block, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block, kv_heads, dim).to(dtype)
+    lens = torch.tensor([1, 2, block, block + 1, 17, 100, 203])
+    max_blocks = -(-int(lens.max()) // block)
+    tables = torch.randperm(num_blocks)[:rows * max_blocks].view(rows, max_blocks)
+    q = (2 * torch.randn(rows, heads + kv_heads, dim)).to(dtype)[:, :heads]
+    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), reference_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5),
+                               atol=tolerance, rtol=tolerance)
+
+
+def test_the_kernels_refuse_a_misshapen_input(ops):
+    with pytest.raises(RuntimeError, match="rms_norm: weight must be"):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(RuntimeError, match="silu_and_mul: gate_up must be"):
+        ops.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="heads must be a multiple of kv_heads"):
+        ops.paged_decode_attention(torch.randn(1, 5, 16), torch.randn(2, 4, 2, 16), torch.randn(2, 4, 2, 16),
+                                   torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 0.25)

@@ -1,0 +1,122 @@
+"""The fused CPU decoder layer (worker/cpu_fused.py): the same model as the reference layers,
+chosen by the settings' rules, and answering as the reference does.
+
+float32 keeps the order of most sums, so greedy tokens equal the reference's token for token on
+every architecture (bias, Qwen3's q/k norms, GQA, tied embeddings), across chunked prefill,
+prefix-cache hits and preemption; bfloat16 is held to vLLM's check_logprobs_close rule."""
+import logging
+
+import pytest
+import torch
+
+import nanopaged.config as config_module
+import nanopaged.kernels.cpu_ops as cpu_ops_module
+from conftest import check_logprobs_close, make_prompts, nanopaged_greedy
+from nanopaged import LLM, EngineConfig, SamplingParams
+from nanopaged.kernels.cpu_ops import available
+from nanopaged.models.llama import DecoderLayer
+from nanopaged.worker.cpu_fused import FusedDecoderLayer, FusedRMSNorm
+
+needs_kernels = pytest.mark.skipif(available() is not None, reason=f"{available()}")
+
+
+def greedy_with_logprobs(llm, prompts, max_tokens=12):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+    outs = [o.outputs[0] for _ in range(2)        # the second pass hits the prefix cache
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    return [o.token_ids for o in outs], [[max(d.values(), key=lambda lp: lp.logprob).logprob for d in o.logprobs]
+                                         for o in outs]
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch, settings", [("llama", {"block_size": 8}), ("qwen2", {"num_kv_blocks": 14}),
+                                            ("qwen3", {}), ("mistral", {"max_num_seqs": 2})])
+def test_fused_layers_give_the_references_tokens_in_float32(tiny_model_dirs, arch, settings):
+    """Chunked prefill (24 tokens a step), decode rows beside prefill rows, prefix-cache hits on
+    the second pass; num_kv_blocks=14 preempts, max_num_seqs=2 queues."""
+    prompts = make_prompts(512, n=5, seed=11, min_len=5, max_len=45)
+    results = {}
+    for kernels in ("reference", "fused"):
+        llm = LLM(tiny_model_dirs[arch], dtype="float32", cpu_kernels=kernels, max_num_batched_tokens=24,
+                  **{"num_kv_blocks": 64, **settings})
+        assert isinstance(llm.llm_engine.runner.model.model.layers[0],
+                          FusedDecoderLayer if kernels == "fused" else DecoderLayer)
+        results[kernels] = greedy_with_logprobs(llm, prompts)
+    assert results["fused"][0] == results["reference"][0]
+    torch.testing.assert_close(results["fused"][1], results["reference"][1], rtol=1e-4, atol=1e-4)
+    assert len({tuple(t) for t in results["reference"][0]}) > 1
+
+
+@needs_kernels
+def test_fused_layers_answer_as_the_reference_in_bfloat16(demo_model_dir):
+    """On the real model, in bfloat16, with both linear kernels this CPU has: vLLM's rule."""
+    prompts = make_prompts(2000, n=4, seed=3, min_len=8, max_len=40)
+    fused = nanopaged_greedy(LLM(demo_model_dir, dtype="bfloat16", cpu_kernels="fused"), prompts, 20)
+    reference = nanopaged_greedy(LLM(demo_model_dir, dtype="bfloat16", cpu_kernels="reference",
+                                     attention_backend="torch"), prompts, 20)
+    check_logprobs_close(fused, reference)
+    assert sum(a[0] == b[0] for a, b in zip(fused, reference)) >= 2     # mostly identical, not merely close
+
+
+@needs_kernels
+def test_the_swap_keeps_the_weights_it_found(tiny_model_dirs):
+    """No copy of a weight: the fused layer holds the reference layer's own modules."""
+    llm = LLM(tiny_model_dirs["qwen3"], dtype="float32", cpu_kernels="fused")
+    model = llm.llm_engine.runner.model
+    layer = model.model.layers[1]
+    assert isinstance(layer, FusedDecoderLayer) and isinstance(model.model.norm, FusedRMSNorm)
+    assert layer.qk_norm_weights[0] is layer.self_attn.q_norm.weight
+    assert layer.input_layernorm.weight.data_ptr() == dict(model.named_parameters())[
+        "model.layers.1.input_layernorm.weight"].data_ptr()
+    assert llm.get_stats()["cpu_kernels"] == "fused" and llm.get_stats()["attention_backend"] == "cpu"
+
+
+def test_auto_fuses_only_beside_packed_linears(monkeypatch, tiny_model_dirs):
+    """auto: fused where the linears are packed (bfloat16 on a CPU with bfloat16 matrix units),
+    the torch reference elsewhere (float32 is held to Hugging Face token for token)."""
+    monkeypatch.setattr(cpu_ops_module, "available", lambda: None)
+    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["avx512_bf16"])
+    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16")
+    assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("packed", "fused", "cpu")
+    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32")
+    assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("reference", "reference", "torch")
+    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16", attention_backend="torch")
+    assert (cfg.cpu_kernels, cfg.attention_backend) == ("fused", "torch")      # a chosen backend is kept
+    # fused on request in float32, and beside the reference linears
+    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_kernels="fused")
+    assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("reference", "fused", "cpu")
+
+
+def test_without_the_kernels_auto_runs_the_reference_and_fused_is_refused(monkeypatch, tiny_model_dirs):
+    why = "building nanopaged's CPU kernels needs a C++ compiler (c++ or g++ on the PATH)"
+    monkeypatch.setattr(cpu_ops_module, "available", lambda: why)
+    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["amx_bf16"])
+    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16")
+    assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("packed", "reference", "torch")
+    with pytest.raises(ValueError, match=r"cpu_kernels='fused': building nanopaged's CPU kernels needs a C\+\+"):
+        EngineConfig(tiny_model_dirs["llama"], device="cpu", cpu_kernels="fused")
+    with pytest.raises(ValueError, match=r"cpu_kernels must be one of \['auto', 'fused', 'reference'\], got 'fast'"):
+        EngineConfig(tiny_model_dirs["llama"], cpu_kernels="fast")
+
+
+def test_a_failed_build_is_a_warning_and_the_reference(monkeypatch, caplog):
+    """A compiler that fails (another gcc, a broken torch install) must not stop the engine."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("Error building extension 'nanopaged_cpu_ops': c++: internal compiler error")
+    monkeypatch.setattr(cpu_ops_module, "missing_tools", lambda: None)
+    monkeypatch.setattr(cpu_ops_module, "build", broken)
+    cpu_ops_module.cpu_ops.cache_clear()
+    cpu_ops_module.available.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="nanopaged.kernels.cpu_ops"):
+            assert "did not build" in cpu_ops_module.available()
+        assert "internal compiler error" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cpu_ops_module.cpu_ops.cache_clear()
+        cpu_ops_module.available.cache_clear()
+
+
+def test_fused_off_the_cpu_is_refused(tiny_model_dirs):
+    with pytest.raises(ValueError, match=r"cpu_kernels='fused' runs on CPU \(device is 'cuda'\)"):
+        config_module.resolve_cpu_kernels("fused", "cuda", "reference")
