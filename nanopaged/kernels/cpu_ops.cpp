@@ -1,5 +1,5 @@
 // nanopaged's CPU kernels: the small ops of a decoder layer fused into one pass each, and paged
-// decode attention. Built on first use by nanopaged/kernels/cpu_ops.py; every op has a torch
+// attention. Built on first use by nanopaged/kernels/cpu_ops.py; every op has a torch
 // reference beside it (the model's own modules) and tests/kernels/test_cpu_ops.py holds it to that.
 //
 // Why C++: on a CPU a decode step of a small model launches ~1,600 torch ops (a norm is eight:
@@ -295,9 +295,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// ---- paged decode attention -------------------------------------------------------------------
-// One (request, KV head) pair: its G query heads (the heads that share this KV head, GQA) over
-// the request's n keys, which the block table scatters over the pool. Three passes: q . k of
+// ---- paged attention -------------------------------------------------------------------------
+// One (row, KV head) pair: the row's G query heads (the heads that share this KV head, GQA) over
+// the first n keys of its request, which the block table scatters over the pool. Three passes: q . k of
 // every query head with every key (each key row read once for all G heads), a softmax over
 // each head's scores, then the values weighted by it (each value row read once). DIM
 // (head_dim) is known when compiled, so a head's DIM / 16 registers unroll.
@@ -318,7 +318,7 @@ static void attend_one_head(const T* q, int64_t q_head, const T* kc, const T* vc
   constexpr int V = DIM / 16;
   Vec16 qg[kMaxGroup][V], acc[kMaxGroup][V];
   for (int64_t g = 0; g < G; ++g)
-    for (int v = 0; v < V; ++v) qg[g][v] = Vec16::load(q + g * q_head + 16 * v) * Vec16::fill(scale);
+    for (int v = 0; v < V; ++v) qg[g][v] = Vec16::load(q + g * q_head + 16 * v);
   for (int64_t t0 = 0, b = 0; t0 < n; t0 += block_size, ++b) {      // block by block: no division per key
     const T* k = kc + table[b] * c_block + offset;
     const int64_t m = std::min(block_size, n - t0);
@@ -329,11 +329,13 @@ static void attend_one_head(const T* q, int64_t q_head, const T* kc, const T* vc
       for (int64_t g = 0; g < G; ++g) {
         Vec16 dot = qg[g][0] * key[0];
         for (int v = 1; v < V; ++v) dot = fma(qg[g][v], key[v], dot);
-        scores[g * n + t0 + j] = dot.sum();
+        scores[g * n + t0 + j] = dot.sum() * scale;
       }
     }
   }
-  // softmax over each head's n scores, 16 at a time; 1 / sum is applied to the output
+  // softmax over each head's n scores, 16 at a time; 1 / sum is applied to the output. The
+  // weights are rounded to T before they weigh the values, as SDPA's CPU kernel (and so Hugging
+  // Face) rounds them in bfloat16; the sum is the float32 one, as there.
   const int64_t body = n - n % 16;
   float inv_sum[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {
@@ -345,11 +347,15 @@ static void attend_one_head(const T* q, int64_t q_head, const T* kc, const T* vc
     Vec16 sv = Vec16::fill(0.f);
     for (int64_t t = 0; t < body; t += 16) {
       const Vec16 e = exp(Vec16::load(s + t) - Vec16::fill(mx));
-      e.store(s + t);
+      round_to<T>(e).store(s + t);
       sv = sv + e;
     }
     float sum = sv.sum();
-    for (int64_t t = body; t < n; ++t) { s[t] = exp_scalar(s[t] - mx); sum += s[t]; }
+    for (int64_t t = body; t < n; ++t) {
+      const float e = exp_scalar(s[t] - mx);
+      sum += e;
+      s[t] = float(T(e));
+    }
     inv_sum[g] = 1.f / sum;
     for (int v = 0; v < V; ++v) acc[g][v] = Vec16::fill(0.f);
   }
@@ -389,7 +395,11 @@ static void attend_one_head_any(const T* q, int64_t q_head, const T* kc, const T
     }
     float mx = s[0], sum = 0.f;
     for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
-    for (int64_t t = 0; t < n; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
+    for (int64_t t = 0; t < n; ++t) {
+      const float e = std::exp(s[t] - mx);
+      sum += e;
+      s[t] = float(T(e));
+    }
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t = 0; t < n; ++t) {
       const T* x = vc + table[t / block_size] * c_block + (t % block_size) * c_token + offset;
@@ -399,53 +409,98 @@ static void attend_one_head_any(const T* q, int64_t q_head, const T* kc, const T
   }
 }
 
-// Every (row, KV head) pair of a step is one job for torch's threads.
+// A step's rows: row t belongs to request req[t] and sees the first n[t] keys of it. Request i's
+// q_len new rows are the last q_len of its seq_len tokens, so its row j sees seq_len - q_len + j
+// + 1 keys (causal): a decode row sees all seq_len, a prompt's rows one more key each.
+struct StepRows {
+  std::vector<int64_t> req, n;
+};
+
+static StepRows step_rows(const int64_t* seq_lens, const int64_t* query_start_loc, int64_t num_reqs) {
+  StepRows rows;
+  for (int64_t i = 0; i < num_reqs; ++i) {
+    const int64_t q_len = query_start_loc[i + 1] - query_start_loc[i];
+    for (int64_t j = 0; j < q_len; ++j) {
+      rows.req.push_back(i);
+      rows.n.push_back(seq_lens[i] - q_len + j + 1);
+    }
+  }
+  return rows;
+}
+
+// Every (row, KV head) pair is a job; the jobs are cut into one range per thread holding about
+// the same number of keys (a prompt's last rows see many more keys than its first, so equal
+// counts of jobs would leave one thread with most of the work).
 template <typename T>
 static void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                        const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, float scale) {
-  const int64_t rows = q.size(0), heads = q.size(1), D = q.size(2), kv_heads = k_cache.size(2);
+                        const torch::Tensor& tables, const StepRows& rows, torch::Tensor& out, float scale) {
+  const int64_t num_rows = q.size(0), heads = q.size(1), D = q.size(2), kv_heads = k_cache.size(2);
   const int64_t G = heads / kv_heads, max_blocks = tables.size(1), block_size = k_cache.size(1);
   const int64_t q_row = q.stride(0), q_head = q.stride(1), c_block = k_cache.stride(0), c_token = k_cache.stride(1),
                 c_head = k_cache.stride(2);
   const T *qp = q.data_ptr<T>(), *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
-  const int64_t *tp = tables.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
-  const int64_t longest = rows ? *std::max_element(lp, lp + rows) : 0;
+  const int64_t* tp = tables.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t longest = num_rows ? *std::max_element(rows.n.begin(), rows.n.end()) : 0;
+  // cut[k]..cut[k+1]: thread k's rows, by prefix sums of their keys (+ a job's fixed cost)
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_rows * kv_heads));
+  std::vector<int64_t> cut(threads + 1, num_rows);
+  cut[0] = 0;
+  int64_t total = 0;
+  for (int64_t t = 0; t < num_rows; ++t) total += rows.n[t] + 16;
+  for (int64_t t = 0, done = 0, k = 1; t < num_rows && k < threads; ++t) {
+    done += rows.n[t] + 16;
+    while (k < threads && done * threads >= total * k) cut[k++] = t + 1;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * longest);
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t r = job / kv_heads, h = job % kv_heads;
-      const T* qr = qp + r * q_row + h * G * q_head;
-      const int64_t* table = tp + r * max_blocks;
-      T* o = op + (r * heads + h * G) * D;
-      const int64_t n = lp[r], offset = h * c_head;
+    for (int64_t job = cut[begin] * kv_heads; job < cut[end] * kv_heads; ++job) {
+      const int64_t t = job / kv_heads, h = job % kv_heads;
+      const T* qt = qp + t * q_row + h * G * q_head;
+      const int64_t* table = tp + rows.req[t] * max_blocks;
+      T* o = op + (t * heads + h * G) * D;
+      const int64_t n = rows.n[t], offset = h * c_head;
       if (D == 64 && G <= kMaxGroup)
-        attend_one_head<T, 64>(qr, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o, scores.data());
+        attend_one_head<T, 64>(qt, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o, scores.data());
       else if (D == 128 && G <= kMaxGroup)
-        attend_one_head<T, 128>(qr, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o, scores.data());
+        attend_one_head<T, 128>(qt, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o, scores.data());
       else if (D == 256 && G <= kMaxGroup)
-        attend_one_head<T, 256>(qr, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o, scores.data());
+        attend_one_head<T, 256>(qt, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o, scores.data());
       else
-        attend_one_head_any<T>(qr, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o,
+        attend_one_head_any<T>(qt, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o,
                                scores.data(), D);
     }
   });
 }
 
-// q (rows, heads, dim), caches (blocks, block_size, kv_heads, dim) with unit stride in dim,
-// block_tables (rows, max_blocks) and seq_lens (rows,) int64: out (rows, heads, dim).
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+// The whole step's attention in one call, every row through its request's block table (the
+// K/V of the step's own tokens already stored): prompt chunks, prefix-cache hits and decode rows
+// alike, as vLLM's unified paged attention does.
+//   q (rows, heads, dim) with unit stride in dim; caches (blocks, block_size, kv_heads, dim)
+//   block_tables (reqs, max_blocks), seq_lens (reqs,), query_start_loc (reqs + 1,): int64
+// Returns out (rows, heads, dim).
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                              double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "paged_decode_attention: q (rows, heads, head_dim) and caches with unit stride in head_dim");
-  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "paged_decode_attention: K and V caches of one layout");
+              "paged_attention: q (rows, heads, head_dim) and caches with unit stride in head_dim");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "paged_attention: K and V caches of one layout");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "paged_decode_attention: q and the caches in one dtype");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode_attention: heads must be a multiple of kv_heads");
-  auto tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+              "paged_attention: q and the caches in one dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_attention: heads must be a multiple of kv_heads");
+  auto tables = block_tables.contiguous(), lens = seq_lens.contiguous(), starts = query_start_loc.contiguous();
+  const int64_t num_reqs = lens.size(0);
+  TORCH_CHECK(tables.size(0) == num_reqs && starts.numel() == num_reqs + 1, "paged_attention: one table, one "
+              "length and one start per request");
+  const int64_t *lp = lens.data_ptr<int64_t>(), *sp = starts.data_ptr<int64_t>();
+  TORCH_CHECK(sp[0] == 0 && sp[num_reqs] == q.size(0), "paged_attention: query_start_loc must run from 0 to the rows");
+  for (int64_t i = 0; i < num_reqs; ++i)
+    TORCH_CHECK(sp[i + 1] >= sp[i] && lp[i] >= sp[i + 1] - sp[i] && lp[i] <= tables.size(1) * k_cache.size(1),
+                "paged_attention: request ", i, " has more rows than keys, or more keys than its block table holds");
+  const StepRows rows = step_rows(lp, sp, num_reqs);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  DISPATCH_MODEL_DTYPES(q.scalar_type(), "paged_decode_attention", [&] {
-    attend_rows<scalar_t>(q, k_cache, v_cache, tables, lens, out, float(scale));
+  DISPATCH_MODEL_DTYPES(q.scalar_type(), "paged_attention", [&] {
+    attend_rows<scalar_t>(q, k_cache, v_cache, tables, rows, out, float(scale));
   });
   return out;
 }
@@ -455,5 +510,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += y in place (the residual), then RMSNorm of x");
   m.def("rotary_and_store", &rotary_and_store, "rotate q and k in place (Qwen3: norm each head first), store k and v");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
-  m.def("paged_decode_attention", &paged_decode_attention, "one-token rows attending through their block tables");
+  m.def("paged_attention", &paged_attention, "every row of a step attending through its block table, causally");
 }

@@ -126,41 +126,79 @@ def test_rotary_and_store_equals_rotating_then_storing(ops, dtype, heads, kv_hea
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v)
 
 
-def reference_attention(q, k_cache, v_cache, tables, lens, scale):
-    """Each row's attention over its first lens[r] keys, gathered through its block table, in float32."""
-    rows, heads, dim = q.shape
+def reference_attention(q, k_cache, v_cache, tables, seq_lens, query_lens, scale):
+    """Each request's rows over its keys, gathered through its block table, in float32; row j of
+    a request's q_len rows sees the first seq_len - q_len + j + 1 keys."""
+    heads, dim = q.shape[1:]
     kv_heads, block = k_cache.shape[2], k_cache.shape[1]
-    out = torch.empty(rows, heads, dim)
-    for r in range(rows):
-        n = int(lens[r])
-        blocks = tables[r, :-(-n // block)]
+    out, start = torch.empty(q.shape), 0
+    for i, (n, q_len) in enumerate(zip(seq_lens, query_lens)):
+        blocks = tables[i, :-(-n // block)]
         kk, vv = k_cache[blocks].flatten(0, 1)[:n].float(), v_cache[blocks].flatten(0, 1)[:n].float()
-        qq = q[r].float().view(kv_heads, heads // kv_heads, dim)
-        scores = torch.einsum("hgd,thd->hgt", qq, kk) * scale
-        out[r] = torch.einsum("hgt,thd->hgd", scores.softmax(-1), vv).reshape(heads, dim)
+        qq = q[start:start + q_len].float().view(q_len, kv_heads, heads // kv_heads, dim)
+        scores = torch.einsum("jhgd,thd->jhgt", qq, kk) * scale
+        visible = torch.arange(n)[None, :] <= (n - q_len + torch.arange(q_len))[:, None]      # (q_len, n)
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        out[start:start + q_len] = torch.einsum("jhgt,thd->jhgd", scores.softmax(-1), vv).reshape(q_len, heads, dim)
+        start += q_len
     return out
+
+
+def paged_attention_case(dtype, heads, kv_heads, dim, block, seq_lens, query_lens, seed=0):
+    """A shuffled pool with noise in every spare block, and strided queries, as the model hands them over."""
+    torch.manual_seed(seed)
+    num_blocks = 300
+    k_cache = torch.randn(num_blocks, block, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block, kv_heads, dim).to(dtype)
+    max_blocks = -(-max(seq_lens) // block)
+    tables = torch.randperm(num_blocks)[:len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks)
+    q = (2 * torch.randn(sum(query_lens), heads + kv_heads, dim)).to(dtype)[:, :heads]
+    starts = torch.tensor([0] + query_lens).cumsum(0)
+    return q, k_cache, v_cache, tables, torch.tensor(seq_lens), starts
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("heads, kv_heads, dim, block", [(9, 3, 64, 16), (8, 8, 128, 8), (16, 2, 64, 32),
                                                          (4, 2, 16, 8), (6, 2, 96, 16), (32, 1, 64, 16),
                                                          (4, 4, 256, 16)])
-def test_paged_decode_attention_equals_gathering_the_blocks(ops, dtype, tolerance, heads, kv_heads, dim, block):
-    """Shuffled pool with noise in the spare blocks, strided queries, lengths from 1 to past a
-    few blocks; head_dim 64/128/256 take the vector kernel, 16 and 96 the plain loops, and 32
-    query heads per KV head more than the vector kernel holds."""
-    torch.manual_seed(heads + dim + block)
-    num_blocks, rows = 300, 7
-    k_cache = torch.randn(num_blocks, block, kv_heads, dim).to(dtype)
-    v_cache = torch.randn(num_blocks, block, kv_heads, dim).to(dtype)
-    lens = torch.tensor([1, 2, block, block + 1, 17, 100, 203])
-    max_blocks = -(-int(lens.max()) // block)
-    tables = torch.randperm(num_blocks)[:rows * max_blocks].view(rows, max_blocks)
-    q = (2 * torch.randn(rows, heads + kv_heads, dim)).to(dtype)[:, :heads]
-    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5)
+def test_paged_attention_of_decode_rows_equals_gathering_the_blocks(ops, dtype, tolerance, heads, kv_heads, dim,
+                                                                    block):
+    """One-token rows, lengths from 1 to past a few blocks; head_dim 64/128/256 take the vector
+    kernel, 16 and 96 the plain loops, and 32 query heads per KV head more than it holds."""
+    seq_lens = [1, 2, block, block + 1, 17, 100, 203]
+    case = paged_attention_case(dtype, heads, kv_heads, dim, block, seq_lens, [1] * 7, seed=heads + dim + block)
+    got = ops.paged_attention(*case, dim ** -0.5)
     assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), reference_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5),
-                               atol=tolerance, rtol=tolerance)
+    want = reference_attention(*case[:5], [1] * 7, dim ** -0.5)
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 2, 96)])
+def test_paged_attention_of_a_mixed_step_is_causal(ops, dtype, tolerance, heads, kv_heads, dim):
+    """A whole prompt, a later chunk of one (its earlier tokens in the pool), a prefix-cache hit
+    recomputing one token, and decode rows, in one call: each new row sees the keys up to its own."""
+    seq_lens, query_lens = [37, 90, 16, 5, 130], [37, 24, 1, 1, 3]
+    case = paged_attention_case(dtype, heads, kv_heads, dim, 16, seq_lens, query_lens, seed=dim)
+    got = ops.paged_attention(*case, dim ** -0.5)
+    want = reference_attention(*case[:5], query_lens, dim ** -0.5)
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_paged_attention_splits_a_long_prompt_evenly_over_threads(ops):
+    """One 700-token prompt: its rows are cut by keys, not by count, and the answer is the same
+    whatever the number of threads."""
+    case = paged_attention_case(torch.float32, 4, 2, 64, 16, [700], [700], seed=7)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(ops.paged_attention(*case, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0], reference_attention(*case[:5], [700], 0.125), atol=2e-5, rtol=2e-5)
 
 
 def test_the_kernels_refuse_a_misshapen_input(ops):
@@ -169,5 +207,9 @@ def test_the_kernels_refuse_a_misshapen_input(ops):
     with pytest.raises(RuntimeError, match="silu_and_mul: gate_up must be"):
         ops.silu_and_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="heads must be a multiple of kv_heads"):
-        ops.paged_decode_attention(torch.randn(1, 5, 16), torch.randn(2, 4, 2, 16), torch.randn(2, 4, 2, 16),
-                                   torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 0.25)
+        ops.paged_attention(torch.randn(1, 5, 16), torch.randn(2, 4, 2, 16), torch.randn(2, 4, 2, 16),
+                            torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                            torch.tensor([0, 1]), 0.25)
+    with pytest.raises(RuntimeError, match="request 0 has more rows than keys, or more keys than its block table"):
+        ops.paged_attention(torch.randn(1, 4, 16), torch.randn(2, 4, 2, 16), torch.randn(2, 4, 2, 16),
+                            torch.zeros(1, 1, dtype=torch.long), torch.tensor([5]), torch.tensor([0, 1]), 0.25)
