@@ -106,9 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--block-size",
                  "--max-model-len", "--tensor-parallel-size"):
         p.add_argument(name, type=int, help="nanopaged engine setting (README); default: the engine's")
-    p.add_argument("--cpu-linear", choices=["auto", "packed", "reference"],
-                   help="nanopaged's CPU linear kernel: packed (oneDNN bfloat16 on packed weights), reference "
-                        "(F.linear); auto (the engine's default): packed where the CPU's matrix units run it")
+    p.add_argument("--cpu-linear", choices=["auto", "packed", "dpbf16", "reference"],
+                   help="nanopaged's CPU linear kernel: packed (oneDNN bfloat16 on packed weights), dpbf16 "
+                        "(nanopaged's, on AVX512-BF16), reference (F.linear); auto (the engine's default): by the "
+                        "CPU's flags")
     p.add_argument("--cpu-kernels", choices=["auto", "fused", "reference"],
                    help="nanopaged's CPU layer kernels: fused (C++ norms, rotary + K/V store, SiLU, decode "
                         "attention), reference (torch ops); auto (the engine's default): fused with packed linears")
@@ -210,7 +211,7 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
         "published": PUBLISHED,
         "overhead": overhead_figures(stats, run),
         "roofline": roofline_figures(config.model_config, trace, run, device, dtype, (peak_after_engine,),
-                                     packed=config.cpu_linear == "packed"),
+                                     linear=config.cpu_linear),
         "single_stream": single_stream_figures(model_dir, trace, settings, config, peers),
         "machine": machine_info(device),
         "versions": versions(),

@@ -10,11 +10,11 @@ import torch
 
 from benchmarks.trace import Run, StepTiming, Trace
 from nanopaged.models.config import ModelConfig
-from nanopaged.worker.cpu_linear import PackedLinear
+from nanopaged.worker.cpu_linear import KERNELS
 
 
 def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype: torch.dtype,
-                     earlier_peaks: tuple[float, ...] = (), packed: bool = False) -> dict:
+                     earlier_peaks: tuple[float, ...] = (), linear: str = "reference") -> dict:
     """`earlier_peaks`: the same square-matmul timing taken earlier in the run. The ceiling is
     the highest of them and the one taken now: a host that is busy at one moment only lowers
     the figure, and a lowered ceiling would flatter the fraction."""
@@ -26,7 +26,7 @@ def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype:
             "flops_share": {k: v / flops["total"] for k, v in flops.items() if k != "total"},
             "roofline_tokens_per_s": peak / per_token,
             "fraction": (tokens / run.wall_s) / (peak / per_token),
-            "decode_steps": decode_figures(m, run.steps, device, dtype, packed),
+            "decode_steps": decode_figures(m, run.steps, device, dtype, linear),
             "floor": floor_figures(m, run, peak, copy_bytes_per_s(step_weights(m) * dtype.itemsize), dtype)}
 
 
@@ -101,7 +101,7 @@ def layer_weights(m: ModelConfig) -> int:
 
 
 def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: torch.dtype,
-                   packed: bool = False) -> dict:
+                   linear: str = "reference") -> dict:
     """Decode-only steps (one new token per row): the model's FLOP/s in their forward passes,
     against a plain matmul with the same number of rows (the median step's), the MLP's shape.
     A decode step of few rows streams every weight for little arithmetic, so even the plain
@@ -115,7 +115,7 @@ def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: 
     seconds = sum(s.model_s for s in decode)
     rows = sorted(s.num_rows for s in decode)[len(decode) // 2]
     plain = measure_rows_matmul_flops(rows, m.hidden_size, m.intermediate_size, device, dtype)
-    own = measure_model_matmuls_flops(m, rows, device, dtype, packed=packed)
+    own = measure_model_matmuls_flops(m, rows, device, dtype, linear=linear)
     return {"num_steps": len(decode), "share_of_model_time": seconds / sum(s.model_s for s in steps),
             "median_rows": rows, "flops_per_s": flops / seconds, "plain_matmul_flops_per_s": plain,
             "fraction_of_plain_matmul": flops / seconds / plain,
@@ -123,18 +123,19 @@ def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: 
 
 
 def measure_model_matmuls_flops(m: ModelConfig, rows: int, device: str, dtype: torch.dtype,
-                                tries: int = 3, packed: bool = False) -> float:
+                                tries: int = 3, linear: str = "reference") -> float:
     """Best FLOP/s of one pass of the decode step's own matmuls and nothing else: every layer's
     q/k/v, o, gate/up and down weights and the lm_head, each its own tensor as in the model.
     Unlike the plain matmul above, whose one small weight stays in the CPU's cache, these
     stream from memory as a real step's do: the ceiling a decode step of `rows` rows works under.
-    `packed`: the layers nanopaged runs with cpu_linear="packed" (oneDNN's bfloat16 kernel)."""
+    `linear`: the engine's cpu_linear, so the layers are the ones it runs (packed: oneDNN's bfloat16
+    kernel; dpbf16: nanopaged's; reference: nn.Linear)."""
     q, kv, h, i = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.hidden_size, m.intermediate_size
     shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * m.num_hidden_layers + [(m.vocab_size, h)]
     layers = []
     for n, k in shapes:
         layer = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
-        layers.append(PackedLinear(layer) if packed else layer)
+        layers.append(KERNELS[linear](layer) if linear in KERNELS else layer)
     inputs = {k: torch.randn(rows, k, device=device, dtype=dtype) for _, k in shapes}
     flops = sum(2 * rows * n * k for n, k in shapes)
     best = 0.0

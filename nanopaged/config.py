@@ -25,9 +25,9 @@ from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_ran
 DTYPES = {"float32": ("float32", 4), "float": ("float32", 4), "bfloat16": ("bfloat16", 2),
           "float16": ("float16", 2), "half": ("float16", 2)}
 DEVICES = ("auto", "cpu", "cuda")
-# CPU linear kernels: packed = oneDNN's bfloat16 kernel on weights reordered once at load
-# (worker/cpu_linear.py), reference = F.linear on the weights as loaded.
-CPU_LINEARS = ("auto", "packed", "reference")
+# CPU linear kernels (worker/cpu_linear.py): packed = oneDNN's bfloat16 kernel on weights reordered
+# once at load, dpbf16 = nanopaged's on AVX512-BF16's dot product, reference = F.linear as loaded.
+CPU_LINEARS = ("auto", "packed", "dpbf16", "reference")
 # CPU layer kernels: fused = C++ kernels for the norms, rotary + K/V store, SiLU-and-mul and the
 # decode attention (worker/cpu_fused.py, kernels/cpu_ops.cpp); reference = the model's torch ops.
 CPU_KERNELS = ("auto", "fused", "reference")
@@ -58,7 +58,7 @@ class EngineConfig:
     seed: int = 0                           # for requests sampled without their own seed
     max_logprobs: int = MAX_LOGPROBS        # the most logprobs / prompt_logprobs a request may ask for
     cpu_threads: str | None = "auto"        # CPU: follow the free cores (extras/thread_governor.py); None: torch's
-    cpu_linear: str = "auto"                # CPU: packed (oneDNN bf16 weights) | reference (F.linear); auto: packed where it runs
+    cpu_linear: str = "auto"                # CPU: packed (oneDNN) | dpbf16 (nanopaged's AVX512-BF16) | reference (F.linear)
     cpu_kernels: str = "auto"               # CPU: fused (C++ layer kernels) | reference (torch ops); auto: fused with packed linears
     tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
     speculative_config: dict | None = None  # ngram or draft_model drafts, verified in one pass (spec_decode/)
@@ -135,24 +135,41 @@ class EngineConfig:
 
 
 def resolve_cpu_linear(name: str, device: str, dtype: str) -> str:
-    """auto: packed on a CPU whose matrix units multiply bfloat16, for a bfloat16 model; else
-    the reference. packed elsewhere is a ValueError that says why."""
-    can_pack = device == "cpu" and dtype == "bfloat16" and bool(bf16_matrix_units())
+    """auto, for a bfloat16 model on a CPU with bfloat16 matrix units: packed (oneDNN) where the CPU
+    has AMX, whose tiles oneDNN drives; dpbf16 (nanopaged's kernel) where it has AVX512-BF16 but
+    no AMX and the kernels build; the reference elsewhere. A kernel asked for where it cannot run
+    is a ValueError that says why."""
+    units = bf16_matrix_units()
+    can_pack = device == "cpu" and dtype == "bfloat16" and bool(units)
     if name == "auto":
-        return "packed" if can_pack else "reference"
-    if name == "packed" and not can_pack:
-        raise ValueError(f"cpu_linear='packed' needs device='cpu', dtype='bfloat16' and a CPU with bfloat16 "
+        if not can_pack:
+            return "reference"
+        if "amx_bf16" not in units and _dpbf16_builds():
+            return "dpbf16"
+        return "packed"
+    if name in ("packed", "dpbf16") and not can_pack:
+        raise ValueError(f"cpu_linear={name!r} needs device='cpu', dtype='bfloat16' and a CPU with bfloat16 "
                          f"matrix units (amx_bf16 or avx512_bf16); got device={device!r}, dtype={dtype!r}, "
-                         f"units {bf16_matrix_units() or 'none'}")
+                         f"units {units or 'none'}")
+    if name == "dpbf16" and "avx512_bf16" not in units:
+        raise ValueError(f"cpu_linear='dpbf16' needs AVX512-BF16 (the CPU's flag avx512_bf16); this CPU has {units}")
+    if name == "dpbf16" and not _dpbf16_builds():
+        from nanopaged.kernels.cpu_ops import available
+        raise ValueError(f"cpu_linear='dpbf16': {available() or 'the kernels were built without AVX512-BF16'}")
     return name
 
 
+def _dpbf16_builds() -> bool:
+    from nanopaged.kernels.cpu_ops import available, cpu_ops
+    return available() is None and bool(cpu_ops().has_avx512_bf16)
+
+
 def resolve_cpu_kernels(name: str, device: str, cpu_linear: str) -> str:
-    """auto: fused where the linears are packed (a bfloat16 model on a CPU with bfloat16 matrix
-    units: the path that is not held to Hugging Face token for token) and the kernels build here
+    """auto: fused where the linears are packed (packed or dpbf16: a bfloat16 model on a CPU with bfloat16
+    matrix units, the path that is not held to Hugging Face token for token) and the kernels build here
     (the first time on a machine, a ~40 s compile); the torch reference elsewhere, float32
     included. fused off the CPU, or where the kernels cannot build, is a ValueError that says why."""
-    if name == "reference" or (name == "auto" and not (device == "cpu" and cpu_linear == "packed")):
+    if name == "reference" or (name == "auto" and not (device == "cpu" and cpu_linear != "reference")):
         return "reference"
     from nanopaged.kernels.cpu_ops import available     # only when the fast path is a candidate
     if name == "auto":

@@ -2,7 +2,8 @@
 
 A student follows one request from `LLM.generate` down to the attention that reads K/V
 through a block table, on the reference kernels (the torch attention backend, the model's own
-torch ops: `cpu_kernels="reference"`); the fast paths beside them are imported only when chosen. These tests load a model and generate in a fresh interpreter, list
+torch ops, nn.Linear: `cpu_kernels="reference"`, `cpu_linear="reference"`); the fast paths beside
+them are imported only when chosen. These tests load a model and generate in a fresh interpreter, list
 every nanopaged module that call imported, and hold that list to the one the README and
 docs/00_how_to_read.md print, in reading order, with each file's line count (comments and
 docstrings included). Code `generate` never runs (beam search, tensor parallelism, the
@@ -52,7 +53,8 @@ CORE_STEP = ["nanopaged/core/block_pool.py", "nanopaged/core/request.py", "nanop
 PROGRAM = """
 import json, sys
 from nanopaged import LLM, SamplingParams
-llm = LLM(sys.argv[1], device="cpu", attention_backend="torch", cpu_kernels="reference", num_kv_blocks=16)
+llm = LLM(sys.argv[1], device="cpu", attention_backend="torch", cpu_kernels="reference", cpu_linear="reference",
+          num_kv_blocks=16)
 llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3), use_tqdm=False)
 print(json.dumps(sorted(m.__file__ for name, m in sys.modules.items() if name.split(".")[0] == "nanopaged")))
 """

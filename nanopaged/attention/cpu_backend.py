@@ -28,7 +28,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def __init__(self) -> None:
-        self.op = cpu_ops().paged_attention
+        self.ops = cpu_ops()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -41,4 +41,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention alone, the step's K/V already stored (the torch backend's `attend`); k and v
         are not read: every row reads its keys, its own included, from the pool."""
-        return self.op(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+        return self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                        scale)

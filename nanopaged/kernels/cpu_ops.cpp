@@ -20,6 +20,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512BF16__)
+#define NP_HAS_AVX512_BF16 1
+#else
+#define NP_HAS_AVX512_BF16 0
+#endif
 
 // How many elements a thread should get before a loop is split over threads: below that the
 // fork/join costs more than the work (a 24-row decode step's norm is 14k elements).
@@ -505,10 +510,122 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   return out;
 }
 
+// ---- bfloat16 linear on the dot-product instruction ----------------------------------------
+// y = x W^T (+ b) for bfloat16 x and W, on AVX512-BF16's VDPBF16PS: one instruction multiplies 16
+// pairs of bfloat16 weights by a broadcast pair of inputs and adds each pair's two products into
+// one of 16 float32 sums. The weight is packed once, at load, so that the operand for 16 output
+// features and one pair of inputs is 64 contiguous bytes, and a tile of 64 features reads one
+// stream: packed (ceil(N / 64), K / 2, 64 features, 2 inputs). A tile of up to 6 rows keeps its
+// 6 x 4 sums in registers while it runs down K; the next row tile reads the same weights from L2.
+// Products of two bfloat16 numbers are exact in float32, so this is a float32 sum of exact
+// products, as oneDNN's, in another order; the sum is rounded to bfloat16 once, after the bias.
+#if defined(__AVX512BF16__)
+static constexpr int64_t kTileN = 64;   // output features per tile: 4 registers of 16
+static constexpr int kTileM = 6;        // rows per tile: 24 sums + 4 weights + 1 input = 29 of 32 registers
+
+torch::Tensor pack_bf16_weight(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
+              "pack_bf16_weight: w must be bfloat16 (out_features, in_features) with in_features even");
+  const int64_t N = w.size(0), K = w.size(1), tiles = (N + kTileN - 1) / kTileN;
+  auto out = torch::zeros({tiles, K / 2, kTileN, 2}, w.options());       // features past N stay 0
+  auto src = w.contiguous();
+  const bf16* sp = src.data_ptr<bf16>();
+  bf16* dp = out.data_ptr<bf16>();
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t kp = 0; kp < K / 2; ++kp)
+        for (int64_t f = 0; f < kTileN && t * kTileN + f < N; ++f)
+          for (int64_t i = 0; i < 2; ++i)
+            dp[((t * (K / 2) + kp) * kTileN + f) * 2 + i] = sp[(t * kTileN + f) * K + 2 * kp + i];
+  });
+  return out;
+}
+
+// Rows m0 .. m0 + MT of x times one tile of 64 features; y's columns past N are not written.
+template <int MT>
+static inline void linear_tile(const int32_t* x, int64_t x_row, const __m512i* w, int64_t KP, const float* bias,
+                               bf16* y, int64_t y_row, int64_t width) {
+  __m512 acc[MT][4];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < KP; ++kp, w += 4) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 32), _MM_HINT_T0);
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w), b1 = (__m512bh)_mm512_loadu_si512(w + 1),
+                   b2 = (__m512bh)_mm512_loadu_si512(w + 2), b3 = (__m512bh)_mm512_loadu_si512(w + 3);
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(x[m * x_row + kp]);    // inputs 2kp, 2kp + 1 of row m
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], a, b2);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], a, b3);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < 4; ++j) {
+      __m512 v = acc[m][j];
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(v);                    // round to nearest even
+      if (16 * j + 16 <= width) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * y_row + 16 * j), out);
+      } else if (16 * j < width) {                                          // the last, partial tile
+        const __mmask16 keep = (__mmask16)((1u << (width - 16 * j)) - 1);
+        _mm256_mask_storeu_epi16(y + m * y_row + 16 * j, keep, out);
+      }
+    }
+}
+
+// x (rows, K) bfloat16 with unit stride in K; packed from pack_bf16_weight; bias (N,) or empty.
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t N) {
+  if (x.stride(1) != 1) x = x.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+              packed.size(1) * 2 == x.size(1) && packed.size(0) * kTileN >= N,
+              "linear_bf16: x must be bfloat16 (rows, in_features) matching the packed weight");
+  const int64_t M = x.size(0), KP = packed.size(1), tiles = packed.size(0), x_row = x.stride(0) / 2;
+  TORCH_CHECK(x.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0,
+              "linear_bf16: x's rows must start on 4-byte boundaries");
+  auto y = torch::empty({M, N}, x.options());
+  std::vector<float> bias_f;
+  if (bias.defined() && bias.numel()) {                                       // padded to whole tiles
+    bias_f.assign(tiles * kTileN, 0.f);
+    auto b = bias.to(at::kFloat).contiguous();
+    std::copy(b.data_ptr<float>(), b.data_ptr<float>() + N, bias_f.begin());
+  }
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x.data_ptr<bf16>());    // a pair of inputs as one int32
+  const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<bf16>());
+  bf16* yp = y.data_ptr<bf16>();
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const __m512i* w = wp + t * KP * 4;
+      const float* bt = bias_f.empty() ? nullptr : bias_f.data() + t * kTileN;
+      const int64_t width = std::min(kTileN, N - t * kTileN);
+      int64_t m = 0;
+      for (; m + kTileM <= M; m += kTileM) linear_tile<kTileM>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width);
+      switch (M - m) {
+        case 5: linear_tile<5>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width); break;
+        case 4: linear_tile<4>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width); break;
+        case 3: linear_tile<3>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width); break;
+        case 2: linear_tile<2>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width); break;
+        case 1: linear_tile<1>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+}
+#else
+torch::Tensor pack_bf16_weight(torch::Tensor) { TORCH_CHECK(false, "built without AVX512-BF16"); }
+torch::Tensor linear_bf16(torch::Tensor, torch::Tensor, torch::Tensor, int64_t) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, as Hugging Face's LlamaRMSNorm");
   m.def("add_rms_norm", &add_rms_norm, "x += y in place (the residual), then RMSNorm of x");
   m.def("rotary_and_store", &rotary_and_store, "rotate q and k in place (Qwen3: norm each head first), store k and v");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
   m.def("paged_attention", &paged_attention, "every row of a step attending through its block table, causally");
+  m.def("pack_bf16_weight", &pack_bf16_weight, "a bfloat16 weight in the layout linear_bf16 reads");
+  m.def("linear_bf16", &linear_bf16, "x W^T + b on AVX512-BF16's dot-product instruction");
+  m.attr("has_avx512_bf16") = bool(NP_HAS_AVX512_BF16);
 }

@@ -23,7 +23,9 @@ SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's headers, serial without it; the
 # library then asks for libgomp.so.1, which resolves to the copy torch has already loaded.
 OPT_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp"]
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl")
+# the CPU's flag (as /proc/cpuinfo spells it) -> gcc's name for the instruction set
+ISA_FLAGS = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f", "avx512bw": "avx512bw",
+             "avx512vl": "avx512vl", "avx512_bf16": "avx512bf16"}
 
 
 def missing_tools() -> str | None:
@@ -41,8 +43,9 @@ def missing_tools() -> str | None:
 
 @lru_cache(maxsize=1)
 def cpu_ops():
-    """The compiled module: rms_norm, rotary_and_store, silu_and_mul, paged_decode_attention."""
-    return build("nanopaged_cpu_ops", [f for f in ISA_FLAGS if f in cpu_flags()])
+    """The compiled module: rms_norm, add_rms_norm, rotary_and_store, silu_and_mul, paged_attention, and
+    where the CPU has AVX512-BF16 (`has_avx512_bf16`) pack_bf16_weight and linear_bf16."""
+    return build("nanopaged_cpu_ops", [gcc for flag, gcc in ISA_FLAGS.items() if flag in cpu_flags()])
 
 
 def build(name: str, isa: list[str]):

@@ -1,16 +1,18 @@
-"""The CPU fast path for linear layers: bfloat16 weights packed once for oneDNN's matrix-unit kernel.
+"""The CPU fast paths for linear layers: bfloat16 weights packed once for a matrix-unit kernel.
 
-`nn.Linear` (F.linear) is the reference. On a CPU with AMX or AVX512-BF16, oneDNN multiplies
-bfloat16 faster once a weight is reordered into the blocked layout its kernel reads; reordering
-for every call would cost more than it saves, so it happens once, after loading, and the
-reordered weight replaces the plain one. The layers are swapped in place, as tensor
-parallelism swaps its own, so models/llama.py has no branch for it.
+`nn.Linear` (F.linear) is the reference. A kernel on the CPU's bfloat16 units reads a weight
+fastest in a layout of its own; laying it out for every call would cost more than it saves, so
+it happens once, after loading, and the packed weight replaces the plain one. The layers are
+swapped in place, as tensor parallelism swaps its own, so models/llama.py has no branch for it.
+Two kernels, chosen by the CPU's flags as measured (docs/05, "bfloat16 on the matrix units"):
 
-The two ops are private to torch: `torch.ops.mkldnn._reorder_linear_weight` packs a weight and
-`torch.ops.mkldnn._linear_pointwise` multiplies by it (what torch.compile's CPU backend emits
-for a frozen bfloat16 linear). tests/worker/test_cpu_linear.py pins that they still exist and
-still equal F.linear; where they are missing the model keeps its nn.Linear layers.
-docs/05_model_runner_and_kernels.md, "bfloat16 on the matrix units", has the figures.
+    packed   oneDNN's kernel (AMX tiles where the CPU has them): `torch.ops.mkldnn.
+             _reorder_linear_weight` packs a weight and `_linear_pointwise` multiplies by it (what
+             torch.compile's CPU backend emits for a frozen bfloat16 linear). Private to torch:
+             tests/worker/test_cpu_linear.py pins that they exist and still equal F.linear.
+    dpbf16   nanopaged's own (nanopaged/kernels/cpu_ops.cpp: linear_bf16), on AVX512-BF16's
+             dot-product instruction: on a CPU with it and without AMX (AMD Zen 4) it ran a decode
+             step's matmuls faster than oneDNN's at every row count measured.
 """
 from __future__ import annotations
 
@@ -43,14 +45,33 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every plain nn.Linear of a bfloat16 CPU model for a PackedLinear; how many were swapped.
-    Subclasses (tensor parallelism's layers) keep their own forward and are left alone."""
-    if not packed_ops_available():
+class Dpbf16Linear(nn.Module):
+    """y = x W^T + b on AVX512-BF16's dot-product instruction, W packed once for it (inference only)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        from nanopaged.kernels.cpu_ops import cpu_ops     # built on first use (kernels/cpu_ops.py)
+        self.ops = cpu_ops()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = self.ops.pack_bf16_weight(linear.weight.detach())
+        self.bias = torch.empty(0) if linear.bias is None else linear.bias.detach()
+        self.shard_sizes = getattr(linear, "shard_sizes", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # x: (tokens, in_features)
+        return self.ops.linear_bf16(x, self.packed_weight, self.bias, self.out_features)
+
+
+KERNELS = {"packed": PackedLinear, "dpbf16": Dpbf16Linear}
+
+
+def pack_linears(model: nn.Module, kernel: str = "packed") -> int:
+    """Swap every plain nn.Linear of a bfloat16 CPU model for the `kernel`'s layer (KERNELS); how
+    many were swapped. Subclasses (tensor parallelism's layers) keep their own forward."""
+    if kernel == "packed" and not packed_ops_available():
         logger.warning("cpu_linear='packed': this torch has no oneDNN packed linear; using F.linear")
         return 0
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, PackedLinear(linear))
+        setattr(model.get_submodule(parent_name), child, KERNELS[kernel](linear))
     return len(targets)

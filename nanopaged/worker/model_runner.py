@@ -86,8 +86,8 @@ class ModelRunner:
             from nanopaged.worker.quant_linear import quantize_linears
             self.quantized = quantize_linears(model, self.config.quantization, self.config.quantization_group_size,
                                               self.config.gguf_file)
-        if self.config.cpu_linear == "packed":    # bfloat16 on the CPU's matrix units (cpu_linear.py)
-            pack_linears(model)
+        if self.config.cpu_linear != "reference":   # bfloat16 on the CPU's matrix units (cpu_linear.py)
+            pack_linears(model, self.config.cpu_linear)
         if self.config.cpu_kernels == "fused":    # the layers' small ops in C++ (cpu_fused.py)
             from nanopaged.worker.cpu_fused import fuse_layers
             fuse_layers(model)

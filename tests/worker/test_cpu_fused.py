@@ -75,9 +75,13 @@ def test_auto_fuses_only_beside_packed_linears(monkeypatch, tiny_model_dirs):
     """auto: fused where the linears are packed (bfloat16 on a CPU with bfloat16 matrix units),
     the torch reference elsewhere (float32 is held to Hugging Face token for token)."""
     monkeypatch.setattr(cpu_ops_module, "available", lambda: None)
-    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["avx512_bf16"])
+    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["amx_bf16"])
     cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16")
     assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("packed", "fused", "cpu")
+    monkeypatch.setattr(config_module, "_dpbf16_builds", lambda: True)
+    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["avx512_bf16"])
+    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16")
+    assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("dpbf16", "fused", "cpu")
     cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32")
     assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("reference", "reference", "torch")
     cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16", attention_backend="torch")

@@ -1,5 +1,5 @@
-"""The CPU fast path: packed bfloat16 linears equal F.linear, are chosen by the CPU's flags, and
-leave the model's answers where the reference puts them.
+"""The CPU fast paths: packed bfloat16 linears (oneDNN's and nanopaged's own) equal F.linear, are
+chosen by the CPU's flags, and leave the model's answers where the reference puts them.
 
 The oneDNN ops are private to torch: the first test pins that they exist in the torch this
 project requires, so an upgrade that drops or renames them fails here, not in a benchmark."""
@@ -12,7 +12,11 @@ import nanopaged.config as config_module
 from conftest import check_logprobs_close, make_prompts, nanopaged_greedy
 from nanopaged import LLM, EngineConfig, SamplingParams
 from nanopaged.cpu_features import auto_cpu_dtype
-from nanopaged.worker.cpu_linear import PackedLinear, pack_linears, packed_ops_available
+from nanopaged.kernels.cpu_ops import available, cpu_ops
+from nanopaged.worker.cpu_linear import Dpbf16Linear, PackedLinear, pack_linears, packed_ops_available
+
+needs_dpbf16 = pytest.mark.skipif(available() is not None or not cpu_ops().has_avx512_bf16,
+                                  reason="nanopaged's kernels did not build with AVX512-BF16 here")
 
 
 def test_the_private_onednn_ops_exist_in_this_torch():
@@ -33,22 +37,57 @@ def test_a_packed_linear_equals_f_linear_within_bf16_rounding(rows, bias):
     assert got.shape == (rows, 1536)
 
 
-def test_pack_linears_swaps_plain_linears_only():
+@needs_dpbf16
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 24, 300])
+@pytest.mark.parametrize("out_features, in_features, bias", [(1536, 576, False), (960, 576, True), (100, 64, True),
+                                                             (3, 2, False)])
+def test_the_dpbf16_linear_rounds_the_exact_product_once(rows, out_features, in_features, bias):
+    """Products of bfloat16 numbers are exact in float32: the kernel's output is the float32
+    matmul of the same numbers rounded once to bfloat16, but for a sum whose float32 order tips
+    it over a rounding boundary. Row counts around the 6-row tile, widths that are not whole
+    64-feature tiles, a bias."""
+    torch.manual_seed(rows + out_features)
+    linear = nn.Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
+    x = torch.randn(rows, in_features + 2, dtype=torch.bfloat16)[:, :in_features]      # strided rows
+    with torch.inference_mode():
+        exact = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
+        got = Dpbf16Linear(linear)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert (got == exact.bfloat16()).float().mean() > 0.99
+    assert torch.allclose(got.float(), exact, rtol=2 ** -7, atol=1e-6)
+
+
+@needs_dpbf16
+def test_the_dpbf16_weight_needs_an_even_width():
+    with pytest.raises(RuntimeError, match="in_features even"):
+        Dpbf16Linear(nn.Linear(7, 4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kernel, cls", [("packed", PackedLinear),
+                                         pytest.param("dpbf16", Dpbf16Linear, marks=needs_dpbf16)])
+def test_pack_linears_swaps_plain_linears_only(kernel, cls):
     class Subclass(nn.Linear):            # tensor parallelism's layers subclass nn.Linear
         pass
 
     model = nn.Sequential(nn.Linear(8, 8, dtype=torch.bfloat16), Subclass(8, 8, dtype=torch.bfloat16))
     model[0].shard_sizes = [4, 4]
-    assert pack_linears(model) == 1
-    assert isinstance(model[0], PackedLinear) and model[0].shard_sizes == [4, 4]
+    assert pack_linears(model, kernel) == 1
+    assert isinstance(model[0], cls) and model[0].shard_sizes == [4, 4]
     assert type(model[1]) is Subclass
 
 
 def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch, tiny_model_dirs):
+    """AMX: oneDNN's kernel, which drives its tiles; AVX512-BF16 alone (AMD Zen 4): nanopaged's
+    dpbf16, where it builds (else oneDNN's); neither: float32 and F.linear."""
+    monkeypatch.setattr(config_module, "_dpbf16_builds", lambda: True)
     monkeypatch.setattr(config_module, "auto_cpu_dtype", lambda: "bfloat16")
-    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["amx_bf16"])
+    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["amx_bf16", "avx512_bf16"])
     cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu")
     assert (cfg.dtype, cfg.cpu_linear) == ("bfloat16", "packed")
+    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["avx512_bf16"])
+    assert EngineConfig(tiny_model_dirs["llama"], device="cpu").cpu_linear == "dpbf16"
+    monkeypatch.setattr(config_module, "_dpbf16_builds", lambda: False)
+    assert EngineConfig(tiny_model_dirs["llama"], device="cpu").cpu_linear == "packed"
     monkeypatch.setattr(config_module, "auto_cpu_dtype", lambda: "float32")
     monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: [])
     cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu")
@@ -68,14 +107,24 @@ def test_auto_cpu_dtype_reads_the_flags(monkeypatch):
 def test_packed_where_it_cannot_run_is_refused_by_name(tiny_model_dirs):
     with pytest.raises(ValueError, match="cpu_linear='packed' needs device='cpu', dtype='bfloat16'"):
         EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_linear="packed")
-    with pytest.raises(ValueError, match=r"cpu_linear must be one of \['auto', 'packed', 'reference'\]"):
+    with pytest.raises(ValueError, match=r"cpu_linear must be one of \['auto', 'packed', 'dpbf16', 'reference'\]"):
         EngineConfig(tiny_model_dirs["llama"], cpu_linear="fast")
+    with pytest.raises(ValueError, match="cpu_linear='dpbf16' needs device='cpu', dtype='bfloat16'"):
+        EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_linear="dpbf16")
+
+
+def test_dpbf16_without_avx512_bf16_is_refused_by_name(monkeypatch, tiny_model_dirs):
+    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["amx_bf16"])
+    with pytest.raises(ValueError, match=r"cpu_linear='dpbf16' needs AVX512-BF16 \(the CPU's flag avx512_bf16\)"):
+        EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16", cpu_linear="dpbf16")
 
 
 @pytest.mark.skipif(not config_module.bf16_matrix_units(), reason="this CPU has no bfloat16 matrix units")
 def test_the_packed_model_answers_as_the_reference_does(tiny_model_dirs):
     """Same bf16 weights, two kernels: greedy tokens agree under vLLM's check_logprobs_close rule."""
     prompts = make_prompts(512, n=6, seed=5, min_len=4, max_len=40)
-    packed = nanopaged_greedy(LLM(tiny_model_dirs["qwen2"], dtype="bfloat16", cpu_linear="packed"), prompts, 16)
     reference = nanopaged_greedy(LLM(tiny_model_dirs["qwen2"], dtype="bfloat16", cpu_linear="reference"), prompts, 16)
-    check_logprobs_close(packed, reference)
+    kernels = ["packed"] + (["dpbf16"] if available() is None and cpu_ops().has_avx512_bf16 else [])
+    for kernel in kernels:
+        check_logprobs_close(nanopaged_greedy(LLM(tiny_model_dirs["qwen2"], dtype="bfloat16", cpu_linear=kernel),
+                                              prompts, 16), reference)
