@@ -35,7 +35,7 @@ READING_PATH = [
     "nanopaged/worker/__init__.py", "nanopaged/attention/__init__.py", "nanopaged/models/__init__.py",
     "nanopaged/extras/__init__.py",
 ]
-LINE_BUDGET = 3600  # 3,400 until quantization, the structured-output hooks, decode grouping (issues 28, 27, 23); 3,500 until speculative decoding (26)
+LINE_BUDGET = 3700  # 3,400 until quantization, the structured-output hooks, decode grouping (issues 28, 27, 23); 3,500 until speculative decoding (26); 3,600 until the CPU fast paths' choice (cpu_kernels, cpu_linear="dpbf16": 23)
 # The design card's three parts: the block manager, the scheduler, the model runner with the
 # torch attention it calls (the metadata it builds, the reference backend).
 THREE_PARTS = {
