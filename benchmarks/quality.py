@@ -1,5 +1,6 @@
-"""What quantized weights cost in quality: perplexity on a fixed English text (benchmarks/data/english.txt,
-written for the bench: about 1,400 tokens in the demo model's tokenizer).
+"""What quantized weights cost in quality: perplexity on a fixed English text written for the bench,
+benchmarks/data/english.txt (the spec workload's passages too) then english_more.txt: 3,332 tokens in
+the demo model's tokenizer.
 
 Perplexity = exp(mean negative logprob of each token given those before it), from the logits of the
 prompt (prompt_logprobs). With `quantization`, a step of more than ROWS_FOR_QUANTIZED rows runs the
@@ -16,11 +17,12 @@ from pathlib import Path
 from nanopaged import LLM, SamplingParams
 from nanopaged.worker.quant_linear import ROWS_FOR_QUANTIZED
 
-TEXT = Path(__file__).resolve().parent / "data" / "english.txt"
+DATA = Path(__file__).resolve().parent / "data"
+TEXTS = (DATA / "english.txt", DATA / "english_more.txt")
 
 
 def text_ids(tokenizer) -> list[int]:
-    return tokenizer.encode(TEXT.read_text())
+    return tokenizer.encode("\n\n".join(t.read_text().strip() for t in TEXTS))
 
 
 def perplexity(llm: LLM, ids: list[int]) -> float:

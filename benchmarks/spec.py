@@ -1,6 +1,6 @@
 """--workload spec: speculative decoding where the answer repeats its input, and what it costs where it does not.
 
-The repeating workload: benchmarks/data/english.txt (the text quality.py scores) cut at sentence ends
+The repeating workload: benchmarks/data/english.txt (the first part of the text quality.py scores) cut at sentence ends
 into passages of at least MIN_PASSAGE_TOKENS tokens in the model's tokenizer (about 100-150), each put
 in a chat-formatted prompt (the tokenizer's chat template, generation prompt added) under one of
 INSTRUCTIONS: repeat it exactly, or fix its typos (NUM_TYPOS put in by a seeded rule) and write it out.
@@ -46,12 +46,14 @@ from benchmarks import vllm_peer
 from benchmarks.models import vocab_limit
 from benchmarks.nanopaged_run import resolved_settings, run_nanopaged
 from benchmarks.peers import run_side, vllm_python
-from benchmarks.quality import TEXT
+from benchmarks.quality import DATA
 from benchmarks.trace import WARMUP_PROMPT, make_trace
 from nanopaged import LLM, SamplingParams
 from nanopaged.engine.input_processor import load_tokenizer
 from nanopaged.models.config import ModelConfig
 from nanopaged.models.demo_model import cache_dir
+
+TEXT = DATA / "english.txt"       # the first of the quality text's files: the passages to repeat or fix
 
 # The issue's targets: n-gram speculation (its best k) over speculation off, output tokens/s, on the
 # repeating workload. Reported met or missed, never adjusted.
