@@ -9,8 +9,10 @@ Q4_1's w = q d + m is the kernel's (q - 8) scale + zero with scale = d and zero 
 
 Two things are undone on the way, as transformers' GGUF loader undoes them: llama.cpp stores
 q_proj and k_proj with the rows of each head's two rotary halves interleaved (`unpermute_rows`),
-and it names tensors its own way (`GGUF_NAMES`). A linear stored in any other type (Q8_0, F16,
-...) keeps the dequantized weights the folder holds, and is listed by `load_gguf_linears`.
+and it names tensors its own way (`GGUF_NAMES`). The output matrix (the lm_head; the
+demo model ties it to the embeddings, `token_embd`) ships as Q8_0, 8 bits and a float16 scale per
+block of 32, and runs as shipped too (`Q8Linear`). A linear stored in any other type (F16, ...)
+keeps the dequantized weights the folder holds, and is listed by `load_gguf_linears`.
 """
 from __future__ import annotations
 
@@ -42,6 +44,15 @@ def q4_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.nd
     return codes, d, zero
 
 
+def q8_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes (out, in) int32 in -128..127, scale (out, in / 32)) of a Q8_0 tensor's raw bytes
+    (out, blocks x 34): a float16 scale d, then 32 signed bytes; w = q * d."""
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[:, :, 2:].copy().view(np.int8).reshape(raw.shape[0], -1).astype(np.int32)
+    return codes, d
+
+
 def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
     """The GGUF row each Hugging Face row of q_proj / k_proj comes from: llama.cpp's converter
     interleaves the two rotary halves of every head (transformers: reverse_permute_weights)."""
@@ -64,8 +75,9 @@ def find_gguf(folder: str) -> str:
 
 def load_gguf_linears(path: str, cfg: ModelConfig) -> tuple[dict, list[str]]:
     """{"model.layers.{i}.{module}": (codes, scale, zero)} for every fused linear whose tensors are
-    all Q4_0/Q4_1, rows unpermuted and stacked as the module stacks them; and the names of the
-    linears left dense (another type), for the load's log."""
+    all Q4_0/Q4_1, rows unpermuted and stacked as the module stacks them; "lm_head": (codes, scale)
+    when the output matrix (`output.weight`, or the tied `token_embd.weight`) ships as Q8_0; and the
+    names of the linears left dense (another type), for the load's log."""
     import gguf
     reader = gguf.GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
@@ -86,4 +98,9 @@ def load_gguf_linears(path: str, cfg: ModelConfig) -> tuple[dict, list[str]]:
                 pieces.append((codes, scale, zero))
             found[f"model.layers.{i}.{module}"] = tuple(
                 torch.from_numpy(np.concatenate([p[j] for p in pieces])) for j in range(3))
+    output = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if output is not None and output.tensor_type.name == "Q8_0":
+        found["lm_head"] = tuple(torch.from_numpy(a) for a in q8_blocks(np.asarray(output.data)))
+    elif output is not None:
+        dense.append(f"lm_head ({output.tensor_type.name})")
     return found, dense

@@ -1,22 +1,30 @@
 """Weight-only quantized linear layers on CPU: 4-bit and 8-bit weights (`quantization=`).
 
 A decode step streams every weight once, so on a CPU its matmuls cost what their bytes cost:
-4-bit weights are a quarter of bfloat16's. torch has CPU kernels that unpack such weights
-inside the multiply: `aten::_weight_int4pack_mm_for_cpu` (groups of `group_size` input
-features, w = (q - 8) * scale + zero, q in 0..15) and `aten::_weight_int8pack_mm` (one scale
-per output feature, w = q * scale, q in -128..127), for activations in the model's dtype.
-They win for a few rows; from a few rows up the packed bfloat16 kernel (cpu_linear.py) runs
-near the matmul peak instead, and the 4-bit one does not. So a layer keeps both and picks by
-the step's row count: the quantized weight for at most ROWS_FOR_QUANTIZED rows (one request
-at a time, a few streams), the dense weight for more (docs/01_kv_cache_arithmetic.md, "What a
-weight costs", has the figures and the memory each choice holds).
+4-bit weights are a quarter of bfloat16's. Two kernels unpack such weights inside the multiply:
 
-    gguf   the GGUF file's own 4-bit blocks (Q4_0, Q4_1), as they ship (models/gguf.py)
+  nanopaged's (nanopaged/kernels/cpu_ops.cpp: linear_quantized), on a CPU with AVX-512: blocks of
+    `group_size` inputs with a float16 scale d and minimum m each, w = q d + m (GGUF's Q4_1 as it
+    ships; Q4_0 and int4-at-load map onto it), and 8-bit blocks w = q d (GGUF's Q8_0); the codes are
+    widened in registers, on VDPBF16PS for bfloat16 rows where the CPU has AVX512-BF16.
+  torch's, elsewhere: `aten::_weight_int4pack_mm_for_cpu` (groups of `group_size`, w = (q - 8)
+    scale + zero, scales in the activations' dtype) and, for int8, `aten::_weight_int8pack_mm`
+    (one scale per output feature, w = q scale).
+
+They win for a few rows; from a few rows up the packed bfloat16 kernels (cpu_linear.py) run near
+the matmul peak instead, and the 4-bit ones do not. So a layer keeps both and picks by the step's
+row count: the quantized weight for at most ROWS_FOR_QUANTIZED rows (one request at a time, a few
+streams), the dense weight for more (docs/01_kv_cache_arithmetic.md, "What a weight costs", has
+the figures and the memory each choice holds).
+
+    gguf   the GGUF file's own blocks as they ship (models/gguf.py): Q4_0/Q4_1 decoder layers, and
+           the output matrix where it ships as Q8_0 (the demo model's, tied to its embeddings)
     int4   the checkpoint quantized at load: min/max per group of `quantization_group_size`
     int8   the checkpoint quantized at load: absmax per output feature
 
-Only the decoder layers' linears are quantized; the embeddings, the lm_head, the norms and the
-sampler keep the model's dtype, and so does the KV cache.
+Otherwise the embeddings, the lm_head, the norms and the sampler keep the model's dtype ("unless
+the file says otherwise": a GGUF's own 8-bit output matrix is the file's choice), and so does the
+KV cache.
 """
 from __future__ import annotations
 
@@ -35,6 +43,13 @@ def quantized_ops_available() -> bool:
     aten = torch.ops.aten
     return all(hasattr(aten, op) for op in ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu",
                                             "_weight_int8pack_mm"))
+
+
+def nanopaged_kernels():
+    """nanopaged's compiled kernels where they built with AVX-512, else None (torch's int4 kernel
+    then: the plain loops of a build without AVX-512 are slower than it)."""
+    from nanopaged.kernels.cpu_ops import available, cpu_ops
+    return cpu_ops() if available() is None and cpu_ops().has_avx512 else None
 
 
 # ---- the layers ------------------------------------------------------------------------
@@ -61,16 +76,41 @@ class Int4Linear(QuantizedLinear):
         """codes (out, in) in 0..15; scale and zero (out, in / group_size): w = (q - 8) scale + zero."""
         super().__init__(dense)
         self.group_size = group_size
+        self.ops = nanopaged_kernels()
+        if self.ops is not None:      # w = q d + m: d = scale, m = zero - 8 scale (GGUF's Q4_1 d and m, exactly)
+            self.packed = self.ops.pack_quantized(codes, scale, zero - 8 * scale, group_size, 4)
+            self.scale_zero = torch.empty(0)
+            return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         dtype = dense.weight.dtype
         self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()   # (groups, out, 2)
 
     def quantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.linear_quantized(x, self.packed, self.out_features, self.group_size, 4)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zero)
 
     @property
     def quantized_bytes(self) -> int:
         return self.packed.nbytes + self.scale_zero.nbytes
+
+
+class Q8Linear(QuantizedLinear):
+    """8-bit codes in blocks of `group_size` inputs with a float16 scale each (GGUF's Q8_0, as it
+    ships): nanopaged's kernel only."""
+
+    def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
+        super().__init__(dense)
+        self.group_size = group_size
+        self.ops = nanopaged_kernels()
+        self.packed = self.ops.pack_quantized(codes, scale, torch.empty(0), group_size, 8)
+
+    def quantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear_quantized(x, self.packed, self.out_features, self.group_size, 8)
+
+    @property
+    def quantized_bytes(self) -> int:
+        return self.packed.nbytes
 
 
 class Int8Linear(QuantizedLinear):
@@ -125,6 +165,11 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
         found, left_dense = load_gguf_linears(gguf_path, cfg)
         group_size = BLOCK
     swapped = []
+    if "lm_head" in found and nanopaged_kernels() is not None:     # the file's 8-bit output matrix
+        model.lm_head = Q8Linear(model.lm_head, *found["lm_head"], BLOCK)
+        swapped.append(model.lm_head)
+    elif "lm_head" in found:
+        left_dense.append("lm_head (Q8_0: nanopaged's kernels did not build with AVX-512 here)")
     for i, layer in enumerate(model.model.layers):
         for name in LAYER_LINEARS:
             full = f"model.layers.{i}.{name}"

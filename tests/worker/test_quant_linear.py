@@ -21,15 +21,23 @@ def dequantize_int4(codes, scale, zero, group):
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_int4_kernel_multiplies_by_what_its_codes_stand_for(group, dtype):
+@pytest.mark.parametrize("kernel", ["nanopaged", "torch"])
+def test_the_int4_kernel_multiplies_by_what_its_codes_stand_for(group, dtype, monkeypatch, kernel):
+    if kernel == "torch":
+        monkeypatch.setattr(ql, "nanopaged_kernels", lambda: None)
     torch.manual_seed(group)
     out_f, in_f = 96, 256
     dense = nn.Linear(in_f, out_f, bias=False, dtype=dtype)
     codes = torch.randint(0, 16, (out_f, in_f))
     scale, zero = torch.rand(out_f, in_f // group) / 10, torch.randn(out_f, in_f // group) / 10
     layer = ql.Int4Linear(dense, codes, scale, zero, group)
-    # the kernel's scales are in the activations' dtype: compare with the weight it can hold
-    s, z = scale.to(dtype).float(), zero.to(dtype).float()
+    # compare with the weight the kernel can hold: nanopaged's keeps d = scale and m = zero - 8 scale
+    # in float16 (as GGUF ships them), torch's keeps scale and zero in the activations' dtype
+    if layer.ops is not None:
+        d, m = scale.half().float(), (zero - 8 * scale).half().float()
+        s, z = d, m + 8 * d
+    else:
+        s, z = scale.to(dtype).float(), zero.to(dtype).float()
     x = torch.randn(3, in_f, dtype=dtype)
     want = x.float() @ dequantize_int4(codes, s, z, group).t()
     got = layer(x).float()
@@ -74,14 +82,19 @@ def test_a_step_of_many_rows_runs_on_the_dense_weight():
 
 
 def test_the_gguf_blocks_as_shipped_are_the_weights_the_converter_wrote(demo_model_dir):
-    """The demo model's Q4_1 tensors, read as 4-bit codes and unpermuted, dequantize exactly to the
-    float32 folder transformers wrote from the same file."""
+    """The demo model's Q4_1 tensors, read as 4-bit codes and unpermuted, and its Q8_0 output matrix
+    (tied to the embeddings), dequantize exactly to the float32 folder transformers wrote from the
+    same file."""
     from safetensors import safe_open
     from nanopaged.models.config import ModelConfig
     from nanopaged.models.gguf import find_gguf, load_gguf_linears
     found, dense = load_gguf_linears(find_gguf(demo_model_dir), ModelConfig.from_folder(demo_model_dir))
-    assert len(found) == 30 * 4 and dense == []
+    assert len(found) == 30 * 4 + 1 and dense == []
     with safe_open(f"{demo_model_dir}/model.safetensors", "pt") as f:
+        codes, scale = found["lm_head"]
+        assert codes.shape == (49152, 576) and codes.min() >= -128 and codes.max() <= 127
+        dequantized = (codes.float().reshape(49152, 18, 32) * scale[..., None]).reshape(49152, 576)
+        assert torch.equal(dequantized, f.get_tensor("model.embed_tokens.weight"))
         for module, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("self_attn.o_proj", ("o_proj",)),
                               ("mlp.gate_up_proj", ("gate_proj", "up_proj")), ("mlp.down_proj", ("down_proj",))):
             for layer in (0, 17, 29):
@@ -97,8 +110,8 @@ def test_the_demo_model_as_shipped_answers_as_its_dequantized_weights_do(demo_mo
     prompts = make_prompts(2000, n=3, seed=7, min_len=8, max_len=30)
     shipped = LLM(demo_model_dir, dtype="bfloat16", quantization="gguf", max_num_seqs=1)
     stats = shipped.get_stats()["quantization"]
-    assert stats["quantization"] == "gguf" and stats["quantized_linears"] == 120
-    assert 60e6 < stats["quantized_bytes"] < 90e6                 # 4.5 bits a weight, scales included
+    assert stats["quantization"] == "gguf" and stats["quantized_linears"] == 120 + 1          # and the lm_head
+    assert 85e6 < stats["quantized_bytes"] < 105e6      # layers 5 bits a weight and lm_head 8.5, scales included
     dense = LLM(demo_model_dir, dtype="bfloat16", max_num_seqs=1)
     check_logprobs_close(nanopaged_greedy(shipped, prompts, 16), nanopaged_greedy(dense, prompts, 16))
 
