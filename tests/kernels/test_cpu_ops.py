@@ -213,3 +213,43 @@ def test_the_kernels_refuse_a_misshapen_input(ops):
     with pytest.raises(RuntimeError, match="request 0 has more rows than keys, or more keys than its block table"):
         ops.paged_attention(torch.randn(1, 4, 16), torch.randn(2, 4, 2, 16), torch.randn(2, 4, 2, 16),
                             torch.zeros(1, 1, dtype=torch.long), torch.tensor([5]), torch.tensor([0, 1]), 0.25)
+
+
+def dequantized(codes, d, m, group):
+    """The float32 weight that 4-bit codes (w = q d + m) or 8-bit codes (m None: w = q d) stand for."""
+    out_f, in_f = codes.shape
+    w = codes.float().reshape(out_f, in_f // group, group) * d[..., None]
+    if m is not None:
+        w = w + m[..., None]
+    return w.reshape(out_f, in_f)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+@pytest.mark.parametrize("out_features, in_features, group", [(96, 256, 32), (100, 64, 32), (40, 256, 64),
+                                                              (7, 128, 128)])
+def test_linear_quantized_multiplies_by_what_the_codes_stand_for(ops, bits, dtype, rows, out_features, in_features,
+                                                                group):
+    """Both layouts, every dtype (bfloat16 rows take the VDPBF16PS path where the build has it),
+    row counts around the 4-row tile, widths that are not whole tiles, the group sizes a setting
+    allows; d and m are float16, as GGUF ships them. The product is the float32 matmul of the
+    dequantized weight, rounded once to the dtype."""
+    torch.manual_seed(rows * out_features + bits)
+    lo, hi = (0, 16) if bits == 4 else (-128, 128)
+    codes = torch.randint(lo, hi, (out_features, in_features))
+    d = (torch.rand(out_features, in_features // group) / 20).half().float()
+    m = (torch.randn(out_features, in_features // group) / 10).half().float() if bits == 4 else None
+    packed = ops.pack_quantized(codes, d, torch.empty(0) if m is None else m, group, bits)
+    x = torch.randn(rows, in_features + 2).to(dtype)[:, :in_features]               # strided rows
+    got = ops.linear_quantized(x, packed, out_features, group, bits)
+    want = x.float() @ dequantized(codes, d, m, group).t()
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    tolerance = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+def test_linear_quantized_refuses_a_weight_of_another_width(ops):
+    packed = ops.pack_quantized(torch.randint(0, 16, (32, 64)), torch.ones(32, 2), torch.zeros(32, 2), 32, 4)
+    with pytest.raises(RuntimeError, match="x's in_features do not match the packed weight"):
+        ops.linear_quantized(torch.randn(1, 128), packed, 32, 32, 4)
