@@ -107,7 +107,7 @@ class EngineConfig:
             self.dtype = "bfloat16" if self.device == "cuda" else auto_cpu_dtype()
         self.dtype = DTYPES[self.dtype][0]
         self.cpu_linear = resolve_cpu_linear(self.cpu_linear, self.device, self.dtype)
-        self.cpu_kernels = resolve_cpu_kernels(self.cpu_kernels, self.device, self.cpu_linear)
+        self.cpu_kernels = resolve_cpu_kernels(self.cpu_kernels, self.device, self.cpu_linear, self.attention_backend)
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -118,8 +118,8 @@ class EngineConfig:
             self.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS[self.device]
         if self.device == "cpu" and self.kv_cache_memory_bytes is None:
             self.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES     # on CUDA: measured by the runner
-        if self.attention_backend == "auto" and self.cpu_kernels == "fused":
-            self.attention_backend = "cpu"      # the fused layer's decode rows attend in C++ too
+        if self.cpu_kernels == "fused":
+            self.attention_backend = "cpu"      # the fused layers attend in C++, with the cpu backend's kernel
         self.attention_backend = resolve_attention_backend(self.attention_backend, self.device, self.dtype)
 
     @classmethod
@@ -164,22 +164,27 @@ def _dpbf16_builds() -> bool:
     return available() is None and bool(cpu_ops().has_avx512_bf16)
 
 
-def resolve_cpu_kernels(name: str, device: str, cpu_linear: str) -> str:
-    """auto: fused where the linears are packed (packed or dpbf16: a bfloat16 model on a CPU with bfloat16
-    matrix units, the path that is not held to Hugging Face token for token) and the kernels build here
-    (the first time on a machine, a ~40 s compile); the torch reference elsewhere, float32
-    included. fused off the CPU, or where the kernels cannot build, is a ValueError that says why."""
-    if name == "reference" or (name == "auto" and not (device == "cpu" and cpu_linear != "reference")):
+def resolve_cpu_kernels(name: str, device: str, cpu_linear: str, attention_backend: str) -> str:
+    """auto: fused where the linears are packed (packed or dpbf16: a bfloat16 model on a CPU with
+    bfloat16 matrix units, the path that is not held to Hugging Face token for token), the attention
+    backend is left to choose (the fused layers attend with the `cpu` backend's kernel) and the
+    kernels build here (the first time on a machine, a ~40 s compile); the torch reference
+    elsewhere, float32 included. fused off the CPU, beside another attention backend, or where
+    the kernels cannot build, is a ValueError that says why."""
+    candidate = device == "cpu" and cpu_linear != "reference" and attention_backend in ("auto", "cpu")
+    if name == "reference" or (name == "auto" and not candidate):
         return "reference"
     from nanopaged.kernels.cpu_ops import available     # only when the fast path is a candidate
     if name == "auto":
         return "fused" if available() is None else "reference"
-    if name == "fused":
-        if device != "cpu":
-            raise ValueError(f"cpu_kernels='fused' runs on CPU (device is {device!r})")
-        why_not = available()
-        if why_not:
-            raise ValueError(f"cpu_kernels='fused': {why_not}")
+    if device != "cpu":
+        raise ValueError(f"cpu_kernels='fused' runs on CPU (device is {device!r})")
+    if attention_backend not in ("auto", "cpu"):
+        raise ValueError(f"cpu_kernels='fused' attends with the cpu backend's kernel; got "
+                         f"attention_backend={attention_backend!r} (use 'auto' or 'cpu')")
+    why_not = available()
+    if why_not:
+        raise ValueError(f"cpu_kernels='fused': {why_not}")
     return name
 
 

@@ -12,6 +12,7 @@
 // even, as torch does), so a norm, a rotation or a SiLU here gives the reference's values up to
 // the order of a float32 sum and the last bit of an exp.
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -869,6 +870,70 @@ torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor packed, int64_t N,
   return y;
 }
 
+// ---- the decoder layers, one after another, in one call ----------------------------------------
+// A decode step of a small model on a CPU spends about a millisecond of its ten in Python between
+// the kernels above: looking up modules, calling them, slicing the projection's output. So the
+// fused path hands the whole stack of layers to C++ once per step (worker/cpu_fused.py builds the
+// description from the model's own modules). Each layer is the reference's DecoderLayer in ten
+// calls: rms_norm, q/k/v projection, rotary_and_store, paged_attention, o projection,
+// add_rms_norm, gate/up projection, silu_and_mul, down projection, the residual add.
+//
+// A linear is one of: nanopaged's bfloat16 kernel (kDpbf16); a quantized weight for steps of at
+// most `rows_max` rows beside a dense layer for more (kQuantized); anything else, a Python callable
+// (kCallable: oneDNN's packed linear, nn.Linear, torch's int4 kernel), called back with the GIL the
+// caller holds.
+struct Linear {
+  enum Kind { kDpbf16 = 0, kQuantized = 1, kCallable = 2 };
+  int64_t kind = kCallable, out_features = 0;
+  torch::Tensor packed, bias;                        // kDpbf16: pack_bf16_weight's; kQuantized: pack_quantized's
+  int64_t group = 0, bits = 0, rows_max = 0;         // kQuantized
+  std::shared_ptr<Linear> dense;                     // kQuantized: the layer for more rows
+  pybind11::object fn;                               // kCallable
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == kDpbf16) return linear_bf16(x, packed, bias, out_features);
+    if (kind == kQuantized) {
+      if (x.size(0) > rows_max) return (*dense)(x);
+      auto y = linear_quantized(x, packed, out_features, group, bits);
+      return bias.defined() && bias.numel() ? y.add_(bias) : y;
+    }
+    return fn(x).cast<torch::Tensor>();
+  }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm, q_norm, k_norm;     // q_norm, k_norm: Qwen3's, else empty
+  Linear qkv, o, gate_up, down;
+};
+
+struct Decoder {
+  std::vector<Layer> layers;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  double eps = 1e-6, qk_eps = 1e-6, scale = 1.0;
+};
+
+// x (tokens, hidden): the embeddings, the residual stream through every layer (updated in place);
+// cos, sin (tokens, head_dim); kv_cache (layers, 2, blocks, block_size, kv_heads, head_dim); the
+// step's slot mapping, block tables, lengths and query starts (AttentionMetadata's).
+torch::Tensor decoder_forward(const Decoder& dec, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                              torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                              torch::Tensor seq_lens, torch::Tensor query_start_loc) {
+  TORCH_CHECK(kv_cache.size(0) == int64_t(dec.layers.size()), "decoder_forward: one KV cache per layer");
+  const int64_t n = x.size(0), q_width = dec.heads * dec.head_dim;
+  for (size_t i = 0; i < dec.layers.size(); ++i) {
+    const Layer& layer = dec.layers[i];
+    auto k_cache = kv_cache.select(0, i).select(0, 0), v_cache = kv_cache.select(0, i).select(0, 1);
+    auto qkv = layer.qkv(rms_norm(x, layer.input_norm, dec.eps));
+    rotary_and_store(qkv, cos, sin, layer.q_norm, layer.k_norm, dec.qk_eps, dec.heads, dec.kv_heads, k_cache, v_cache,
+                     slot_mapping);
+    auto q = qkv.narrow(1, 0, q_width).view({n, dec.heads, dec.head_dim});
+    auto o = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, dec.scale);
+    auto h = add_rms_norm(x, layer.o(o.view({n, q_width})), layer.post_norm, dec.eps);   // x += o
+    x.add_(layer.down(silu_and_mul(layer.gate_up(h))));
+  }
+  return x;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, as Hugging Face's LlamaRMSNorm");
   m.def("add_rms_norm", &add_rms_norm, "x += y in place (the residual), then RMSNorm of x");
@@ -885,4 +950,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("has_avx512") = false;
 #endif
+  namespace py = pybind11;
+  // module_local: the tests load a second build of this file (without AVX-512) beside the first
+  py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear", py::module_local())
+      .def(py::init<>())
+      .def_readwrite("kind", &Linear::kind).def_readwrite("out_features", &Linear::out_features)
+      .def_readwrite("packed", &Linear::packed).def_readwrite("bias", &Linear::bias)
+      .def_readwrite("group", &Linear::group).def_readwrite("bits", &Linear::bits)
+      .def_readwrite("rows_max", &Linear::rows_max).def_readwrite("dense", &Linear::dense)
+      .def_readwrite("fn", &Linear::fn)
+      .def("__call__", &Linear::operator());
+  py::class_<Layer>(m, "Layer", py::module_local())
+      .def(py::init<>())
+      .def_readwrite("input_norm", &Layer::input_norm).def_readwrite("post_norm", &Layer::post_norm)
+      .def_readwrite("q_norm", &Layer::q_norm).def_readwrite("k_norm", &Layer::k_norm)
+      .def_readwrite("qkv", &Layer::qkv).def_readwrite("o", &Layer::o)
+      .def_readwrite("gate_up", &Layer::gate_up).def_readwrite("down", &Layer::down);
+  py::class_<Decoder>(m, "Decoder", py::module_local())
+      .def(py::init<>())
+      .def_readwrite("layers", &Decoder::layers).def_readwrite("heads", &Decoder::heads)
+      .def_readwrite("kv_heads", &Decoder::kv_heads).def_readwrite("head_dim", &Decoder::head_dim)
+      .def_readwrite("eps", &Decoder::eps).def_readwrite("qk_eps", &Decoder::qk_eps)
+      .def_readwrite("scale", &Decoder::scale);
+  m.def("decoder_forward", &decoder_forward, "every decoder layer of one step, in C++");
 }

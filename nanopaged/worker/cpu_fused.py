@@ -1,31 +1,34 @@
-"""The CPU fast path for a decoder layer: the same weights, its small ops fused into C++ kernels.
+"""The CPU fast path for the decoder: the same weights, every layer's small ops fused into C++ kernels
+and the layer loop itself in C++.
 
 `models/llama.py: DecoderLayer` is the reference a reader studies; run eagerly on a CPU it
 launches about 50 torch ops a layer for a few rows of work (a norm alone is float, pow, mean,
 add, rsqrt, mul, to, mul), and a decode step of a small model spends more time launching them
-than in its matmuls. `FusedDecoderLayer` runs the same layer in ten calls:
+than in its matmuls. The fused path runs each layer in ten calls, all in C++
+(nanopaged/kernels/cpu_ops.cpp: decoder_forward), once per step for the whole stack:
 
-    rms_norm -> qkv_proj -> rotary_and_store -> attend -> o_proj
+    rms_norm -> qkv_proj -> rotary_and_store -> paged_attention -> o_proj
              -> add_rms_norm -> gate_up_proj -> silu_and_mul -> down_proj -> add
 
-  rms_norm          one pass per row (nanopaged/kernels/cpu_ops.cpp)
+  rms_norm          one pass per row
   rotary_and_store  rotates q and k in place inside the projection's output (Qwen3: each head
                     normed first) and writes k and v to their slots: vLLM's rotary_embedding and
                     reshape_and_cache in one pass
-  attend            the attention backend's second half (the `cpu` backend: C++ decode rows)
+  paged_attention   every row of the step through its block table (the `cpu` attention backend's)
   add_rms_norm      the residual add and the next norm in one pass (vLLM's fused_add_rms_norm)
   silu_and_mul      vLLM's name for SiLU(gate) * up in one pass
 
-The residual adds round to the model's dtype as the reference's do. oneDNN could add the
-residual inside the matmul (its "add" post-op) and save a pass, but its sum stays in float32
-until the end: one rounding fewer per add, which moved the demo model's greedy answer to
-"What is the capital of France?" at a near tie in bfloat16 (docs/05).
+The linears are the model's own layers, described to C++ (`describe`): nanopaged's bfloat16 and
+quantized kernels run there directly; any other layer (oneDNN's packed linear, nn.Linear,
+torch's int4 kernel) is called back in Python. The residual adds round to the model's dtype as
+the reference's do (oneDNN can add a residual inside its matmul, in float32: one rounding fewer
+per add, which moved the demo model's greedy answer at a near tie in bfloat16; docs/05).
 
 Each kernel rounds as the torch ops it replaces round (cpu_ops.cpp, "Rounding"), so the layer
 gives the reference's values up to the order of float32 sums; tests/kernels/test_cpu_ops.py holds
-each kernel to its torch ops, tests/worker/test_cpu_fused.py the whole model to the reference. The swap happens after loading, as
-packing the linears does, so models/llama.py has no branch for it
-(docs/05_model_runner_and_kernels.md, "Fused CPU kernels").
+each kernel to its torch ops, tests/worker/test_cpu_fused.py the whole model to the reference.
+The swap happens after loading, as packing the linears does, so models/llama.py has no branch
+for it (docs/05_model_runner_and_kernels.md, "Fused CPU kernels").
 """
 from __future__ import annotations
 
@@ -33,9 +36,11 @@ import torch
 from torch import nn
 
 from nanopaged.kernels.cpu_ops import cpu_ops
-from nanopaged.models.llama import DecoderLayer, RMSNorm
+from nanopaged.models.llama import LlamaModel, RMSNorm
+from nanopaged.worker.cpu_linear import Dpbf16Linear
+from nanopaged.worker.quant_linear import ROWS_FOR_QUANTIZED, Int4Linear, Q8Linear
 
-NO_WEIGHT = torch.empty(0)      # rotary_and_store without per-head norms (all but Qwen3)
+NO_WEIGHT = torch.empty(0)      # an absent norm or bias
 
 
 class FusedRMSNorm(nn.Module):
@@ -47,38 +52,58 @@ class FusedRMSNorm(nn.Module):
         return cpu_ops().rms_norm(x, self.weight, self.eps)
 
 
-class FusedDecoderLayer(nn.Module):
-    """DecoderLayer's forward in ten calls; it holds the reference layer's own modules."""
+def describe(layer: nn.Module):
+    """A linear layer as the C++ loop takes it (cpu_ops.cpp: struct Linear)."""
+    ops = cpu_ops()
+    lin = ops.Linear()
+    lin.out_features = layer.out_features
+    if isinstance(layer, Dpbf16Linear):
+        lin.kind, lin.packed, lin.bias = 0, layer.packed_weight, layer.bias
+    elif isinstance(layer, (Int4Linear, Q8Linear)) and layer.ops is not None:
+        lin.kind, lin.packed, lin.group, lin.rows_max = 1, layer.packed, layer.group_size, ROWS_FOR_QUANTIZED
+        lin.bits = 8 if isinstance(layer, Q8Linear) else 4
+        lin.bias = NO_WEIGHT if layer.bias is None else layer.bias
+        lin.dense = describe(layer.dense)
+    else:
+        lin.kind, lin.fn = 2, layer
+    return lin
 
-    def __init__(self, layer: DecoderLayer) -> None:
+
+class FusedLlamaModel(nn.Module):
+    """LlamaModel's forward with the layer loop in C++; it holds the reference model's own modules."""
+
+    def __init__(self, model: LlamaModel) -> None:
         super().__init__()
-        self.input_layernorm = FusedRMSNorm(layer.input_layernorm)
-        self.self_attn = layer.self_attn
-        self.post_attention_layernorm = FusedRMSNorm(layer.post_attention_layernorm)
-        self.mlp = layer.mlp
-        attn = self.self_attn
-        self.qk_norm_weights = ((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm
-                                else (NO_WEIGHT, NO_WEIGHT, 0.0))
+        self.embed_tokens, self.rotary, self.layers = model.embed_tokens, model.rotary, model.layers
+        self.norm = FusedRMSNorm(model.norm)
+        attn = model.layers[0].self_attn
+        decoder = cpu_ops().Decoder()
+        decoder.heads, decoder.kv_heads, decoder.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        decoder.eps, decoder.scale = model.layers[0].input_layernorm.eps, attn.scale
+        decoder.qk_eps = attn.q_norm.eps if attn.qk_norm else 0.0
+        decoder.layers = [self._layer(layer) for layer in model.layers]
+        self.decoder = decoder
 
-    def forward(self, x, rope, kv_cache, meta):
-        ops, attn, n = cpu_ops(), self.self_attn, x.shape[0]
-        heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        qkv = attn.qkv_proj(self.input_layernorm(x))                    # (n, (heads + 2 kv_heads) head_dim)
-        cos, sin = rope
-        ops.rotary_and_store(qkv, cos, sin, *self.qk_norm_weights, heads, kv_heads,
-                             kv_cache[0], kv_cache[1], meta.slot_mapping)
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        o = attn.backend.attend(q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim),
-                                v.view(n, kv_heads, head_dim), kv_cache[0], kv_cache[1], meta, attn.scale)
-        h = ops.add_rms_norm(x, attn.o_proj(o.reshape(n, -1)), self.post_attention_layernorm.weight,
-                             self.post_attention_layernorm.eps)                 # x += o, in place; h = norm(x)
-        return x.add_(self.mlp.down_proj(ops.silu_and_mul(self.mlp.gate_up_proj(h))))
+    @staticmethod
+    def _layer(layer):
+        attn, described = layer.self_attn, cpu_ops().Layer()
+        described.input_norm, described.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        described.q_norm = attn.q_norm.weight if attn.qk_norm else NO_WEIGHT
+        described.k_norm = attn.k_norm.weight if attn.qk_norm else NO_WEIGHT
+        described.qkv, described.o = describe(attn.qkv_proj), describe(attn.o_proj)
+        described.gate_up, described.down = describe(layer.mlp.gate_up_proj), describe(layer.mlp.down_proj)
+        return described
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)             # each (tokens, 1, head_dim)
+        x = cpu_ops().decoder_forward(self.decoder, x, cos, sin, kv_caches, meta.slot_mapping, meta.block_tables,
+                                      meta.seq_lens, meta.query_start_loc)
+        return self.norm(x)
 
 
 def fuse_layers(model: nn.Module) -> int:
-    """Swap every DecoderLayer of a loaded model, and its final norm, for the fused ones; how many layers."""
-    layers = model.model.layers
-    for i, layer in enumerate(layers):
-        layers[i] = FusedDecoderLayer(layer)
-    model.model.norm = FusedRMSNorm(model.model.norm)
-    return len(layers)
+    """Swap a loaded model's LlamaModel for the fused one (after quantizing and packing its linears,
+    whose layers it describes); how many layers."""
+    model.model = FusedLlamaModel(model.model)
+    return len(model.model.layers)

@@ -14,8 +14,8 @@ import nanopaged.kernels.cpu_ops as cpu_ops_module
 from conftest import check_logprobs_close, make_prompts, nanopaged_greedy
 from nanopaged import LLM, EngineConfig, SamplingParams
 from nanopaged.kernels.cpu_ops import available
-from nanopaged.models.llama import DecoderLayer
-from nanopaged.worker.cpu_fused import FusedDecoderLayer, FusedRMSNorm
+from nanopaged.models.llama import LlamaModel
+from nanopaged.worker.cpu_fused import FusedLlamaModel, FusedRMSNorm
 
 needs_kernels = pytest.mark.skipif(available() is not None, reason=f"{available()}")
 
@@ -39,8 +39,7 @@ def test_fused_layers_give_the_references_tokens_in_float32(tiny_model_dirs, arc
     for kernels in ("reference", "fused"):
         llm = LLM(tiny_model_dirs[arch], dtype="float32", cpu_kernels=kernels, max_num_batched_tokens=24,
                   **{"num_kv_blocks": 64, **settings})
-        assert isinstance(llm.llm_engine.runner.model.model.layers[0],
-                          FusedDecoderLayer if kernels == "fused" else DecoderLayer)
+        assert isinstance(llm.llm_engine.runner.model.model, FusedLlamaModel if kernels == "fused" else LlamaModel)
         results[kernels] = greedy_with_logprobs(llm, prompts)
     assert results["fused"][0] == results["reference"][0]
     torch.testing.assert_close(results["fused"][1], results["reference"][1], rtol=1e-4, atol=1e-4)
@@ -48,10 +47,13 @@ def test_fused_layers_give_the_references_tokens_in_float32(tiny_model_dirs, arc
 
 
 @needs_kernels
-def test_fused_layers_answer_as_the_reference_in_bfloat16(demo_model_dir):
-    """On the real model, in bfloat16, with both linear kernels this CPU has: vLLM's rule."""
+@pytest.mark.skipif(not config_module.bf16_matrix_units(), reason="this CPU has no bfloat16 matrix units")
+@pytest.mark.parametrize("linear", ["auto", "packed"])
+def test_fused_layers_answer_as_the_reference_in_bfloat16(demo_model_dir, linear):
+    """On the real model, in bfloat16: the linears this CPU picks (nanopaged's dpbf16 runs in the C++
+    loop; on AMX oneDNN's), and oneDNN's packed ones, which the loop calls back in Python. vLLM's rule."""
     prompts = make_prompts(2000, n=4, seed=3, min_len=8, max_len=40)
-    fused = nanopaged_greedy(LLM(demo_model_dir, dtype="bfloat16", cpu_kernels="fused"), prompts, 20)
+    fused = nanopaged_greedy(LLM(demo_model_dir, dtype="bfloat16", cpu_kernels="fused", cpu_linear=linear), prompts, 20)
     reference = nanopaged_greedy(LLM(demo_model_dir, dtype="bfloat16", cpu_kernels="reference",
                                      attention_backend="torch"), prompts, 20)
     check_logprobs_close(fused, reference)
@@ -60,14 +62,15 @@ def test_fused_layers_answer_as_the_reference_in_bfloat16(demo_model_dir):
 
 @needs_kernels
 def test_the_swap_keeps_the_weights_it_found(tiny_model_dirs):
-    """No copy of a weight: the fused layer holds the reference layer's own modules."""
+    """No copy of a weight: the C++ loop's description points at the reference modules' own tensors,
+    and any linear it has no kernel for (nn.Linear in float32) is the module itself, called back."""
     llm = LLM(tiny_model_dirs["qwen3"], dtype="float32", cpu_kernels="fused")
     model = llm.llm_engine.runner.model
-    layer = model.model.layers[1]
-    assert isinstance(layer, FusedDecoderLayer) and isinstance(model.model.norm, FusedRMSNorm)
-    assert layer.qk_norm_weights[0] is layer.self_attn.q_norm.weight
-    assert layer.input_layernorm.weight.data_ptr() == dict(model.named_parameters())[
-        "model.layers.1.input_layernorm.weight"].data_ptr()
+    assert isinstance(model.model, FusedLlamaModel) and isinstance(model.model.norm, FusedRMSNorm)
+    layer, described = model.model.layers[1], model.model.decoder.layers[1]
+    assert described.input_norm.data_ptr() == layer.input_layernorm.weight.data_ptr()
+    assert described.q_norm.data_ptr() == layer.self_attn.q_norm.weight.data_ptr()
+    assert described.qkv.kind == 2 and described.qkv.fn is layer.self_attn.qkv_proj
     assert llm.get_stats()["cpu_kernels"] == "fused" and llm.get_stats()["attention_backend"] == "cpu"
 
 
@@ -85,7 +88,11 @@ def test_auto_fuses_only_beside_packed_linears(monkeypatch, tiny_model_dirs):
     cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32")
     assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("reference", "reference", "torch")
     cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16", attention_backend="torch")
-    assert (cfg.cpu_kernels, cfg.attention_backend) == ("fused", "torch")      # a chosen backend is kept
+    assert (cfg.cpu_kernels, cfg.attention_backend) == ("reference", "torch")   # a chosen backend is kept
+    with pytest.raises(ValueError, match=r"cpu_kernels='fused' attends with the cpu backend's kernel; got "
+                                         r"attention_backend='torch'"):
+        EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16", attention_backend="torch",
+                     cpu_kernels="fused")
     # fused on request in float32, and beside the reference linears
     cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_kernels="fused")
     assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("reference", "fused", "cpu")
@@ -123,4 +130,4 @@ def test_a_failed_build_is_a_warning_and_the_reference(monkeypatch, caplog):
 
 def test_fused_off_the_cpu_is_refused(tiny_model_dirs):
     with pytest.raises(ValueError, match=r"cpu_kernels='fused' runs on CPU \(device is 'cuda'\)"):
-        config_module.resolve_cpu_kernels("fused", "cuda", "reference")
+        config_module.resolve_cpu_kernels("fused", "cuda", "reference", "auto")
