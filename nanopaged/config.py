@@ -107,7 +107,8 @@ class EngineConfig:
             self.dtype = "bfloat16" if self.device == "cuda" else auto_cpu_dtype()
         self.dtype = DTYPES[self.dtype][0]
         self.cpu_linear = resolve_cpu_linear(self.cpu_linear, self.device, self.dtype)
-        self.cpu_kernels = resolve_cpu_kernels(self.cpu_kernels, self.device, self.cpu_linear, self.attention_backend)
+        self.cpu_kernels = resolve_cpu_kernels(self.cpu_kernels, self.device, self.cpu_linear, self.attention_backend,
+                                               self.block_size)
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -121,6 +122,9 @@ class EngineConfig:
         if self.cpu_kernels == "fused":
             self.attention_backend = "cpu"      # the fused layers attend in C++, with the cpu backend's kernel
         self.attention_backend = resolve_attention_backend(self.attention_backend, self.device, self.dtype)
+        if self.attention_backend == "cpu" and self.block_size < 2:
+            raise ValueError("attention_backend='cpu' keeps pairs of tokens side by side in a block: block_size "
+                             f"must be at least 2, got {self.block_size}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
@@ -164,14 +168,15 @@ def _dpbf16_builds() -> bool:
     return available() is None and bool(cpu_ops().has_avx512_bf16)
 
 
-def resolve_cpu_kernels(name: str, device: str, cpu_linear: str, attention_backend: str) -> str:
+def resolve_cpu_kernels(name: str, device: str, cpu_linear: str, attention_backend: str, block_size: int = 16) -> str:
     """auto: fused where the linears are packed (packed or dpbf16: a bfloat16 model on a CPU with
     bfloat16 matrix units, the path that is not held to Hugging Face token for token), the attention
     backend is left to choose (the fused layers attend with the `cpu` backend's kernel) and the
     kernels build here (the first time on a machine, a ~40 s compile); the torch reference
     elsewhere, float32 included. fused off the CPU, beside another attention backend, or where
     the kernels cannot build, is a ValueError that says why."""
-    candidate = device == "cpu" and cpu_linear != "reference" and attention_backend in ("auto", "cpu")
+    candidate = (device == "cpu" and cpu_linear != "reference" and attention_backend in ("auto", "cpu")
+                 and block_size >= 2)
     if name == "reference" or (name == "auto" and not candidate):
         return "reference"
     from nanopaged.kernels.cpu_ops import available     # only when the fast path is a candidate

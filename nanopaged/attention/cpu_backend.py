@@ -8,8 +8,11 @@ through the block table, as the paper's kernel does (section 4.1), in one call p
 whole step (`paged_attention` in nanopaged/kernels/cpu_ops.cpp, vLLM's unified attention): row
 j of a request's q_len new rows sees the first seq_len - q_len + j + 1 keys, so prompt chunks,
 prefix-cache hits and decode rows are one loop. Every (row, KV head) pair is a job for torch's
-threads: scores of the head's query group against each key, a softmax, then the values. The
-store is the torch reference's (the fused CPU layer stores in its rotary pass instead).
+threads: scores of the head's query group against each key, a softmax, then the values. Inside
+each block the kernels keep K and V in an order of their own (cpu_ops.cpp: KvLayout; vLLM's CPU and
+CUDA kernels do too), so the store is theirs as well (`store_kv`; the fused layers store in their
+rotary pass instead), and the torch backend cannot read a cache this one wrote: one engine, one
+backend.
 tests/kernels/test_cpu_ops.py holds the kernel to the reference; without a compiler,
 `resolve_attention_backend` says so and `auto` runs the torch backend.
 docs/05_model_runner_and_kernels.md, "Backends".
@@ -19,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from nanopaged.attention.metadata import AttentionMetadata
-from nanopaged.attention.torch_backend import TorchAttentionBackend, store_kvcache
+from nanopaged.attention.torch_backend import TorchAttentionBackend
 from nanopaged.kernels.cpu_ops import cpu_ops
 
 
@@ -33,7 +36,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)      # the kernels' order within a block
         return self.attend(q, k, v, k_cache, v_cache, meta, scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -28,6 +28,11 @@
 #define NP_HAS_AVX512_BF16 0
 #endif
 
+// Put on a loop over a small array of registers (sums, operands) whose length is a template
+// constant: unrolled this early, the array lives in registers. GCC otherwise unrolls it after it
+// has decided the array lives in memory, and stores every sum back at every step of the loop.
+#define NP_UNROLL _Pragma("GCC unroll 64")
+
 // How many elements a thread should get before a loop is split over threads: below that the
 // fork/join costs more than the work (a 24-row decode step's norm is 14k elements).
 static constexpr int64_t kGrainElements = 32768;
@@ -202,6 +207,63 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor weigh
   return out;
 }
 
+// ---- the KV cache in this file's order ----------------------------------------------------------
+// The runner allocates each layer's K and V as (blocks, block_size, kv_heads, head_dim): the paper's
+// blocks, in the order the torch reference gathers them. Inside each block these kernels keep
+// their own order, so that what one instruction multiplies is 64 contiguous bytes:
+//   K: (kv_heads, head_dim / 2, block_size, 2)  for a pair of dims, every token's two values
+//   V: (kv_heads, block_size / 2, head_dim, 2)  for a pair of tokens, every dim's two values
+// (vLLM's CUDA and CPU kernels keep K as (head_dim / x, block_size, x) for the same reason.) A
+// block is still one block of the pool: copy-on-write copies and prefix-cache hits move whole
+// blocks, whatever is inside. store_kv writes it, and the `cpu` attention backend and the fused
+// layers read and write nothing else (block_size must be even: V pairs tokens).
+struct KvLayout {
+  int64_t block_size, kv_heads, D;
+  int64_t block() const { return block_size * kv_heads * D; }                 // elements per block
+  int64_t k(int64_t block_id, int64_t t, int64_t h, int64_t d) const {        // token t of the block
+    return block_id * block() + h * D * block_size + (d / 2) * 2 * block_size + 2 * t + (d & 1);
+  }
+  int64_t v(int64_t block_id, int64_t t, int64_t h, int64_t d) const {
+    return block_id * block() + h * D * block_size + (t / 2) * 2 * D + 2 * d + (t & 1);
+  }
+};
+
+static KvLayout kv_layout(const torch::Tensor& cache) {      // cache: (blocks, block_size, kv_heads, head_dim)
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && cache.size(1) % 2 == 0,
+              "the cpu kernels' KV cache: a contiguous (blocks, block_size, kv_heads, head_dim) tensor, "
+              "block_size even");
+  return {cache.size(1), cache.size(2), cache.size(3)};
+}
+
+// One token's K and V heads (kv_heads x D each) into slot s.
+template <typename T>
+static inline void store_token(const KvLayout& L, T* kc, T* vc, int64_t s, const T* k, const T* v, int64_t k_head,
+                               int64_t v_head) {
+  const int64_t block_id = s / L.block_size, t = s % L.block_size;
+  for (int64_t h = 0; h < L.kv_heads; ++h)
+    for (int64_t d = 0; d < L.D; ++d) {
+      kc[L.k(block_id, t, h, d)] = k[h * k_head + d];
+      vc[L.v(block_id, t, h, d)] = v[h * v_head + d];
+    }
+}
+
+// k, v (tokens, kv_heads, head_dim) with unit stride in head_dim: each token's K and V into its slot.
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  const KvLayout L = kv_layout(k_cache);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(), "store_kv: K and V caches of one shape");
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.size(1) == L.kv_heads && k.size(2) == L.D &&
+              v.sizes() == k.sizes() && slots.scalar_type() == at::kLong && slots.numel() == k.size(0),
+              "store_kv: k and v (tokens, kv_heads, head_dim) matching the caches, int64 slots (tokens,)");
+  auto sl = slots.contiguous();
+  DISPATCH_MODEL_DTYPES(k.scalar_type(), "store_kv", [&] {
+    const scalar_t *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
+    scalar_t *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
+    const int64_t* sp = sl.data_ptr<int64_t>();
+    for (int64_t t = 0; t < k.size(0); ++t)
+      store_token(L, kc, vc, sp[t], kp + t * k.stride(0), vp + t * v.stride(0), k.stride(1), v.stride(1));
+  });
+}
+
 // ---- rotary embedding, and the K/V store ------------------------------------------------------
 // One head of D values rotated in place: x * cos + rotate_half(x) * sin, Hugging Face's
 // rotate_half (the first half of a head pairs with the second, negated), each product and the
@@ -222,9 +284,9 @@ static inline void rotate_head(T* x, const T* cos, const T* sin, int64_t D) {
 //   cos, sin (n, D): the rows' rotary tables, in qkv's dtype
 //   q_norm, k_norm (D,) or empty: Qwen3's RMSNorm over each q and k head, before the rotation
 // q's and k's heads are rotated in place; k and v are written to their slots of the pool,
-// k_cache and v_cache (blocks, block_size, kv_heads, D): slot s is block s / block_size, offset
-// s % block_size (the paper's section 4.1; vLLM's reshape_and_cache). Afterwards q, k and v are
-// the views of qkv the attention reads.
+// k_cache and v_cache (blocks, block_size, kv_heads, D) in this file's order (KvLayout): slot s is
+// block s / block_size, token s % block_size (the paper's section 4.1; vLLM's reshape_and_cache).
+// Afterwards q, k and v are the views of qkv the attention reads.
 void rotary_and_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor q_norm,
                       torch::Tensor k_norm, double eps, int64_t heads, int64_t kv_heads, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor slot_mapping) {
@@ -233,15 +295,15 @@ void rotary_and_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
               "rotary_and_store: qkv must be (tokens, (heads + 2 kv_heads) head_dim) with unit stride");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * D && sin.numel() == n * D,
               "rotary_and_store: cos and sin must be contiguous (tokens, head_dim)");
-  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.strides() == v_cache.strides() && k_cache.size(2) == kv_heads,
-              "rotary_and_store: caches must be (blocks, block_size, kv_heads, head_dim), one layout");
+  const KvLayout L = kv_layout(k_cache);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() && k_cache.size(2) == kv_heads,
+              "rotary_and_store: caches must be (blocks, block_size, kv_heads, head_dim), one shape");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == n, "slot_mapping: int64 (tokens,)");
   TORCH_CHECK(D % 2 == 0 && D <= 1024, "head_dim must be even and at most 1024");
   const bool norm = q_norm.defined() && q_norm.numel() > 0;
   TORCH_CHECK(!norm || (q_norm.numel() == D && k_norm.numel() == D), "q_norm and k_norm must be (head_dim,)");
   auto slots = slot_mapping.contiguous();
-  const int64_t row = qkv.stride(0), c_block = k_cache.stride(0), c_token = k_cache.stride(1),
-                c_head = k_cache.stride(2);
+  const int64_t row = qkv.stride(0);
   DISPATCH_MODEL_DTYPES(qkv.scalar_type(), "rotary_and_store", [&] {
     using T = scalar_t;
     T* base = qkv.data_ptr<T>();
@@ -258,12 +320,7 @@ void rotary_and_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
           if (norm) rms_norm_row(head, h < heads ? qn : kn, head, D, float(eps));
           rotate_head(head, cp + t * D, sp + t * D, D);
         }
-        const int64_t s = sl[t];
-        const int64_t at = (s / block_size) * c_block + (s % block_size) * c_token;
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          std::memcpy(kc + at + h * c_head, x + (heads + h) * D, D * sizeof(T));
-          std::memcpy(vc + at + h * c_head, x + (heads + kv_heads + h) * D, D * sizeof(T));
-        }
+        store_token(L, kc, vc, sl[t], x + heads * D, x + (heads + kv_heads) * D, D, D);
       }
     });
   });
@@ -304,117 +361,184 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 
 // ---- paged attention -------------------------------------------------------------------------
 // One (row, KV head) pair: the row's G query heads (the heads that share this KV head, GQA) over
-// the first n keys of its request, which the block table scatters over the pool. Three passes: q . k of
-// every query head with every key (each key row read once for all G heads), a softmax over
-// each head's scores, then the values weighted by it (each value row read once). DIM
-// (head_dim) is known when compiled, so a head's DIM / 16 registers unroll.
-static constexpr int kMaxGroup = 16;    // query heads per KV head the vector kernel takes
+// the first n keys of its request, which the block table scatters over the pool. Three passes:
+// the scores q . k of every query head with every key, a softmax over each head's scores, then
+// the values weighted by it. The weights are rounded to T before they weigh the values, as SDPA's
+// CPU kernel (and so Hugging Face) rounds them in bfloat16; the sum is the float32 one, as there.
 
-// The next block's rows of one head, asked for while this block is computed: blocks lie anywhere
-// in the pool, so the hardware prefetcher, which follows streams, cannot guess them.
+// Softmax of n scores in place, 16 at a time: the weights rounded to T; returns 1 / their float32 sum.
 template <typename T>
-static inline void prefetch_block(const T* first, int64_t block_size, int64_t c_token, int64_t D) {
-  for (int64_t j = 0; j < block_size; ++j)
-    for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(first + j * c_token + d);
-}
-
-template <typename T, int DIM>
-static void attend_one_head(const T* q, int64_t q_head, const T* kc, const T* vc, const int64_t* table, int64_t n,
-                            int64_t block_size, int64_t c_block, int64_t c_token, int64_t offset, int64_t G,
-                            float scale, T* out, float* scores) {
-  constexpr int V = DIM / 16;
-  Vec16 qg[kMaxGroup][V], acc[kMaxGroup][V];
-  for (int64_t g = 0; g < G; ++g)
-    for (int v = 0; v < V; ++v) qg[g][v] = Vec16::load(q + g * q_head + 16 * v);
-  for (int64_t t0 = 0, b = 0; t0 < n; t0 += block_size, ++b) {      // block by block: no division per key
-    const T* k = kc + table[b] * c_block + offset;
-    const int64_t m = std::min(block_size, n - t0);
-    if (t0 + block_size < n) prefetch_block(kc + table[b + 1] * c_block + offset, block_size, c_token, DIM);
-    for (int64_t j = 0; j < m; ++j, k += c_token) {
-      Vec16 key[V];
-      for (int v = 0; v < V; ++v) key[v] = Vec16::load(k + 16 * v);
-      for (int64_t g = 0; g < G; ++g) {
-        Vec16 dot = qg[g][0] * key[0];
-        for (int v = 1; v < V; ++v) dot = fma(qg[g][v], key[v], dot);
-        scores[g * n + t0 + j] = dot.sum() * scale;
-      }
-    }
-  }
-  // softmax over each head's n scores, 16 at a time; 1 / sum is applied to the output. The
-  // weights are rounded to T before they weigh the values, as SDPA's CPU kernel (and so Hugging
-  // Face) rounds them in bfloat16; the sum is the float32 one, as there.
+static inline float softmax_in_place(float* s, int64_t n) {
   const int64_t body = n - n % 16;
-  float inv_sum[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores + g * n;
-    Vec16 mv = Vec16::fill(-INFINITY);
-    for (int64_t t = 0; t < body; t += 16) mv = max(mv, Vec16::load(s + t));
-    float mx = mv.max();
-    for (int64_t t = body; t < n; ++t) mx = std::max(mx, s[t]);
-    Vec16 sv = Vec16::fill(0.f);
-    for (int64_t t = 0; t < body; t += 16) {
-      const Vec16 e = exp(Vec16::load(s + t) - Vec16::fill(mx));
-      round_to<T>(e).store(s + t);
-      sv = sv + e;
-    }
-    float sum = sv.sum();
-    for (int64_t t = body; t < n; ++t) {
-      const float e = exp_scalar(s[t] - mx);
-      sum += e;
-      s[t] = float(T(e));
-    }
-    inv_sum[g] = 1.f / sum;
-    for (int v = 0; v < V; ++v) acc[g][v] = Vec16::fill(0.f);
+  Vec16 mv = Vec16::fill(-INFINITY);
+  for (int64_t t = 0; t < body; t += 16) mv = max(mv, Vec16::load(s + t));
+  float mx = mv.max();
+  for (int64_t t = body; t < n; ++t) mx = std::max(mx, s[t]);
+  Vec16 sv = Vec16::fill(0.f);
+  for (int64_t t = 0; t < body; t += 16) {
+    const Vec16 e = exp(Vec16::load(s + t) - Vec16::fill(mx));
+    round_to<T>(e).store(s + t);
+    sv = sv + e;
   }
-  // the values, weighted
-  for (int64_t t0 = 0, b = 0; t0 < n; t0 += block_size, ++b) {
-    const T* x = vc + table[b] * c_block + offset;
-    const int64_t m = std::min(block_size, n - t0);
-    if (t0 + block_size < n) prefetch_block(vc + table[b + 1] * c_block + offset, block_size, c_token, DIM);
-    for (int64_t j = 0; j < m; ++j, x += c_token) {
-      Vec16 value[V];
-      for (int v = 0; v < V; ++v) value[v] = Vec16::load(x + 16 * v);
-      for (int64_t g = 0; g < G; ++g) {
-        const Vec16 p = Vec16::fill(scores[g * n + t0 + j]);
-        for (int v = 0; v < V; ++v) acc[g][v] = fma(p, value[v], acc[g][v]);
-      }
-    }
+  float sum = sv.sum();
+  for (int64_t t = body; t < n; ++t) {
+    const float e = exp_scalar(s[t] - mx);
+    sum += e;
+    s[t] = float(T(e));
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const Vec16 inv = Vec16::fill(inv_sum[g]);
-    for (int v = 0; v < V; ++v) round_to<T>(acc[g][v] * inv).store(out + g * DIM + 16 * v);
-  }
+  return 1.f / sum;
 }
 
-// Any head_dim, plain loops: the same three passes for the shapes the vector kernel does not take.
+// Any dtype, any head_dim, any even block size: plain loops through KvLayout.
 template <typename T>
-static void attend_one_head_any(const T* q, int64_t q_head, const T* kc, const T* vc, const int64_t* table,
-                                int64_t n, int64_t block_size, int64_t c_block, int64_t c_token, int64_t offset,
-                                int64_t G, float scale, T* out, float* scores, int64_t D) {
+static void attend_one_head_any(const T* q, int64_t q_head, const T* kc, const T* vc, const KvLayout& L,
+                                const int64_t* table, int64_t n, int64_t h, int64_t G, float scale, T* out,
+                                float* scores) {
+  const int64_t D = L.D;
   std::vector<float> acc(D);
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * n;
     for (int64_t t = 0; t < n; ++t) {
-      const T* k = kc + table[t / block_size] * c_block + (t % block_size) * c_token + offset;
+      const int64_t block_id = table[t / L.block_size], j = t % L.block_size;
       float dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += float(q[g * q_head + d]) * float(k[d]);
+      for (int64_t d = 0; d < D; ++d) dot += float(q[g * q_head + d]) * float(kc[L.k(block_id, j, h, d)]);
       s[t] = dot * scale;
     }
-    float mx = s[0], sum = 0.f;
-    for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
-    for (int64_t t = 0; t < n; ++t) {
-      const float e = std::exp(s[t] - mx);
-      sum += e;
-      s[t] = float(T(e));
-    }
+    const float inv = softmax_in_place<T>(s, n);
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t = 0; t < n; ++t) {
-      const T* x = vc + table[t / block_size] * c_block + (t % block_size) * c_token + offset;
-      for (int64_t d = 0; d < D; ++d) acc[d] += s[t] * float(x[d]);
+      const int64_t block_id = table[t / L.block_size], j = t % L.block_size;
+      for (int64_t d = 0; d < D; ++d) acc[d] += s[t] * float(vc[L.v(block_id, j, h, d)]);
     }
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = T(acc[d] / sum);
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = T(acc[d] * inv);
   }
 }
+
+#if defined(__AVX512BF16__)
+static inline uint32_t bf16_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u >> 16; }  // x already rounded
+
+// bfloat16 on VDPBF16PS, block_size a multiple of 16, GC (at most 4) of the row's query heads at a
+// time: their sums stay in registers only if the compiler knows how many there are. Scores: for
+// each 16 tokens, each pair of dims p is one register of K (16 tokens x the pair) times q's pair p
+// broadcast, summed into one register of 16 scores per query head: no sum across a register.
+// Values: for each pair of tokens, each 16 dims are one register of V (16 dims x the pair) times
+// the two tokens' weights broadcast.
+// `pairs` pairs of tokens of one block (V laid out at x: every dim's two values, pair after pair),
+// the first of them pair `first` of the request, weighed into GC x DIM / 16 sums. Its own function
+// with its own copy of the sums: the compiler then keeps them in registers through the loop.
+template <int DIM, int GC>
+static void __attribute__((noinline)) weigh_values(const bf16* x, int64_t first, int64_t pairs,
+                                                   const int32_t* const* weights, __m512* sums, __mmask32 keep) {
+  constexpr int V = DIM / 16;
+  __m512 acc[GC * V];
+  NP_UNROLL
+  for (int i = 0; i < GC * V; ++i) acc[i] = sums[i];
+  for (int64_t i = 0; i < pairs; ++i, x += 2 * DIM) {
+    __m512bh vals[V];
+    NP_UNROLL
+    for (int v = 0; v < V; ++v) vals[v] = (__m512bh)_mm512_maskz_loadu_epi16(keep, x + 32 * v);
+    NP_UNROLL
+    for (int g = 0; g < GC; ++g) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(weights[g][first + i]);
+      NP_UNROLL
+      for (int v = 0; v < V; ++v) acc[g * V + v] = _mm512_dpbf16_ps(acc[g * V + v], vals[v], w);
+    }
+  }
+  NP_UNROLL
+  for (int i = 0; i < GC * V; ++i) sums[i] = acc[i];
+}
+
+template <int DIM, int GC>
+static void attend_heads_bf16(const bf16* q, int64_t q_head, const bf16* kc, const bf16* vc, const KvLayout& L,
+                              const int64_t* table, int64_t n, int64_t h, float scale, bf16* out, float* scores) {
+  constexpr int P = DIM / 2, V = DIM / 16;
+  const int64_t bs = L.block_size, stride = n + 16;                 // a query head's scores: stride floats
+  const int32_t* q32[GC];
+  NP_UNROLL
+  for (int g = 0; g < GC; ++g) q32[g] = reinterpret_cast<const int32_t*>(q + g * q_head);
+  // the scores: block by block (no division per key), 16 tokens at a time
+  for (int64_t b0 = 0; b0 < n; b0 += bs) {
+    const bf16* block_k = kc + L.k(table[b0 / bs], 0, h, 0);
+    if (b0 + 2 * bs < n) {                                          // K two blocks on, asked for now
+      const bf16* next = kc + L.k(table[b0 / bs + 2], 0, h, 0);
+      for (int64_t e = 0; e < P * bs * 2; e += 32) _mm_prefetch(reinterpret_cast<const char*>(next + e), _MM_HINT_T0);
+    }
+    for (int64_t t0 = b0; t0 < std::min(n, b0 + bs); t0 += 16) {
+      const bf16* k = block_k + 2 * (t0 - b0);                      // pair p of these 16 tokens: k + 2 bs p
+      // two sums per query head, over even and odd pairs: consecutive instructions do not wait on
+      // each other's result (an instruction takes several cycles; the unit starts one each cycle)
+      __m512 acc[GC][2];
+      NP_UNROLL
+      for (int g = 0; g < GC; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+      for (int p = 0; p < P; p += 2)
+        NP_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          const __m512bh kp = (__m512bh)_mm512_loadu_si512(k + 2 * bs * (p + e));
+          NP_UNROLL
+          for (int g = 0; g < GC; ++g)
+            acc[g][e] = _mm512_dpbf16_ps(acc[g][e], kp, (__m512bh)_mm512_set1_epi32(q32[g][p + e]));
+        }
+      NP_UNROLL
+      for (int g = 0; g < GC; ++g)
+        _mm512_storeu_ps(scores + g * stride + t0,
+                         _mm512_mul_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_set1_ps(scale)));
+    }
+  }
+  // the weights, rounded to bfloat16 by the softmax, then kept as bfloat16 in place:
+  // pairs[t / 2] holds tokens t and t + 1 (an odd n's last pair weighs nothing past n)
+  float inv[GC];
+  NP_UNROLL
+  for (int g = 0; g < GC; ++g) {
+    float* s = scores + g * stride;
+    inv[g] = softmax_in_place<bf16>(s, n);
+    s[n] = 0.f;
+    uint16_t* w = reinterpret_cast<uint16_t*>(s);                   // w[t] is written after s[t] is read
+    int64_t t = 0;
+    for (; t + 16 <= n + 1; t += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t)));
+    for (; t <= n; ++t) w[t] = uint16_t(bf16_bits(s[t]));
+  }
+  __m512 acc[GC * V];
+  NP_UNROLL
+  for (int i = 0; i < GC * V; ++i) acc[i] = _mm512_setzero_ps();
+  const int32_t* weights[GC];                                       // weights[g][t / 2]: tokens t, t + 1
+  NP_UNROLL
+  for (int g = 0; g < GC; ++g) weights[g] = reinterpret_cast<const int32_t*>(scores + g * stride);
+  for (int64_t b0 = 0; b0 < n; b0 += bs) {                          // block by block
+    const bf16* block_v = vc + L.v(table[b0 / bs], 0, h, 0);
+    if (b0 + 2 * bs < n) {
+      const bf16* next = vc + L.v(table[b0 / bs + 2], 0, h, 0);
+      for (int64_t e = 0; e < DIM * bs; e += 32) _mm_prefetch(reinterpret_cast<const char*>(next + e), _MM_HINT_T0);
+    }
+    const int64_t pairs = (std::min(n, b0 + bs) - b0) / 2;
+    weigh_values<DIM, GC>(block_v, b0 / 2, pairs, weights, acc, 0xFFFFFFFFu);
+  }
+  if (n % 2)     // an odd n's last token: the slot past it is not the request's (it may hold anything)
+    weigh_values<DIM, GC>(vc + L.v(table[(n - 1) / bs], (n - 1) % bs, h, 0), (n - 1) / 2, 1, weights, acc, 0x55555555u);
+  NP_UNROLL
+  for (int g = 0; g < GC; ++g)
+    NP_UNROLL
+    for (int v = 0; v < V; ++v)
+      round_to<bf16>(Vec16{_mm512_mul_ps(acc[g * V + v], _mm512_set1_ps(inv[g]))}).store(out + g * DIM + 16 * v);
+}
+
+// The row's G query heads, up to 4 at a time.
+template <int DIM>
+static void attend_one_head_bf16(const bf16* q, int64_t q_head, const bf16* kc, const bf16* vc, const KvLayout& L,
+                                 const int64_t* table, int64_t n, int64_t h, int64_t G, float scale, bf16* out,
+                                 float* scores) {
+  for (int64_t g = 0; g < G; g += 4) {
+    const bf16* qg = q + g * q_head;
+    bf16* og = out + g * DIM;
+    switch (std::min<int64_t>(4, G - g)) {
+      case 4: attend_heads_bf16<DIM, 4>(qg, q_head, kc, vc, L, table, n, h, scale, og, scores); break;
+      case 3: attend_heads_bf16<DIM, 3>(qg, q_head, kc, vc, L, table, n, h, scale, og, scores); break;
+      case 2: attend_heads_bf16<DIM, 2>(qg, q_head, kc, vc, L, table, n, h, scale, og, scores); break;
+      default: attend_heads_bf16<DIM, 1>(qg, q_head, kc, vc, L, table, n, h, scale, og, scores); break;
+    }
+  }
+}
+#endif
 
 // A step's rows: row t belongs to request req[t] and sees the first n[t] keys of it. Request i's
 // q_len new rows are the last q_len of its seq_len tokens, so its row j sees seq_len - q_len + j
@@ -441,14 +565,18 @@ static StepRows step_rows(const int64_t* seq_lens, const int64_t* query_start_lo
 template <typename T>
 static void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                         const torch::Tensor& tables, const StepRows& rows, torch::Tensor& out, float scale) {
-  const int64_t num_rows = q.size(0), heads = q.size(1), D = q.size(2), kv_heads = k_cache.size(2);
-  const int64_t G = heads / kv_heads, max_blocks = tables.size(1), block_size = k_cache.size(1);
-  const int64_t q_row = q.stride(0), q_head = q.stride(1), c_block = k_cache.stride(0), c_token = k_cache.stride(1),
-                c_head = k_cache.stride(2);
+  const KvLayout L = kv_layout(k_cache);
+  const int64_t num_rows = q.size(0), heads = q.size(1), D = q.size(2), kv_heads = L.kv_heads;
+  const int64_t G = heads / kv_heads, max_blocks = tables.size(1);
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
   const T *qp = q.data_ptr<T>(), *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t longest = num_rows ? *std::max_element(rows.n.begin(), rows.n.end()) : 0;
+#if defined(__AVX512BF16__)
+  const bool vector = std::is_same_v<T, bf16> && L.block_size % 16 == 0 && q_head % 2 == 0 &&
+                      q_row % 2 == 0 && reinterpret_cast<uintptr_t>(qp) % 4 == 0 && (D == 64 || D == 128 || D == 256);
+#endif
   // cut[k]..cut[k+1]: thread k's jobs, by prefix sums of their keys (+ a job's fixed cost)
   const int64_t jobs = num_rows * kv_heads, threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), jobs));
   std::vector<int64_t> cut(threads + 1, jobs);
@@ -460,22 +588,24 @@ static void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, co
     while (k < threads && done * threads >= total * k) cut[k++] = job + 1;
   }
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * longest);
+    std::vector<float> scores(G * (longest + 32));
     for (int64_t job = cut[begin]; job < cut[end]; ++job) {
       const int64_t t = job / kv_heads, h = job % kv_heads;
       const T* qt = qp + t * q_row + h * G * q_head;
       const int64_t* table = tp + rows.req[t] * max_blocks;
       T* o = op + (t * heads + h * G) * D;
-      const int64_t n = rows.n[t], offset = h * c_head;
-      if (D == 64 && G <= kMaxGroup)
-        attend_one_head<T, 64>(qt, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o, scores.data());
-      else if (D == 128 && G <= kMaxGroup)
-        attend_one_head<T, 128>(qt, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o, scores.data());
-      else if (D == 256 && G <= kMaxGroup)
-        attend_one_head<T, 256>(qt, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o, scores.data());
-      else
-        attend_one_head_any<T>(qt, q_head, kc, vc, table, n, block_size, c_block, c_token, offset, G, scale, o,
-                               scores.data(), D);
+      const int64_t n = rows.n[t];
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (vector) {
+          if (D == 64) attend_one_head_bf16<64>(qt, q_head, kc, vc, L, table, n, h, G, scale, o, scores.data());
+          else if (D == 128) attend_one_head_bf16<128>(qt, q_head, kc, vc, L, table, n, h, G, scale, o, scores.data());
+          else attend_one_head_bf16<256>(qt, q_head, kc, vc, L, table, n, h, G, scale, o, scores.data());
+          continue;
+        }
+      }
+#endif
+      attend_one_head_any<T>(qt, q_head, kc, vc, L, table, n, h, G, scale, o, scores.data());
     }
   });
 }
@@ -483,15 +613,16 @@ static void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, co
 // The whole step's attention in one call, every row through its request's block table (the
 // K/V of the step's own tokens already stored): prompt chunks, prefix-cache hits and decode rows
 // alike, as vLLM's unified paged attention does.
-//   q (rows, heads, dim) with unit stride in dim; caches (blocks, block_size, kv_heads, dim)
+//   q (rows, heads, dim) with unit stride in dim; caches (blocks, block_size, kv_heads, dim) in
+//   this file's order (KvLayout)
 //   block_tables (reqs, max_blocks), seq_lens (reqs,), query_start_loc (reqs + 1,): int64
 // Returns out (rows, heads, dim).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                               double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "paged_attention: q (rows, heads, head_dim) and caches with unit stride in head_dim");
-  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "paged_attention: K and V caches of one layout");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.size(2) == k_cache.size(3),
+              "paged_attention: q (rows, heads, head_dim) with unit stride in head_dim, as the caches' head_dim");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && v_cache.is_contiguous(), "paged_attention: K and V caches of one shape");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "paged_attention: q and the caches in one dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_attention: heads must be a multiple of kv_heads");
@@ -548,12 +679,15 @@ template <int MT>
 static inline void linear_tile(const int32_t* x, int64_t x_row, const __m512i* w, int64_t KP, const float* bias,
                                bf16* y, int64_t y_row, int64_t width) {
   __m512 acc[MT][4];
+  NP_UNROLL
   for (int m = 0; m < MT; ++m)
+    NP_UNROLL
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < KP; ++kp, w += 4) {
     _mm_prefetch(reinterpret_cast<const char*>(w + 32), _MM_HINT_T0);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w), b1 = (__m512bh)_mm512_loadu_si512(w + 1),
                    b2 = (__m512bh)_mm512_loadu_si512(w + 2), b3 = (__m512bh)_mm512_loadu_si512(w + 3);
+    NP_UNROLL
     for (int m = 0; m < MT; ++m) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(x[m * x_row + kp]);    // inputs 2kp, 2kp + 1 of row m
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
@@ -562,7 +696,9 @@ static inline void linear_tile(const int32_t* x, int64_t x_row, const __m512i* w
       acc[m][3] = _mm512_dpbf16_ps(acc[m][3], a, b3);
     }
   }
+  NP_UNROLL
   for (int m = 0; m < MT; ++m)
+    NP_UNROLL
     for (int j = 0; j < 4; ++j) {
       __m512 v = acc[m][j];
       if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
@@ -595,14 +731,19 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor b
   const int32_t* xp = reinterpret_cast<const int32_t*>(x.data_ptr<bf16>());    // a pair of inputs as one int32
   const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<bf16>());
   bf16* yp = y.data_ptr<bf16>();
-  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
+  // the work in (feature tile, row group) units, a group up to `per_group` row tiles: a layer of
+  // 576 features is only 9 tiles, which two threads would share 5 to 4; its units share evenly
+  const int64_t row_tiles = (M + kTileM - 1) / kTileM, per_group = tiles >= 16 ? 4 : 1;
+  const int64_t groups = (row_tiles + per_group - 1) / per_group, units = tiles * groups;
+  at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t t = u / groups, m_end = std::min(M, (u % groups + 1) * per_group * kTileM);
       const __m512i* w = wp + t * KP * 4;
       const float* bt = bias_f.empty() ? nullptr : bias_f.data() + t * kTileN;
       const int64_t width = std::min(kTileN, N - t * kTileN);
-      int64_t m = 0;
-      for (; m + kTileM <= M; m += kTileM) linear_tile<kTileM>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width);
-      switch (M - m) {
+      int64_t m = (u % groups) * per_group * kTileM;
+      for (; m + kTileM <= m_end; m += kTileM) linear_tile<kTileM>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width);
+      switch (m_end - m) {
         case 5: linear_tile<5>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width); break;
         case 4: linear_tile<4>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width); break;
         case 3: linear_tile<3>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width); break;
@@ -712,17 +853,20 @@ static inline void q4_tile(const void* xv, int64_t x_row, const float* sx, const
                            int64_t G, float* out, int64_t out_row) {
   const int64_t blocks = K / G, bb = q_block_bytes(G, 4);
   __m512 acc[MT][2];
+  NP_UNROLL
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = tile + b * bb;
     _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * bb), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * bb + 64 * (G / 8)), _MM_HINT_T0);
     __m512 part[MT][2];
+    NP_UNROLL
     for (int m = 0; m < MT; ++m) part[m][0] = part[m][1] = _mm512_setzero_ps();
     for (int64_t c = 0; c < G / 4; ++c) {
       __m512i A, B, C, D;
       q4_chunk(blk + 64 * c, A, B, C, D);
       const int64_t k = b * G + 4 * c;                             // inputs k .. k + 3
+      NP_UNROLL
       for (int m = 0; m < MT; ++m) {
 #if defined(__AVX512BF16__)
         if constexpr (BF16_PAIRS) {
@@ -750,9 +894,11 @@ static inline void q4_tile(const void* xv, int64_t x_row, const float* sx, const
       }
     }
     const uint8_t* meta = blk + q_meta_offset(G);
+    NP_UNROLL
     for (int h = 0; h < 2; ++h) {
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32 * h)));
       const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 64 + 32 * h)));
+      NP_UNROLL
       for (int m = 0; m < MT; ++m) {
         const __m512 s = _mm512_set1_ps(sx[m * blocks + b]);
         acc[m][h] = _mm512_fmadd_ps(_mm512_fnmadd_ps(s, _mm512_set1_ps(128.f), part[m][h]), d, acc[m][h]);
@@ -760,6 +906,7 @@ static inline void q4_tile(const void* xv, int64_t x_row, const float* sx, const
       }
     }
   }
+  NP_UNROLL
   for (int m = 0; m < MT; ++m) {
     _mm512_storeu_ps(out + m * out_row, acc[m][0]);
     _mm512_storeu_ps(out + m * out_row + 16, acc[m][1]);
@@ -772,19 +919,24 @@ static inline void q8_tile(const float* x, int64_t x_row, const uint8_t* tile, i
                            int64_t out_row) {
   const int64_t blocks = K / G, bb = q_block_bytes(G, 8);
   __m512 acc[MT];
+  NP_UNROLL
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = tile + b * bb;
     _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * bb), _MM_HINT_T0);
     __m512 part[MT];
+    NP_UNROLL
     for (int m = 0; m < MT; ++m) part[m] = _mm512_setzero_ps();
     for (int64_t i = 0; i < G; ++i) {
       const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * i))));
+      NP_UNROLL
       for (int m = 0; m < MT; ++m) part[m] = _mm512_fmadd_ps(q, _mm512_set1_ps(x[m * x_row + b * G + i]), part[m]);
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + q_meta_offset(G))));
+    NP_UNROLL
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(part[m], d, acc[m]);
   }
+  NP_UNROLL
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * out_row, acc[m]);
 }
 #endif
@@ -940,6 +1092,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_and_store", &rotary_and_store, "rotate q and k in place (Qwen3: norm each head first), store k and v");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
   m.def("paged_attention", &paged_attention, "every row of a step attending through its block table, causally");
+  m.def("store_kv", &store_kv, "each token's K and V into its slot, in the kernels' order within a block");
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bfloat16 weight in the layout linear_bf16 reads");
   m.def("linear_bf16", &linear_bf16, "x W^T + b on AVX512-BF16's dot-product instruction");
   m.attr("has_avx512_bf16") = bool(NP_HAS_AVX512_BF16);

@@ -69,3 +69,22 @@ def available() -> str | None:
         logger.warning("nanopaged's CPU kernels did not build (%s); running the torch reference", str(e)[:300])
         return f"nanopaged's CPU kernels did not build: {str(e)[:300]}"
     return None
+
+
+# ---- the KV cache in the kernels' order (cpu_ops.cpp: KvLayout) -------------------------------
+def to_kernel_layout(k_cache, v_cache):
+    """The same blocks reordered inside as the kernels keep them (K: kv_heads, head_dim / 2,
+    block_size, 2; V: kv_heads, block_size / 2, head_dim, 2), each returned in the runner's shape
+    (blocks, block_size, kv_heads, head_dim): for tests and for reading a cache in the paper's order."""
+    b, s, h, d = k_cache.shape
+    k = k_cache.reshape(b, s, h, d // 2, 2).permute(0, 2, 3, 1, 4).contiguous().view(b, s, h, d)
+    v = v_cache.reshape(b, s // 2, 2, h, d).permute(0, 3, 1, 4, 2).contiguous().view(b, s, h, d)
+    return k, v
+
+
+def from_kernel_layout(k_cache, v_cache):
+    """The inverse of to_kernel_layout: blocks as (block_size, kv_heads, head_dim) again."""
+    b, s, h, d = k_cache.shape
+    k = k_cache.reshape(b, h, d // 2, s, 2).permute(0, 3, 1, 2, 4).reshape(b, s, h, d)
+    v = v_cache.reshape(b, h, s // 2, d, 2).permute(0, 2, 4, 1, 3).reshape(b, s, h, d)
+    return k, v

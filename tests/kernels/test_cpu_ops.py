@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from nanopaged.attention.torch_backend import store_kvcache
 from nanopaged.cpu_features import cpu_flags
-from nanopaged.kernels.cpu_ops import available, build, cpu_ops
+from nanopaged.kernels.cpu_ops import available, build, cpu_ops, from_kernel_layout, to_kernel_layout
 from nanopaged.models.llama import RMSNorm, apply_rotary
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"{available()}")
@@ -121,8 +121,9 @@ def test_rotary_and_store_equals_rotating_then_storing(ops, dtype, heads, kv_hea
     ops.rotary_and_store(qkv, cos, sin, *weights, heads, kv_heads, k_cache, v_cache, slots)
     q_got = qkv[:, :heads * dim].reshape(n, heads, dim)
     assert_close_to_reference(q_got, qk[:, :heads].contiguous())
-    assert_close_to_reference(k_cache, k_want)
-    assert torch.equal(v_cache, v_want)                           # v is copied, not computed
+    k_got, v_got = from_kernel_layout(k_cache, v_cache)              # the kernels' order within a block
+    assert_close_to_reference(k_got, k_want)
+    assert torch.equal(v_got, v_want)                                 # v is copied, not computed
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v)
 
 
@@ -145,7 +146,8 @@ def reference_attention(q, k_cache, v_cache, tables, seq_lens, query_lens, scale
 
 
 def paged_attention_case(dtype, heads, kv_heads, dim, block, seq_lens, query_lens, seed=0):
-    """A shuffled pool with noise in every spare block, and strided queries, as the model hands them over."""
+    """A shuffled pool with noise in every spare slot, and strided queries, as the model hands them over;
+    the caches in the paper's order (the reference reads them so; kernel_case reorders them)."""
     torch.manual_seed(seed)
     num_blocks = 300
     k_cache = torch.randn(num_blocks, block, kv_heads, dim).to(dtype)
@@ -155,6 +157,12 @@ def paged_attention_case(dtype, heads, kv_heads, dim, block, seq_lens, query_len
     q = (2 * torch.randn(sum(query_lens), heads + kv_heads, dim)).to(dtype)[:, :heads]
     starts = torch.tensor([0] + query_lens).cumsum(0)
     return q, k_cache, v_cache, tables, torch.tensor(seq_lens), starts
+
+
+def kernel_case(case):
+    """The same case with the caches in the kernels' order."""
+    q, k_cache, v_cache, *rest = case
+    return (q, *to_kernel_layout(k_cache, v_cache), *rest)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
@@ -167,7 +175,7 @@ def test_paged_attention_of_decode_rows_equals_gathering_the_blocks(ops, dtype, 
     kernel, 16 and 96 the plain loops, and 32 query heads per KV head more than it holds."""
     seq_lens = [1, 2, block, block + 1, 17, 100, 203]
     case = paged_attention_case(dtype, heads, kv_heads, dim, block, seq_lens, [1] * 7, seed=heads + dim + block)
-    got = ops.paged_attention(*case, dim ** -0.5)
+    got = ops.paged_attention(*kernel_case(case), dim ** -0.5)
     assert got.dtype == dtype
     want = reference_attention(*case[:5], [1] * 7, dim ** -0.5)
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
@@ -180,7 +188,7 @@ def test_paged_attention_of_a_mixed_step_is_causal(ops, dtype, tolerance, heads,
     recomputing one token, and decode rows, in one call: each new row sees the keys up to its own."""
     seq_lens, query_lens = [37, 90, 16, 5, 130], [37, 24, 1, 1, 3]
     case = paged_attention_case(dtype, heads, kv_heads, dim, 16, seq_lens, query_lens, seed=dim)
-    got = ops.paged_attention(*case, dim ** -0.5)
+    got = ops.paged_attention(*kernel_case(case), dim ** -0.5)
     want = reference_attention(*case[:5], query_lens, dim ** -0.5)
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
 
@@ -194,11 +202,43 @@ def test_paged_attention_splits_a_long_prompt_evenly_over_threads(ops):
         outs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            outs.append(ops.paged_attention(*case, 0.125))
+            outs.append(ops.paged_attention(*kernel_case(case), 0.125))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     torch.testing.assert_close(outs[0], reference_attention(*case[:5], [700], 0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_a_slot_past_the_request_is_never_read(ops):
+    """Odd lengths end in the middle of a pair of V's tokens: whatever the slot past the end holds
+    (here NaN) weighs nothing, and no score past the end enters the softmax."""
+    case = paged_attention_case(torch.bfloat16, 9, 3, 64, 16, [5, 17, 33], [1, 1, 1], seed=3)
+    q, k_cache, v_cache, tables, lens, starts = case
+    for r, n in enumerate(lens.tolist()):               # poison every slot of the last block past n
+        last = tables[r, (n - 1) // 16]
+        k_cache[last, (n - 1) % 16 + 1:] = float("nan")
+        v_cache[last, (n - 1) % 16 + 1:] = float("nan")
+    got = ops.paged_attention(*kernel_case(case), 0.125)
+    assert torch.isfinite(got).all()
+    want = reference_attention(q, k_cache, v_cache, tables, lens, [1, 1, 1], 0.125)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_puts_each_token_in_its_slot(ops, dtype):
+    """The cpu backend's store: read back in the paper's order, the same pool store_kvcache writes."""
+    torch.manual_seed(1)
+    n, kv_heads, dim, block, num_blocks = 13, 3, 64, 16, 20
+    k = torch.randn(n, kv_heads + 1, dim).to(dtype)[:, :kv_heads]       # strided, as views of qkv are
+    v = torch.randn(n, kv_heads, dim).to(dtype)
+    slots = torch.randperm(num_blocks * block)[:n]
+    k_want, v_want = torch.zeros(2, num_blocks, block, kv_heads, dim, dtype=dtype)
+    store_kvcache(k, v, k_want, v_want, slots)
+    k_cache, v_cache = torch.zeros(2, num_blocks, block, kv_heads, dim, dtype=dtype)
+    ops.store_kv(k, v, k_cache, v_cache, slots)
+    k_got, v_got = from_kernel_layout(k_cache, v_cache)
+    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    assert [t.tolist() for t in from_kernel_layout(*to_kernel_layout(k_want, v_want))] == [k_want.tolist(), v_want.tolist()]
 
 
 def test_the_kernels_refuse_a_misshapen_input(ops):
