@@ -118,11 +118,13 @@ def test_a_failed_build_is_a_warning_and_the_reference(monkeypatch, caplog):
     monkeypatch.setattr(cpu_ops_module, "build", broken)
     cpu_ops_module.cpu_ops.cache_clear()
     cpu_ops_module.available.cache_clear()
+    logging.getLogger("nanopaged").addHandler(caplog.handler)          # nanopaged's log does not propagate
     try:
         with caplog.at_level(logging.WARNING, logger="nanopaged.kernels.cpu_ops"):
             assert "did not build" in cpu_ops_module.available()
         assert "internal compiler error" in caplog.text
     finally:
+        logging.getLogger("nanopaged").removeHandler(caplog.handler)
         monkeypatch.undo()
         cpu_ops_module.cpu_ops.cache_clear()
         cpu_ops_module.available.cache_clear()
