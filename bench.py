@@ -192,11 +192,18 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
                        vocab_limit(model_dir))
 
     run, stats, samples, config = run_nanopaged(model_dir, trace, settings)
+    dense = None
+    if settings.get("quantization"):      # the same trace without it, in the same run (issue 28)
+        dense_run = run_nanopaged(model_dir, trace, {**settings, "quantization": None})[0]
+        dense = {"output_tokens_per_s": dense_run.figures()["output_tokens_per_s"],
+                 "ratio": run.figures()["output_tokens_per_s"] / dense_run.figures()["output_tokens_per_s"]}
     device, dtype = hf_device_dtype(config)
     peak_after_engine = measure_matmul_flops(device, dtype)   # the roofline's ceiling, timed twice
     resolved = resolved_settings(config, stats)
     one = {"prompt": trace.prompts[0], "output_tokens": single_stream_length(trace)}
-    quality_ids = text_ids(load_tokenizer(config.tokenizer)) if config.quantization or "llama.cpp" in args.peers else None
+    quality_ids = None
+    if config.quantization or "llama.cpp" in args.peers:   # as much of the text as the context holds
+        quality_ids = text_ids(load_tokenizer(config.tokenizer))[:config.max_model_len - 1]
     peers = {name: run_peer(name, model_dir, trace, args, settings, config, resolved, one, quality_ids)
              for name in args.peers}
     if "token_ids" in peers.get("vllm", {}):      # do the engines agree? (greedy: they should, mostly)
@@ -225,6 +232,8 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
     }
     if quality_ids:
         result["quality"] = quality_figures(model_dir, settings, quality_ids, peers.get("llama.cpp"))
+    if dense:
+        result["dense"] = dense
     if args.noise:
         result["noise"] = noise_figures(model_dir, trace, settings, config, engine, peers.get("hf"))
     result["kv_utilization"], result["memory"] = memory_figures(

@@ -24,8 +24,21 @@ TARGETS = {"speedup_vs_vllm": 2.0, "speedup_vs_hf": 3.0, "floor_fraction": 0.6,
            # issue 28 (quantization="gguf", the demo model as shipped): one request at a time 1.2x
            # llama.cpp on the same file; perplexity within 0.5% of the dequantized float32 weights and
            # of llama.cpp's
-           "single_stream_vs_llamacpp": 1.2, "perplexity_vs_float32": 0.005, "perplexity_vs_llamacpp": 0.005}
+           "single_stream_vs_llamacpp": 1.2, "perplexity_vs_float32": 0.005, "perplexity_vs_llamacpp": 0.005,
+           # and the trace with quantization no slower than without it, in the same run
+           "quantized_vs_dense": 1.0}
 LOWER_IS_BETTER = {"schedule_share", "perplexity_vs_float32", "perplexity_vs_llamacpp"}
+# Issue 23's vLLM target on its other two traces: the long one, and Qwen3-0.6B's shape
+LONG_TRACE = {"num_requests": 256, "input_len": [64, 512], "output_len": [64, 512]}
+
+
+def vllm_target(settings: dict) -> float:
+    """The speedup over vLLM's CPU engine issue 23 asks for on this run's trace."""
+    if settings.get("random_weights") == "qwen3-0.6b":
+        return 1.2
+    if all(settings.get(k) == v for k, v in LONG_TRACE.items()):
+        return 1.5
+    return TARGETS["speedup_vs_vllm"]
 
 
 def ratios(engine: dict, peers: dict) -> dict:
@@ -58,9 +71,11 @@ def target_figures(result: dict) -> dict:
            "kept_beside_a_busy_core": result.get("noise", {}).get("nanopaged", {}).get("kept"),  # --noise
            "single_stream_vs_llamacpp": single.get("ratio_vs_llamacpp"),
            "perplexity_vs_float32": result.get("quality", {}).get("vs_float32"),
-           "perplexity_vs_llamacpp": result.get("quality", {}).get("vs_llamacpp")}
+           "perplexity_vs_llamacpp": result.get("quality", {}).get("vs_llamacpp"),
+           "quantized_vs_dense": result.get("dense", {}).get("ratio")}
+    goals = {**TARGETS, "speedup_vs_vllm": vllm_target(result["settings"])}
     out = {}
-    for name, goal in TARGETS.items():
+    for name, goal in goals.items():
         value = got[name]
         lower_is_better = name in LOWER_IS_BETTER
         met = None if value is None else (value <= goal if lower_is_better else value >= goal)

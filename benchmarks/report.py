@@ -25,6 +25,9 @@ def print_table(r: dict) -> None:
         rel = e["output_tokens_per_s"] / f["output_tokens_per_s"]
         print(f"{name:30} {f['output_tokens_per_s']:10.1f} {f['total_tokens_per_s']:12.1f} "
               f"{f['requests_per_s']:7.2f} {f['wall_s']:8.2f} {rel:12.2f}x")
+    if "dense" in r:
+        print(f"  nanopaged without quantization, the same trace in this run: {r['dense']['output_tokens_per_s']:.1f} "
+              f"out tok/s (quantized / dense {r['dense']['ratio']:.2f}x)")
     if "one_request_at_a_time" in r["peers"].get("llama.cpp", {}):
         print(f"  llama.cpp {r['peers']['llama.cpp']['version']} on {r['peers']['llama.cpp']['gguf']}, one request at a "
               "time (its Python API serves no batches)")

@@ -268,3 +268,23 @@ def test_quality_compares_the_quantized_kernel_with_the_float32_weights(tiny_mod
     assert q["text_tokens"] == 120 and set(q["perplexity"]) == {"nanopaged", "dequantized_float32"}
     assert q["vs_float32"] == pytest.approx(abs(q["perplexity"]["nanopaged"] / q["perplexity"]["dequantized_float32"] - 1))
     assert q["vs_float32"] < 0.05            # 8-bit rows: close to the float weights, and not equal
+
+
+def test_the_vllm_target_is_the_one_the_issue_sets_for_the_trace():
+    from benchmarks.figures import TARGETS, vllm_target
+    assert vllm_target({"num_requests": 32, "input_len": [32, 128], "output_len": [16, 64]}) == TARGETS["speedup_vs_vllm"]
+    assert vllm_target({"num_requests": 256, "input_len": [64, 512], "output_len": [64, 512]}) == 1.5
+    assert vllm_target({"num_requests": 32, "input_len": [32, 128], "output_len": [16, 64],
+                        "random_weights": "qwen3-0.6b"}) == 1.2
+
+
+def test_quantization_is_compared_with_the_dense_trace_in_the_same_run(tiny_model_dirs, tmp_path):
+    """With --quantization the bench times the same trace without it too, and says which was faster."""
+    out = tmp_path / "q.json"
+    bench.main(["--model", tiny_model_dirs["llama"], "--num-requests", "3", "--input-len", "4", "8",
+                "--output-len", "2", "4", "--peers", "none", "--quantization", "int8", "--dtype", "float32",
+                "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert r["dense"]["output_tokens_per_s"] > 0
+    assert r["dense"]["ratio"] == pytest.approx(r["engine"]["output_tokens_per_s"] / r["dense"]["output_tokens_per_s"])
+    assert r["targets"]["quantized_vs_dense"]["value"] == r["dense"]["ratio"]
