@@ -78,8 +78,9 @@ def print_table(r: dict) -> None:
         print(f"decode steps ({d['num_steps']}, {d['share_of_model_time']:.0%} of model time, median "
               f"{d['median_rows']} rows): {d['flops_per_s'] / 1e9:.1f} GFLOP/s; a plain {d['median_rows']}-row "
               f"matmul {d['plain_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({d['fraction_of_plain_matmul']:.1%}); "
-              f"the model's own matmuls alone {d['model_matmuls_flops_per_s'] / 1e9:.1f} GFLOP/s "
-              f"({d['fraction_of_model_matmuls']:.1%})")
+              f"the model's own matmuls alone {d['model_matmuls_flops_per_s'] / 1e9:.1f} GFLOP/s at "
+              f"{d['median_rows']} rows; at each step's rows they take {d['model_matmuls_s']:.2f} s of the decode "
+              f"steps' {d['seconds']:.2f} s ({d['fraction_of_model_matmuls']:.1%})")
     ss = r["single_stream"]
     print(f"one request at a time ({ss['prompt_tokens']}-token prompt, {ss['output_tokens']} tokens): decode "
           f"nanopaged {ss['nanopaged_decode_tokens_per_s']:.1f} tok/s, hf generate "

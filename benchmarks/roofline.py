@@ -103,9 +103,10 @@ def layer_weights(m: ModelConfig) -> int:
 def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: torch.dtype,
                    linear: str = "reference") -> dict:
     """Decode-only steps (one new token per row): the model's FLOP/s in their forward passes,
-    against a plain matmul with the same number of rows (the median step's), the MLP's shape.
-    A decode step of few rows streams every weight for little arithmetic, so even the plain
-    matmul is far from the square-matmul peak; what the step adds on top is the engine's."""
+    against a plain matmul with the same number of rows (the median step's), the MLP's shape,
+    and against the step's own matmuls at each step's row count. A decode step of few rows
+    streams every weight for little arithmetic, so even the plain matmul is far from the
+    square-matmul peak; what the step adds on top of its own matmuls is the engine's."""
     decode = [s for s in steps if s.num_tokens == s.num_rows]
     if not decode:
         return {"num_steps": 0}
@@ -115,39 +116,48 @@ def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: 
     seconds = sum(s.model_s for s in decode)
     rows = sorted(s.num_rows for s in decode)[len(decode) // 2]
     plain = measure_rows_matmul_flops(rows, m.hidden_size, m.intermediate_size, device, dtype)
-    own = measure_model_matmuls_flops(m, rows, device, dtype, linear=linear)
+    own = own_matmul_seconds(m, sorted({s.num_rows for s in decode}), device, dtype, linear=linear)
+    own_s = sum(own[s.num_rows] for s in decode)     # each step's matmuls alone, at its own rows
     return {"num_steps": len(decode), "share_of_model_time": seconds / sum(s.model_s for s in steps),
             "median_rows": rows, "flops_per_s": flops / seconds, "plain_matmul_flops_per_s": plain,
             "fraction_of_plain_matmul": flops / seconds / plain,
-            "model_matmuls_flops_per_s": own, "fraction_of_model_matmuls": flops / seconds / own}
+            "model_matmuls_flops_per_s": matmul_flops(m, rows) / own[rows],
+            "seconds": seconds, "model_matmuls_s": own_s, "fraction_of_model_matmuls": own_s / seconds}
 
 
-def measure_model_matmuls_flops(m: ModelConfig, rows: int, device: str, dtype: torch.dtype,
-                                tries: int = 3, linear: str = "reference") -> float:
-    """Best FLOP/s of one pass of the decode step's own matmuls and nothing else: every layer's
-    q/k/v, o, gate/up and down weights and the lm_head, each its own tensor as in the model.
-    Unlike the plain matmul above, whose one small weight stays in the CPU's cache, these
-    stream from memory as a real step's do: the ceiling a decode step of `rows` rows works under.
-    `linear`: the engine's cpu_linear, so the layers are the ones it runs (packed: oneDNN's bfloat16
-    kernel; dpbf16: nanopaged's; reference: nn.Linear)."""
+def matmul_flops(m: ModelConfig, rows: int) -> int:
+    """FLOPs of one pass of the decode step's linears (the layers' and the lm_head) over `rows` rows."""
+    return 2 * rows * (m.num_hidden_layers * layer_weights(m) + m.vocab_size * m.hidden_size)
+
+
+def own_matmul_seconds(m: ModelConfig, row_counts: list[int], device: str, dtype: torch.dtype,
+                       tries: int = 3, linear: str = "reference") -> dict[int, float]:
+    """Best time (of `tries`) of one pass of the decode step's own matmuls and nothing else, at
+    each row count: every layer's q/k/v, o, gate/up and down weights and the lm_head, each its own
+    tensor as in the model. Unlike the plain matmul above, whose one small weight stays in the
+    CPU's cache, these stream from memory as a real step's do: the ceiling a decode step of that
+    many rows works under. `linear`: the engine's cpu_linear, so the layers are the ones it runs
+    (packed: oneDNN's bfloat16 kernel; dpbf16: nanopaged's; reference: nn.Linear)."""
     q, kv, h, i = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.hidden_size, m.intermediate_size
     shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * m.num_hidden_layers + [(m.vocab_size, h)]
     layers = []
     for n, k in shapes:
         layer = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
         layers.append(KERNELS[linear](layer) if linear in KERNELS else layer)
-    inputs = {k: torch.randn(rows, k, device=device, dtype=dtype) for _, k in shapes}
-    flops = sum(2 * rows * n * k for n, k in shapes)
-    best = 0.0
+    out = {}
     with torch.inference_mode():
-        for _ in range(tries):
-            _sync(device)
-            t = time.perf_counter()
-            for layer in layers:
-                layer(inputs[layer.in_features])
-            _sync(device)
-            best = max(best, flops / (time.perf_counter() - t))
-    return best
+        for rows in row_counts:
+            inputs = {k: torch.randn(rows, k, device=device, dtype=dtype) for _, k in shapes}
+            best = float("inf")
+            for _ in range(tries):
+                _sync(device)
+                t = time.perf_counter()
+                for layer in layers:
+                    layer(inputs[layer.in_features])
+                _sync(device)
+                best = min(best, time.perf_counter() - t)
+            out[rows] = best
+    return out
 
 
 def measure_rows_matmul_flops(rows: int, k: int, n: int, device: str, dtype: torch.dtype,

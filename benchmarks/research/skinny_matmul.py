@@ -8,7 +8,7 @@ so its matmuls are "skinny": little arithmetic per weight byte. If they were lim
 memory, their time would be the weights' bytes over the memory bandwidth whatever the row
 count. This prints, for each row count, the time of one pass over all the model's weights
 (every layer's q/k/v, o, gate/up, down and the lm_head, as separate tensors that stream from
-memory, `roofline.measure_model_matmuls_flops`), the weight bytes read per second, and the
+memory, `roofline.own_matmul_seconds`), the weight bytes read per second, and the
 FLOP/s; then the same bytes copied, for the bandwidth the memory itself gives.
 docs/benchmarks.md reads the figures.
 """
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from benchmarks.roofline import copy_bytes_per_s, measure_model_matmuls_flops, step_weights
+from benchmarks.roofline import copy_bytes_per_s, matmul_flops, own_matmul_seconds, step_weights
 from nanopaged.models.demo_model import demo_model_path
 from nanopaged.models.config import ModelConfig
 
@@ -35,9 +35,8 @@ def skinny_figures(m: ModelConfig, rows: list[int], threads: list[int]) -> list[
     try:
         for t in threads:
             torch.set_num_threads(t)
-            for r in rows:
-                flops = measure_model_matmuls_flops(m, r, "cpu", torch.float32)
-                seconds = 2 * r * nbytes / 4 / flops       # the pass's FLOPs are 2 x rows x weights
+            for r, seconds in own_matmul_seconds(m, rows, "cpu", torch.float32).items():
+                flops = matmul_flops(m, r) / seconds
                 out.append({"threads": t, "rows": r, "ms": seconds * 1e3,
                             "weight_bytes_per_s": nbytes / seconds, "flops_per_s": flops})
             out.append({"threads": t, "rows": 0, "copy_bytes_per_s": copy_bytes_per_s(nbytes)})
