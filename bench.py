@@ -28,7 +28,7 @@ from benchmarks.figures import PUBLISHED, overhead_figures, ratios, target_figur
 from benchmarks.machine import machine_info, versions
 from benchmarks.memory import memory_figures
 from benchmarks.models import RANDOM_CONFIGS, resolve_model, vocab_limit
-from benchmarks.nanopaged_run import resolved_settings, run_nanopaged
+from benchmarks.nanopaged_run import quantized_vs_dense, resolved_settings, run_nanopaged
 from benchmarks.noise import noise_figures
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
 from benchmarks.report import plot, print_shared_prefix, print_sharing, print_table
@@ -192,11 +192,7 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
                        vocab_limit(model_dir))
 
     run, stats, samples, config = run_nanopaged(model_dir, trace, settings)
-    dense = None
-    if settings.get("quantization"):      # the same trace without it, in the same run (issue 28)
-        dense_run = run_nanopaged(model_dir, trace, {**settings, "quantization": None})[0]
-        dense = {"output_tokens_per_s": dense_run.figures()["output_tokens_per_s"],
-                 "ratio": run.figures()["output_tokens_per_s"] / dense_run.figures()["output_tokens_per_s"]}
+    dense = quantized_vs_dense(model_dir, trace, settings, run) if settings.get("quantization") else None
     device, dtype = hf_device_dtype(config)
     peak_after_engine = measure_matmul_flops(device, dtype)   # the roofline's ceiling, timed twice
     resolved = resolved_settings(config, stats)

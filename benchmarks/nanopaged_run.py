@@ -68,3 +68,17 @@ def resolved_settings(config: EngineConfig, stats: dict) -> dict:
             "max_model_len": config.max_model_len, "num_kv_blocks": stats["num_kv_blocks"],
             "dtype": config.dtype, "cpu_linear": config.cpu_linear, "cpu_kernels": config.cpu_kernels,
             "attention_backend": config.attention_backend, "quantization": config.quantization}
+
+
+def quantized_vs_dense(model_dir: str, trace: Trace, settings: dict, first: Run) -> dict:
+    """Issue 28's "no slower with quantization": the same trace without it, in the same run,
+    alternating with it (dense, quantized, dense after the first, quantized, run), the best of
+    two of each. Runs minutes apart differ by a few percent on a shared host, so one run
+    of each would decide nothing."""
+    runs = {"quantized": [first.figures()["output_tokens_per_s"]], "dense": []}
+    for quantization in (None, settings["quantization"], None):
+        run = run_nanopaged(model_dir, trace, {**settings, "quantization": quantization})[0]
+        runs["dense" if quantization is None else "quantized"].append(run.figures()["output_tokens_per_s"])
+    best_q, best_d = max(runs["quantized"]), max(runs["dense"])
+    return {"output_tokens_per_s": best_d, "quantized_output_tokens_per_s": best_q, "runs": runs,
+            "ratio": best_q / best_d}

@@ -26,8 +26,10 @@ def print_table(r: dict) -> None:
         print(f"{name:30} {f['output_tokens_per_s']:10.1f} {f['total_tokens_per_s']:12.1f} "
               f"{f['requests_per_s']:7.2f} {f['wall_s']:8.2f} {rel:12.2f}x")
     if "dense" in r:
-        print(f"  nanopaged without quantization, the same trace in this run: {r['dense']['output_tokens_per_s']:.1f} "
-              f"out tok/s (quantized / dense {r['dense']['ratio']:.2f}x)")
+        d = r["dense"]
+        print(f"  nanopaged with and without quantization, alternating on the same trace, best of "
+              f"{len(d['runs']['quantized'])} and {len(d['runs']['dense'])}: {d['quantized_output_tokens_per_s']:.1f} and "
+              f"{d['output_tokens_per_s']:.1f} out tok/s (quantized / dense {d['ratio']:.2f}x)")
     if "one_request_at_a_time" in r["peers"].get("llama.cpp", {}):
         print(f"  llama.cpp {r['peers']['llama.cpp']['version']} on {r['peers']['llama.cpp']['gguf']}, one request at a "
               "time (its Python API serves no batches)")

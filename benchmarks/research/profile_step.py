@@ -2,7 +2,7 @@
 time goes (issue 12: "a profile of one decode step before and after, and the per-step
 count of torch ops").
 
-    python -m benchmarks.research.profile_step [--rows 24] [--model DIR] [--threads 2] [--dtype D] [--without]
+    python -m benchmarks.research.profile_step [--rows 24] [--model DIR] [--threads 2] [--dtype D] [--cpu-kernels K] [--cpu-linear L] [--without]
 
 It queues `--rows` requests with prompts of the default trace's lengths, steps until every
 one of them decodes, times a few decode-only steps, then profiles one more. Ops are
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="auto", help="the engine's dtype (default auto); --without in bfloat16 "
                    "feeds garbage through the pass-throughs, whose huge values slow some kernels: time it in float32")
     p.add_argument("--cpu-kernels", default="auto", help="the engine's cpu_kernels: auto, fused, reference")
+    p.add_argument("--cpu-linear", default="auto", help="the engine's cpu_linear: auto, packed, dpbf16, reference")
     p.add_argument("--quantization", help="the engine's quantization: gguf, int4, int8 (default: none)")
     p.add_argument("--without", action="store_true",
                    help="also time the step without each piece of the layer (unprofiled)")
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     model = args.model or str(demo_model_path())
     fig = profile_decode_step(model, args.rows, without=args.without, dtype=args.dtype,
-                              cpu_kernels=args.cpu_kernels, quantization=args.quantization)
+                              cpu_kernels=args.cpu_kernels, cpu_linear=args.cpu_linear, quantization=args.quantization)
     print_profile(fig)
     if args.without:
         print_without(fig["without"])
