@@ -1,4 +1,4 @@
-"""A GGUF file's 4-bit weights as they ship, for the 4-bit linear kernel (quantization="gguf").
+"""A GGUF file's quantized weights as they ship, for the 4- and 8-bit kernels (quantization="gguf").
 
 The demo model ships as llama.cpp's GGUF format: each linear weight in blocks of 32 values along
 its input axis, 4 bits a value plus a float16 scale (Q4_0: w = (q - 8) d) and a minimum (Q4_1:
@@ -11,8 +11,10 @@ Two things are undone on the way, as transformers' GGUF loader undoes them: llam
 q_proj and k_proj with the rows of each head's two rotary halves interleaved (`unpermute_rows`),
 and it names tensors its own way (`GGUF_NAMES`). The output matrix (the lm_head; the
 demo model ties it to the embeddings, `token_embd`) ships as Q8_0, 8 bits and a float16 scale per
-block of 32, and runs as shipped too (`Q8Linear`). A linear stored in any other type (F16, ...)
-keeps the dequantized weights the folder holds, and is listed by `load_gguf_linears`.
+block of 32, and runs as shipped too (`Q8Linear`), as do decoder linears a file stores as Q8_0
+(a "Q8_0" GGUF's). A linear stored in any other type (F16, K-quants, ...), or whose stacked
+parts mix 4- and 8-bit types, keeps the dequantized weights the folder holds, and is listed by
+`load_gguf_linears`.
 """
 from __future__ import annotations
 
@@ -75,7 +77,8 @@ def find_gguf(folder: str) -> str:
 
 def load_gguf_linears(path: str, cfg: ModelConfig) -> tuple[dict, list[str]]:
     """{"model.layers.{i}.{module}": (codes, scale, zero)} for every fused linear whose tensors are
-    all Q4_0/Q4_1, rows unpermuted and stacked as the module stacks them; "lm_head": (codes, scale)
+    all Q4_0/Q4_1, or (codes, scale) where they are all Q8_0, rows unpermuted and stacked as the
+    module stacks them; "lm_head": (codes, scale)
     when the output matrix (`output.weight`, or the tied `token_embd.weight`) ships as Q8_0; and the
     names of the linears left dense (another type), for the load's log."""
     import gguf
@@ -86,18 +89,20 @@ def load_gguf_linears(path: str, cfg: ModelConfig) -> tuple[dict, list[str]]:
     for i in range(cfg.num_hidden_layers):
         for module, parts in GGUF_NAMES.items():
             ts = [tensors[f"blk.{i}.{p}.weight"] for p in parts]
-            if any(t.tensor_type.name not in ("Q4_0", "Q4_1") for t in ts):
+            kinds = {t.tensor_type.name for t in ts}
+            if not (kinds <= {"Q4_0", "Q4_1"} or kinds == {"Q8_0"}):     # one kernel for the stacked parts
                 dense.append(f"model.layers.{i}.{module} ({', '.join(t.tensor_type.name for t in ts)})")
                 continue
             pieces = []
             for part, t in zip(parts, ts):
-                codes, scale, zero = q4_blocks(np.asarray(t.data), t.tensor_type.name)
+                raw = np.asarray(t.data)
+                blocks = q8_blocks(raw) if kinds == {"Q8_0"} else q4_blocks(raw, t.tensor_type.name)
                 if part in heads:
-                    rows = unpermute_rows(codes.shape[0], heads[part])
-                    codes, scale, zero = codes[rows], scale[rows], zero[rows]
-                pieces.append((codes, scale, zero))
+                    rows = unpermute_rows(raw.shape[0], heads[part])
+                    blocks = tuple(b[rows] for b in blocks)
+                pieces.append(blocks)
             found[f"model.layers.{i}.{module}"] = tuple(
-                torch.from_numpy(np.concatenate([p[j] for p in pieces])) for j in range(3))
+                torch.from_numpy(np.concatenate([p[j] for p in pieces])) for j in range(len(pieces[0])))
     output = tensors.get("output.weight", tensors.get("token_embd.weight"))
     if output is not None and output.tensor_type.name == "Q8_0":
         found["lm_head"] = tuple(torch.from_numpy(a) for a in q8_blocks(np.asarray(output.data)))

@@ -17,8 +17,9 @@ row count: the quantized weight for at most ROWS_FOR_QUANTIZED rows (one request
 streams), the dense weight for more (docs/01_kv_cache_arithmetic.md, "What a weight costs", has
 the figures and the memory each choice holds).
 
-    gguf   the GGUF file's own blocks as they ship (models/gguf.py): Q4_0/Q4_1 decoder layers, and
-           the output matrix where it ships as Q8_0 (the demo model's, tied to its embeddings)
+    gguf   the GGUF file's own blocks as they ship (models/gguf.py): Q4_0/Q4_1 and Q8_0 decoder
+           layers (Q8_0 on nanopaged's kernel only), and the output matrix where it ships as Q8_0
+           (the demo model's, tied to its embeddings)
     int4   the checkpoint quantized at load: min/max per group of `quantization_group_size`
     int8   the checkpoint quantized at load: absmax per output feature
 
@@ -177,7 +178,10 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
             if method == "gguf":
                 if full not in found:
                     continue
-                new = Int4Linear(dense, *found[full], group_size)
+                if len(found[full]) == 2 and nanopaged_kernels() is None:       # Q8_0: codes and scale
+                    left_dense.append(f"{full} (Q8_0: nanopaged's kernels did not build with AVX-512 here)")
+                    continue
+                new = (Q8Linear if len(found[full]) == 2 else Int4Linear)(dense, *found[full], group_size)
             elif method == "int4":
                 new = Int4Linear(dense, *int4_codes(dense.weight.detach(), group_size), group_size)
             else:

@@ -4,6 +4,7 @@ and every bad setting is refused before any weight loads."""
 import logging
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -155,3 +156,84 @@ def test_without_the_kernels_the_model_runs_dense(tiny_model_dirs, monkeypatch, 
     assert (llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
             == reference.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
     assert math.isfinite(llm.get_stats()["kv_cache_usage"])
+
+
+def write_q8_gguf(path, model_dir: str) -> None:
+    """A GGUF file of a tiny model's decoder linears as llama.cpp's converter writes a "Q8_0" file:
+    every linear in Q8_0 blocks, q_proj's and k_proj's rotary halves interleaved."""
+    import gguf
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+    from nanopaged.models.config import ModelConfig
+    from nanopaged.models.gguf import GGUF_NAMES, unpermute_rows
+    cfg, weights = ModelConfig.from_folder(model_dir), load_file(f"{model_dir}/model.safetensors")
+    hf_names = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                "mlp.down_proj": ("mlp.down_proj",)}
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for i in range(cfg.num_hidden_layers):
+        for module, parts in GGUF_NAMES.items():
+            for part, hf in zip(parts, hf_names[module]):
+                w = weights[f"model.layers.{i}.{hf}.weight"].float().numpy()
+                if part in heads:                        # llama.cpp's order: the inverse of unpermute_rows
+                    w = w[np.argsort(unpermute_rows(w.shape[0], heads[part]))]
+                writer.add_tensor(f"blk.{i}.{part}.weight", quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])      # bfloat16: the fused C++ layers where they build
+def test_a_q8_0_file_runs_its_layers_as_shipped(tiny_model_dirs, tmp_path, dtype):
+    """quantization="gguf" on a file whose layers are Q8_0: each fused linear gets the file's 8-bit
+    codes (unpermuted, exactly llama.cpp's dequantized values), and greedy answers stay close to
+    the float weights'."""
+    import shutil
+    from gguf.quants import dequantize
+    from gguf import GGMLQuantizationType, GGUFReader
+    from nanopaged.models.config import ModelConfig
+    from nanopaged.models.gguf import load_gguf_linears
+    folder = tmp_path / "q8"
+    shutil.copytree(tiny_model_dirs["llama"], folder)
+    write_q8_gguf(folder / "model-Q8_0.gguf", str(folder))
+    cfg = ModelConfig.from_folder(str(folder))
+    found, dense = load_gguf_linears(str(folder / "model-Q8_0.gguf"), cfg)
+    assert dense == [] and len(found) == 4 * cfg.num_hidden_layers
+    shipped = {t.name: dequantize(t.data, GGMLQuantizationType.Q8_0) for t in GGUFReader(folder / "model-Q8_0.gguf").tensors}
+    codes, scale = found["model.layers.1.mlp.gate_up_proj"]                  # no rows permuted
+    assert codes.min() >= -128 and codes.max() <= 127
+    values = (codes.float().reshape(codes.shape[0], -1, 32) * scale[..., None]).reshape(codes.shape)
+    assert torch.equal(values, torch.from_numpy(np.concatenate([shipped["blk.1.ffn_gate.weight"],
+                                                                shipped["blk.1.ffn_up.weight"]])))
+    codes, scale = found["model.layers.0.self_attn.qkv_proj"]                # q and k unpermuted
+    values = (codes.float().reshape(codes.shape[0], -1, 32) * scale[..., None]).reshape(codes.shape)
+    from safetensors.torch import load_file
+    written = load_file(f"{folder}/model.safetensors")
+    float_qkv = torch.cat([written[f"model.layers.0.self_attn.{p}_proj.weight"].float() for p in "qkv"])
+    assert (values - float_qkv).abs().max() <= float_qkv.abs().max() / 127      # one 8-bit step at most
+
+    llm = LLM(str(folder), dtype=dtype, quantization="gguf", max_num_seqs=1)
+    stats = llm.get_stats()["quantization"]
+    if ql.nanopaged_kernels() is None:                      # Q8_0 layers need nanopaged's kernels
+        assert stats["quantized_linears"] == 0 and len(stats["left_dense"]) == 4 * cfg.num_hidden_layers
+        return
+    assert stats["quantized_linears"] == 4 * cfg.num_hidden_layers and stats["left_dense"] == []
+    assert all(isinstance(m, ql.Q8Linear) for m in llm.llm_engine.runner.model.modules()
+               if isinstance(m, ql.QuantizedLinear))
+    prompts = make_prompts(512, n=3, seed=5, min_len=4, max_len=20)
+    check_logprobs_close(nanopaged_greedy(llm, prompts, 8),
+                         nanopaged_greedy(LLM(str(folder), dtype=dtype, max_num_seqs=1), prompts, 8))
+
+
+def test_without_nanopaged_kernels_q8_0_layers_stay_dense_and_say_so(tiny_model_dirs, tmp_path, monkeypatch):
+    import shutil
+    folder = tmp_path / "q8"
+    shutil.copytree(tiny_model_dirs["llama"], folder)
+    write_q8_gguf(folder / "model-Q8_0.gguf", str(folder))
+    monkeypatch.setattr(ql, "nanopaged_kernels", lambda: None)           # an AVX2-only host
+    stats = LLM(str(folder), dtype="float32", quantization="gguf").get_stats()["quantization"]
+    assert stats["quantized_linears"] == 0
+    assert "model.layers.0.self_attn.qkv_proj (Q8_0: nanopaged's kernels did not build with AVX-512 here)" in stats["left_dense"]
