@@ -1,16 +1,22 @@
 """nanopaged's C++ CPU kernels (cpu_ops.cpp beside this file), compiled on first use.
 
 torch's extension builder compiles the file once per machine and source version and caches
-the library under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR); later loads take a
-fraction of a second. The instruction sets are the CPU's own, named from its flags: a
+the library under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), in a folder named by a
+hash of the source, the flags, torch and Python (`build_folder`); later loads take a fraction
+of a second. The source is compiled from a copy in that folder: torch's builder rebuilds when
+the source's path changes, so two checkouts (a clone CI runs beside a working tree) would
+otherwise rebuild each other's library, one process overwriting it while another loads it. The instruction sets are the CPU's own, named from its flags: a
 -march=native build has produced code a VM could not run. Where no compiler or ninja is
 found, `available()` says why and the torch reference runs instead.
 docs/05_model_runner_and_kernels.md, "Fused CPU kernels".
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import shutil
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -53,8 +59,26 @@ def build(name: str, isa: list[str]):
     avx512f its Vec16 is one AVX-512 register, without it an array the compiler splits. The tests
     build an AVX2-only copy too, so the path an AVX2 host runs is checked on any host."""
     from torch.utils.cpp_extension import load
-    return load(name, sources=[str(SOURCE)], extra_cflags=OPT_FLAGS + [f"-m{f}" for f in isa],
-                extra_ldflags=["-fopenmp"], verbose=False)
+    cflags = OPT_FLAGS + [f"-m{f}" for f in isa]
+    folder = build_folder(name, cflags)
+    source = folder / SOURCE.name
+    if not source.exists():                  # written whole or not at all: another process may be here too
+        partial = folder / f".{SOURCE.name}.{os.getpid()}"
+        partial.write_bytes(SOURCE.read_bytes())
+        os.replace(partial, source)
+    return load(name, sources=[str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                build_directory=str(folder), verbose=False)
+
+
+def build_folder(name: str, cflags: list[str]) -> Path:
+    """Where `name` is built: one folder per (source, flags, torch, Python), so a library is
+    never rebuilt in place under a process that has it loaded."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((cflags, torch.__version__, sys.version_info[:2])).encode())
+    folder = Path(get_default_build_root()) / "nanopaged" / f"{name}-{key.hexdigest()[:16]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 @lru_cache(maxsize=1)

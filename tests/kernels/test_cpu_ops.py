@@ -293,3 +293,31 @@ def test_linear_quantized_refuses_a_weight_of_another_width(ops):
     packed = ops.pack_quantized(torch.randint(0, 16, (32, 64)), torch.ones(32, 2), torch.zeros(32, 2), 32, 4)
     with pytest.raises(RuntimeError, match="x's in_features do not match the packed weight"):
         ops.linear_quantized(torch.randn(1, 128), packed, 32, 32, 4)
+
+
+def test_the_build_folder_is_named_by_the_source_not_its_path(tmp_path, monkeypatch):
+    """Two checkouts of the same source share one library; a changed source or other flags get
+    their own folder, so no process rebuilds a library another has loaded."""
+    import torch.utils.cpp_extension
+    import nanopaged.kernels.cpu_ops as module
+    monkeypatch.setattr(torch.utils.cpp_extension, "get_default_build_root", lambda: str(tmp_path / "builds"))
+    here = module.build_folder("nanopaged_cpu_ops", ["-O3"])
+    assert here.parent == tmp_path / "builds" / "nanopaged" and here.is_dir()
+    assert module.build_folder("nanopaged_cpu_ops", ["-O3", "-mavx2"]) != here
+    clone = tmp_path / "checkout" / "cpu_ops.cpp"
+    clone.parent.mkdir()
+    clone.write_bytes(module.SOURCE.read_bytes())
+    monkeypatch.setattr(module, "SOURCE", clone)
+    assert module.build_folder("nanopaged_cpu_ops", ["-O3"]) == here            # another checkout, same source
+    clone.write_bytes(module.SOURCE.read_bytes() + b"\n// changed\n")
+    assert module.build_folder("nanopaged_cpu_ops", ["-O3"]) != here
+
+
+def test_the_library_is_compiled_from_a_copy_in_its_folder():
+    from pathlib import Path
+    from torch.utils.cpp_extension import get_default_build_root
+    import nanopaged.kernels.cpu_ops as module
+    cpu_ops()
+    folders = [f for f in (Path(get_default_build_root()) / "nanopaged").iterdir()
+               if f.name.startswith("nanopaged_cpu_ops-") and (f / "cpu_ops.cpp").exists()]
+    assert any((f / "cpu_ops.cpp").read_bytes() == module.SOURCE.read_bytes() and list(f.glob("*.so")) for f in folders)
