@@ -5,9 +5,10 @@ the library under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), in a fol
 hash of the source, the flags, torch and Python (`build_folder`); later loads take a fraction
 of a second. The source is compiled from a copy in that folder: torch's builder rebuilds when
 the source's path changes, so two checkouts (a clone CI runs beside a working tree) would
-otherwise rebuild each other's library, one process overwriting it while another loads it. The instruction sets are the CPU's own, named from its flags: a
--march=native build has produced code a VM could not run. Where no compiler or ninja is
-found, `available()` says why and the torch reference runs instead.
+otherwise rebuild each other's library, one process overwriting it while another loads it.
+The instruction sets are the CPU's own, named from its flags: a -march=native build has
+produced code a VM could not run. Where no compiler or ninja is found, `available()` says why
+and the torch reference runs instead.
 docs/05_model_runner_and_kernels.md, "Fused CPU kernels".
 """
 from __future__ import annotations

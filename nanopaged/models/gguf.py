@@ -78,9 +78,9 @@ def find_gguf(folder: str) -> str:
 def load_gguf_linears(path: str, cfg: ModelConfig) -> tuple[dict, list[str]]:
     """{"model.layers.{i}.{module}": (codes, scale, zero)} for every fused linear whose tensors are
     all Q4_0/Q4_1, or (codes, scale) where they are all Q8_0, rows unpermuted and stacked as the
-    module stacks them; "lm_head": (codes, scale)
-    when the output matrix (`output.weight`, or the tied `token_embd.weight`) ships as Q8_0; and the
-    names of the linears left dense (another type), for the load's log."""
+    module stacks them; "lm_head": (codes, scale) when the output matrix (`output.weight`, or the
+    tied `token_embd.weight`) ships as Q8_0; and the names of the linears left dense (another
+    type), for the load's log."""
     import gguf
     reader = gguf.GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
