@@ -107,14 +107,18 @@ def test_the_gguf_blocks_as_shipped_are_the_weights_the_converter_wrote(demo_mod
 
 def test_the_demo_model_as_shipped_answers_as_its_dequantized_weights_do(demo_model_dir):
     """One request at a time every step runs the 4-bit kernel; its greedy tokens are close to the
-    dequantized model's under vLLM's rule, in the same dtype."""
+    dequantized model's under vLLM's rule, in the same dtype and in float32."""
     prompts = make_prompts(2000, n=3, seed=7, min_len=8, max_len=30)
     shipped = LLM(demo_model_dir, dtype="bfloat16", quantization="gguf", max_num_seqs=1)
     stats = shipped.get_stats()["quantization"]
     assert stats["quantization"] == "gguf" and stats["quantized_linears"] == 120 + 1          # and the lm_head
     assert 85e6 < stats["quantized_bytes"] < 105e6      # layers 5 bits a weight and lm_head 8.5, scales included
+    got = nanopaged_greedy(shipped, prompts, 16)
     dense = LLM(demo_model_dir, dtype="bfloat16", max_num_seqs=1)
-    check_logprobs_close(nanopaged_greedy(shipped, prompts, 16), nanopaged_greedy(dense, prompts, 16))
+    check_logprobs_close(got, nanopaged_greedy(dense, prompts, 16))
+    del dense
+    # and against the dequantized weights in float32, as issue 28 asks
+    check_logprobs_close(got, nanopaged_greedy(LLM(demo_model_dir, dtype="float32", max_num_seqs=1), prompts, 16))
 
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
