@@ -2,10 +2,11 @@
 
 torch's extension builder compiles the file once per machine and source version and caches
 the library under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), in a folder named by a
-hash of the source, the flags, torch and Python (`build_folder`); later loads take a fraction
-of a second. The source is compiled from a copy in that folder: torch's builder rebuilds when
-the source's path changes, so two checkouts (a clone CI runs beside a working tree) would
-otherwise rebuild each other's library, one process overwriting it while another loads it.
+hash of the source, the flags, the torch install and Python (`build_folder`); later loads take
+a fraction of a second. The source is compiled from a copy in that folder: torch's builder
+rebuilds when the source's path (or torch's) changes, so two checkouts or two environments (a
+clone CI runs beside a working tree) would otherwise rebuild each other's library, one process
+overwriting it while another loads it.
 The instruction sets are the CPU's own, named from its flags: a -march=native build has
 produced code a VM could not run. Where no compiler or ninja is found, `available()` says why
 and the torch reference runs instead.
@@ -72,11 +73,14 @@ def build(name: str, isa: list[str]):
 
 
 def build_folder(name: str, cflags: list[str]) -> Path:
-    """Where `name` is built: one folder per (source, flags, torch, Python), so a library is
-    never rebuilt in place under a process that has it loaded."""
+    """Where `name` is built: one folder per (source, flags, torch install, Python), so a library
+    is never rebuilt in place under a process that has it loaded. The torch install's path counts:
+    the build names its headers and libraries by path, so two environments with the same torch
+    version would otherwise rebuild each other's library."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((cflags, torch.__version__, sys.version_info[:2])).encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((cflags, torch.__version__, torch.__file__,
+                                                     sys.version_info[:2])).encode())
     folder = Path(get_default_build_root()) / "nanopaged" / f"{name}-{key.hexdigest()[:16]}"
     folder.mkdir(parents=True, exist_ok=True)
     return folder

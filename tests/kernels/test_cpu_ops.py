@@ -296,8 +296,8 @@ def test_linear_quantized_refuses_a_weight_of_another_width(ops):
 
 
 def test_the_build_folder_is_named_by_the_source_not_its_path(tmp_path, monkeypatch):
-    """Two checkouts of the same source share one library; a changed source or other flags get
-    their own folder, so no process rebuilds a library another has loaded."""
+    """Two checkouts of the same source share one library; a changed source, other flags or
+    another torch install get their own folder, so no process rebuilds a library another has loaded."""
     import torch.utils.cpp_extension
     import nanopaged.kernels.cpu_ops as module
     monkeypatch.setattr(torch.utils.cpp_extension, "get_default_build_root", lambda: str(tmp_path / "builds"))
@@ -309,6 +309,11 @@ def test_the_build_folder_is_named_by_the_source_not_its_path(tmp_path, monkeypa
     clone.write_bytes(module.SOURCE.read_bytes())
     monkeypatch.setattr(module, "SOURCE", clone)
     assert module.build_folder("nanopaged_cpu_ops", ["-O3"]) == here            # another checkout, same source
+    monkeypatch.setattr(torch, "__file__", "/another/environment/torch/__init__.py")
+    assert module.build_folder("nanopaged_cpu_ops", ["-O3"]) != here            # another torch install
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.utils.cpp_extension, "get_default_build_root", lambda: str(tmp_path / "builds"))
+    monkeypatch.setattr(module, "SOURCE", clone)
     clone.write_bytes(module.SOURCE.read_bytes() + b"\n// changed\n")
     assert module.build_folder("nanopaged_cpu_ops", ["-O3"]) != here
 
