@@ -111,8 +111,7 @@ def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: 
     if not decode:
         return {"num_steps": 0}
     q = m.num_attention_heads * m.head_dim
-    flops = sum(2 * m.num_hidden_layers * layer_weights(m) * s.num_rows + 2 * m.vocab_size * m.hidden_size
-                * s.num_rows + 4 * m.num_hidden_layers * q * s.context_tokens for s in decode)
+    flops = sum(matmul_flops(m, s.num_rows) + 4 * m.num_hidden_layers * q * s.context_tokens for s in decode)
     seconds = sum(s.model_s for s in decode)
     rows = sorted(s.num_rows for s in decode)[len(decode) // 2]
     plain = measure_rows_matmul_flops(rows, m.hidden_size, m.intermediate_size, device, dtype)

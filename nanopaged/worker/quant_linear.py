@@ -149,6 +149,9 @@ def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- the model --------------------------------------------------------------------------
+NO_Q8_KERNEL = "Q8_0: nanopaged's kernels did not build with AVX-512 here"     # 8-bit blocks run on them only
+
+
 def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: str | None) -> dict:
     """Swap the decoder layers' linears for quantized ones, in place (before the dense weights are
     packed: the packing then reaches the `dense` inside each). Returns what the load log and
@@ -170,7 +173,7 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
         model.lm_head = Q8Linear(model.lm_head, *found["lm_head"], BLOCK)
         swapped.append(model.lm_head)
     elif "lm_head" in found:
-        left_dense.append("lm_head (Q8_0: nanopaged's kernels did not build with AVX-512 here)")
+        left_dense.append(f"lm_head ({NO_Q8_KERNEL})")
     for i, layer in enumerate(model.model.layers):
         for name in LAYER_LINEARS:
             full = f"model.layers.{i}.{name}"
@@ -178,10 +181,11 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
             if method == "gguf":
                 if full not in found:
                     continue
-                if len(found[full]) == 2 and nanopaged_kernels() is None:       # Q8_0: codes and scale
-                    left_dense.append(f"{full} (Q8_0: nanopaged's kernels did not build with AVX-512 here)")
+                q8 = len(found[full]) == 2                       # Q8_0: (codes, scale); Q4: (codes, scale, zero)
+                if q8 and nanopaged_kernels() is None:
+                    left_dense.append(f"{full} ({NO_Q8_KERNEL})")
                     continue
-                new = (Q8Linear if len(found[full]) == 2 else Int4Linear)(dense, *found[full], group_size)
+                new = (Q8Linear if q8 else Int4Linear)(dense, *found[full], group_size)
             elif method == "int4":
                 new = Int4Linear(dense, *int4_codes(dense.weight.detach(), group_size), group_size)
             else:
