@@ -74,7 +74,7 @@ class LLMEngine:
         self.scheduler = Scheduler(block_pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.input_processor = InputProcessor(config, self.tokenizer, self.runner.num_kv_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.sampler = ParallelSampler(Sampler(self.runner.device, config.seed))
+        self.sampler = ParallelSampler(Sampler(self.runner.device, config.seed, self.runner.argmax))
         self.observers: list[Callable[[StepRecord], None]] = []
         self.proposers: list[Callable[[list[Request]], None]] = []   # set running requests' spec_token_ids
         self.extensions: dict[str, object] = {}            # the extensions installed so far, by module

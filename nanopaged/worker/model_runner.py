@@ -35,6 +35,7 @@ from nanopaged.models.llama import LlamaForCausalLM
 from nanopaged.models.loader import load_weights
 from nanopaged.sampling_params import SamplingParams
 from nanopaged.worker.cpu_linear import pack_linears
+from nanopaged.worker.sampler import torch_argmax
 
 
 @dataclass
@@ -68,6 +69,7 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         self.backend = load_attention_backend(config.attention_backend)
         self.quantized: dict | None = None       # what quantize_linears did, with quantization=
+        self.argmax = torch_argmax               # the sampler's; the fused CPU path hands its kernel
         self.model = self.load_model()
         self.num_kv_blocks = self.determine_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
@@ -89,8 +91,9 @@ class ModelRunner:
         if self.config.cpu_linear != "reference":   # bfloat16 on the CPU's matrix units (cpu_linear.py)
             pack_linears(model, self.config.cpu_linear)
         if self.config.cpu_kernels == "fused":    # the layers' small ops in C++ (cpu_fused.py)
-            from nanopaged.worker.cpu_fused import fuse_layers
+            from nanopaged.worker.cpu_fused import argmax_rows, fuse_layers
             fuse_layers(model)
+            self.argmax = argmax_rows
         return model.eval()
 
     def wrap_model(self, model: nn.Module):

@@ -37,9 +37,16 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float, int]] | None]  # per row: (token, logprob, rank)
 
 
+def torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, argmax=torch_argmax) -> None:
         self.device = device
+        # each row's largest index, as torch.argmax(x, dim=-1): the runner may hand a faster one
+        # (the CPU kernels' argmax_rows, worker/cpu_fused.py)
+        self.argmax = argmax
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.request_generators: dict[Request, torch.Generator] = {}
         # The hook, step 0: each processor(logits, requests) returns the logits to sample from (row i
@@ -50,7 +57,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         raw, logits = self.process_logits(logits, requests)
         params = [r.sampling_params for r in requests]
-        tokens = logits.argmax(dim=-1)
+        tokens = self.argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             idx = indices(logits, random_rows)
@@ -105,7 +112,7 @@ class Sampler:
         q = torch.empty_like(probs)
         for j, r in enumerate(requests):
             q[j].exponential_(generator=self.generator_of(r))
-        return (probs / q).argmax(dim=-1)
+        return self.argmax(probs / q)
 
     def generator_of(self, request: Request) -> torch.Generator:
         seed = request.sampling_params.seed

@@ -241,6 +241,33 @@ def test_store_kv_puts_each_token_in_its_slot(ops, dtype):
     assert [t.tolist() for t in from_kernel_layout(*to_kernel_layout(k_want, v_want))] == [k_want.tolist(), v_want.tolist()]
 
 
+@pytest.mark.parametrize("rows, n", [(1, 1), (1, 5), (3, 16), (2, 17), (24, 49152), (7, 1000)])
+def test_argmax_rows_equals_torch_argmax(ops, rows, n):
+    torch.manual_seed(rows * n)
+    x = torch.randn(rows, n)
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(x[:, ::2]), x[:, ::2].argmax(dim=-1))       # a strided view
+
+
+def test_argmax_rows_breaks_ties_and_meets_nan_and_infinity_as_torch_does():
+    """The first of equal largest values; a NaN beats every number and the first NaN wins; a row
+    of -inf (every token masked) answers 0; +inf is an ordinary largest value."""
+    ops = cpu_ops()
+    x = torch.randn(10, 1000)
+    x[0, 700] = x[0, 5] = x[0, 900] = 50.0          # a tie, the first not in the first 16 lanes' order
+    x[1, 300] = x[1, 17] = float("nan")
+    x[2, 999] = float("nan")
+    x[3] = float("-inf")
+    x[4] = 0.0
+    x[5, 123] = float("inf")
+    x[6, 40], x[6, 8] = float("nan"), 1e30
+    x[7, 16], x[7, 32] = 9.0, 9.0                    # equal values in one lane
+    x[8, 31], x[8, 16] = 9.0, 9.0                    # equal values in two lanes, the later lane first
+    want = x.argmax(dim=-1)
+    assert torch.equal(ops.argmax_rows(x), want)
+    assert want[:6].tolist() == [5, 17, 999, 0, 0, 123]
+
+
 def test_the_kernels_refuse_a_misshapen_input(ops):
     with pytest.raises(RuntimeError, match="rms_norm: weight must be"):
         ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)

@@ -15,7 +15,8 @@ from conftest import check_logprobs_close, make_prompts, nanopaged_greedy
 from nanopaged import LLM, EngineConfig, SamplingParams
 from nanopaged.kernels.cpu_ops import available
 from nanopaged.models.llama import LlamaModel
-from nanopaged.worker.cpu_fused import FusedLlamaModel, FusedRMSNorm
+from nanopaged.worker.cpu_fused import FusedLlamaModel, FusedRMSNorm, argmax_rows
+from nanopaged.worker.sampler import torch_argmax
 
 needs_kernels = pytest.mark.skipif(available() is not None, reason=f"{available()}")
 
@@ -72,6 +73,21 @@ def test_the_swap_keeps_the_weights_it_found(tiny_model_dirs):
     assert described.q_norm.data_ptr() == layer.self_attn.q_norm.weight.data_ptr()
     assert described.qkv.kind == 2 and described.qkv.fn is layer.self_attn.qkv_proj
     assert llm.get_stats()["cpu_kernels"] == "fused" and llm.get_stats()["attention_backend"] == "cpu"
+
+
+@needs_kernels
+def test_the_fused_engine_samples_with_the_kernels_argmax(tiny_model_dirs):
+    """The runner hands the sampler the C++ argmax (torch's answer, NaN and ties included:
+    tests/kernels/test_cpu_ops.py); the reference runs torch's, and so do other dtypes."""
+    fused = LLM(tiny_model_dirs["llama"], dtype="float32", cpu_kernels="fused")
+    reference = LLM(tiny_model_dirs["llama"], dtype="float32", cpu_kernels="reference")
+    assert fused.llm_engine.sampler.sampler.argmax is argmax_rows
+    assert reference.llm_engine.sampler.sampler.argmax is torch_argmax
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert ([o.outputs[0].token_ids for o in fused.generate(["a b c", "hello"], params, use_tqdm=False)] ==
+            [o.outputs[0].token_ids for o in reference.generate(["a b c", "hello"], params, use_tqdm=False)])
+    x = torch.randn(3, 100).bfloat16()
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
 
 def test_auto_fuses_only_beside_packed_linears(monkeypatch, tiny_model_dirs):
