@@ -437,24 +437,30 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // Softmax of n scores in place, 16 at a time: the weights rounded to T; returns 1 / their float32 sum.
 template <typename T>
 static inline float softmax_in_place(float* s, int64_t n) {
-  const int64_t body = n - n % 16;
-  Vec16 mv = Vec16::fill(-INFINITY);
+  // the last n % 16 scores as one more register, padded with -inf: a score past n weighs nothing.
+  // (One exp_scalar per leftover score cost a decode row about as much as its 118 keys' dot
+  // products: an exp is a register's work whether it fills one lane or sixteen.)
+  const int64_t body = n - n % 16, tail = n - body;
+  alignas(64) float last[16];
+  for (int64_t i = 0; i < 16; ++i) last[i] = i < tail ? s[body + i] : -INFINITY;
+  Vec16 mv = Vec16::load(last);
   for (int64_t t = 0; t < body; t += 16) mv = max(mv, Vec16::load(s + t));
-  float mx = mv.max();
-  for (int64_t t = body; t < n; ++t) mx = std::max(mx, s[t]);
+  const Vec16 mx = Vec16::fill(mv.max());
   Vec16 sv = Vec16::fill(0.f);
   for (int64_t t = 0; t < body; t += 16) {
-    const Vec16 e = exp(Vec16::load(s + t) - Vec16::fill(mx));
+    const Vec16 e = exp(Vec16::load(s + t) - mx);
     round_to<T>(e).store(s + t);
     sv = sv + e;
   }
-  float sum = sv.sum();
-  for (int64_t t = body; t < n; ++t) {
-    const float e = exp_scalar(s[t] - mx);
-    sum += e;
-    s[t] = float(T(e));
+  if (tail) {
+    exp(Vec16::load(last) - mx).store(last);
+    for (int64_t i = tail; i < 16; ++i) last[i] = 0.f;     // exp clamps -inf to e^-87, not 0
+    const Vec16 e = Vec16::load(last);
+    sv = sv + e;
+    round_to<T>(e).store(last);
+    for (int64_t i = 0; i < tail; ++i) s[body + i] = last[i];
   }
-  return 1.f / sum;
+  return 1.f / sv.sum();
 }
 
 // Any dtype, any head_dim, any even block size: plain loops through KvLayout.
