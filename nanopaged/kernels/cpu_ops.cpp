@@ -297,6 +297,11 @@ static inline void rotate_head(T* x, const T* cos, const T* sin, int64_t D) {
 // k_cache and v_cache (blocks, block_size, kv_heads, D) in this file's order (KvLayout): slot s is
 // block s / block_size, token s % block_size (the paper's section 4.1; vLLM's reshape_and_cache).
 // Afterwards q, k and v are the views of qkv the attention reads.
+// A row's values cost more here than a norm's: each token's K and V are stored into ~100 lines
+// scattered over its block, mostly not in cache. Counted 8 times, a 24-row decode step's rows are
+// shared by two threads, whose misses then overlap.
+static constexpr int64_t kRotaryCostPerValue = 8;
+
 void rotary_and_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor q_norm,
                       torch::Tensor k_norm, double eps, int64_t heads, int64_t kv_heads, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor slot_mapping) {
@@ -322,7 +327,7 @@ void rotary_and_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
     const T* kn = norm ? k_norm.data_ptr<T>() : nullptr;
     T *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
     const int64_t* sl = slots.data_ptr<int64_t>();
-    at::parallel_for(0, n, grain((heads + 2 * kv_heads) * D), [&](int64_t b, int64_t e) {
+    at::parallel_for(0, n, grain(kRotaryCostPerValue * (heads + 2 * kv_heads) * D), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         T* x = base + t * row;
         for (int64_t h = 0; h < heads + kv_heads; ++h) {   // q's heads, then k's
