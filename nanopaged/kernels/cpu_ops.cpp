@@ -791,6 +791,21 @@ static inline void linear_tile(const int32_t* x, int64_t x_row, const __m512i* w
     }
 }
 
+// `rows` rows of x times one tile of 64 features, 6 rows at a time.
+static void linear_rows(const int32_t* x, int64_t x_row, int64_t rows, const __m512i* w, int64_t KP, const float* bias,
+                        bf16* y, int64_t y_row, int64_t width) {
+  int64_t m = 0;
+  for (; m + kTileM <= rows; m += kTileM) linear_tile<kTileM>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width);
+  switch (rows - m) {
+    case 5: linear_tile<5>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width); break;
+    case 4: linear_tile<4>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width); break;
+    case 3: linear_tile<3>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width); break;
+    case 2: linear_tile<2>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width); break;
+    case 1: linear_tile<1>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width); break;
+    default: break;
+  }
+}
+
 // x (rows, K) bfloat16 with unit stride in K; packed from pack_bf16_weight; bias (N,) or empty.
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t N) {
   if (x.stride(1) != 1) x = x.contiguous();
@@ -820,16 +835,53 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor b
       const __m512i* w = wp + t * KP * 4;
       const float* bt = bias_f.empty() ? nullptr : bias_f.data() + t * kTileN;
       const int64_t width = std::min(kTileN, N - t * kTileN);
-      int64_t m = (u % groups) * per_group * kTileM;
-      for (; m + kTileM <= m_end; m += kTileM) linear_tile<kTileM>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width);
-      switch (m_end - m) {
-        case 5: linear_tile<5>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width); break;
-        case 4: linear_tile<4>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width); break;
-        case 3: linear_tile<3>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width); break;
-        case 2: linear_tile<2>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width); break;
-        case 1: linear_tile<1>(xp + m * x_row, x_row, w, KP, bt, yp + m * N + t * kTileN, N, width); break;
-        default: break;
-      }
+      const int64_t m = (u % groups) * per_group * kTileM;
+      linear_rows(xp + m * x_row, x_row, m_end - m, w, KP, bt, yp + m * N + t * kTileN, N, width);
+    }
+  });
+  return y;
+}
+
+// ---- the gate/up projection with SiLU(gate) x up as its epilogue ------------------------------
+// gate_up's weight holds gate's I features, then up's I; when I is a multiple of 64, feature tile
+// t of gate and tile t + I / 64 of up are the two halves of the same 64 features. One unit runs
+// both over up to 24 rows into a buffer that stays in L1, then writes SiLU(gate) * up: the
+// (rows, 2 I) projection is never written to memory and read back (a 2,048-row prompt step wrote
+// and reread 12 MB a layer for it). The values are linear_bf16's, then silu_and_mul's.
+//
+// x (rows, K) bfloat16 with unit stride in K; packed from pack_bf16_weight of the (2 I, K) gate_up
+// weight, I a multiple of 64; bias (2 I,) or empty: SiLU(x Wg^T + bg) * (x Wu^T + bu), (rows, I).
+torch::Tensor linear_bf16_silu_mul(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t I) {
+  if (x.stride(1) != 1) x = x.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.dim() == 4 && I % kTileN == 0 &&
+              packed.size(1) * 2 == x.size(1) && packed.size(0) * kTileN == 2 * I,
+              "linear_bf16_silu_mul: x must be bfloat16 (rows, in_features) matching a packed (2 I, in_features) "
+              "weight, I a multiple of 64");
+  TORCH_CHECK(x.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0,
+              "linear_bf16_silu_mul: x's rows must start on 4-byte boundaries");
+  const int64_t M = x.size(0), KP = packed.size(1), tiles = I / kTileN, x_row = x.stride(0) / 2;
+  auto y = torch::empty({M, I}, x.options());
+  std::vector<float> bias_f;
+  if (bias.defined() && bias.numel()) {
+    auto b = bias.to(at::kFloat).contiguous();
+    bias_f.assign(b.data_ptr<float>(), b.data_ptr<float>() + 2 * I);
+  }
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x.data_ptr<bf16>());
+  const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<bf16>());
+  bf16* yp = y.data_ptr<bf16>();
+  // as linear_bf16: (feature tile, group of rows) units, the groups 6 rows where the tiles are few
+  constexpr int64_t kRows = 4 * kTileM;
+  const int64_t per_unit = tiles >= 16 ? kRows : kTileM;
+  const int64_t groups = (M + per_unit - 1) / per_unit, units = tiles * groups;
+  at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) {
+    alignas(64) bf16 gate[kRows * kTileN], up[kRows * kTileN];
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t t = u / groups, m = (u % groups) * per_unit, rows = std::min(M, m + per_unit) - m;
+      const float* bg = bias_f.empty() ? nullptr : bias_f.data() + t * kTileN;
+      const float* bu = bias_f.empty() ? nullptr : bias_f.data() + I + t * kTileN;
+      linear_rows(xp + m * x_row, x_row, rows, wp + t * KP * 4, KP, bg, gate, kTileN, kTileN);
+      linear_rows(xp + m * x_row, x_row, rows, wp + (t + tiles) * KP * 4, KP, bu, up, kTileN, kTileN);
+      for (int64_t r = 0; r < rows; ++r) silu_and_mul_row(gate + r * kTileN, up + r * kTileN, yp + (m + r) * I + t * kTileN, kTileN);
     }
   });
   return y;
@@ -837,6 +889,9 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor b
 #else
 torch::Tensor pack_bf16_weight(torch::Tensor) { TORCH_CHECK(false, "built without AVX512-BF16"); }
 torch::Tensor linear_bf16(torch::Tensor, torch::Tensor, torch::Tensor, int64_t) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+torch::Tensor linear_bf16_silu_mul(torch::Tensor, torch::Tensor, torch::Tensor, int64_t) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 #endif
@@ -1130,6 +1185,13 @@ struct Linear {
     }
     return fn(x).cast<torch::Tensor>();
   }
+
+  // a gate_up projection followed by SiLU(gate) * up: in one kernel where it can be
+  torch::Tensor silu_mul(const torch::Tensor& x) const {
+    if (NP_HAS_AVX512_BF16 && kind == kDpbf16 && out_features % (2 * 64) == 0)
+      return linear_bf16_silu_mul(x, packed, bias, out_features / 2);
+    return silu_and_mul((*this)(x));
+  }
 };
 
 struct Layer {
@@ -1160,7 +1222,7 @@ torch::Tensor decoder_forward(const Decoder& dec, torch::Tensor x, torch::Tensor
     auto q = qkv.narrow(1, 0, q_width).view({n, dec.heads, dec.head_dim});
     auto o = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, dec.scale);
     auto h = add_rms_norm(x, layer.o(o.view({n, q_width})), layer.post_norm, dec.eps);   // x += o
-    x.add_(layer.down(silu_and_mul(layer.gate_up(h))));
+    x.add_(layer.down(layer.gate_up.silu_mul(h)));
   }
   return x;
 }
@@ -1174,6 +1236,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "every row of a step attending through its block table, causally");
   m.def("store_kv", &store_kv, "each token's K and V into its slot, in the kernels' order within a block");
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bfloat16 weight in the layout linear_bf16 reads");
+  m.def("linear_bf16_silu_mul", &linear_bf16_silu_mul, "SiLU(gate) * up of a packed gate_up projection, in one pass");
   m.def("linear_bf16", &linear_bf16, "x W^T + b on AVX512-BF16's dot-product instruction");
   m.attr("has_avx512_bf16") = bool(NP_HAS_AVX512_BF16);
   m.def("pack_quantized", &pack_quantized, "4- or 8-bit codes with their block scales, in linear_quantized's layout");

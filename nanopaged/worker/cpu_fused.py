@@ -16,7 +16,9 @@ than in its matmuls. The fused path runs each layer in ten calls, all in C++
                     reshape_and_cache in one pass
   paged_attention   every row of the step through its block table (the `cpu` attention backend's)
   add_rms_norm      the residual add and the next norm in one pass (vLLM's fused_add_rms_norm)
-  silu_and_mul      vLLM's name for SiLU(gate) * up in one pass
+  silu_and_mul      vLLM's name for SiLU(gate) * up in one pass; behind nanopaged's bfloat16
+                    linear it is the projection's epilogue instead (linear_bf16_silu_mul: the
+                    (rows, 2 x intermediate) projection never goes to memory and back)
 
 The linears are the model's own layers, described to C++ (`describe`): nanopaged's bfloat16 and
 quantized kernels run there directly; any other layer (oneDNN's packed linear, nn.Linear,

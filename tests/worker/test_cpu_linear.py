@@ -58,6 +58,27 @@ def test_the_dpbf16_linear_rounds_the_exact_product_once(rows, out_features, in_
 
 
 @needs_dpbf16
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 24, 25, 300])
+@pytest.mark.parametrize("inter, hidden, bias", [(1536, 576, False), (64, 32, True), (128, 64, False)])
+def test_the_gate_up_projection_with_silu_equals_the_two_ops(rows, inter, hidden, bias):
+    """linear_bf16_silu_mul (the fused layers' gate_up projection, SiLU(gate) * up in its epilogue)
+    gives exactly what linear_bf16 then silu_and_mul give: the same sums, rounded at the same places.
+    Row counts around its 6-row tiles and 24-row units; few feature tiles (units of 6 rows) and many."""
+    ops = cpu_ops()
+    torch.manual_seed(rows + inter)
+    linear = nn.Linear(hidden, 2 * inter, bias=bias, dtype=torch.bfloat16)
+    layer = Dpbf16Linear(linear)
+    x = torch.randn(rows, hidden + 2, dtype=torch.bfloat16)[:, :hidden]
+    bias_t = linear.bias.detach() if bias else torch.empty(0)
+    with torch.inference_mode():
+        want = ops.silu_and_mul(layer(x))
+        got = ops.linear_bf16_silu_mul(x, layer.packed_weight, bias_t, inter)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ops.linear_bf16_silu_mul(x, layer.packed_weight, bias_t, inter - 32)
+
+
+@needs_dpbf16
 def test_the_dpbf16_weight_needs_an_even_width():
     with pytest.raises(RuntimeError, match="in_features even"):
         Dpbf16Linear(nn.Linear(7, 4, dtype=torch.bfloat16))
