@@ -806,6 +806,21 @@ static void linear_rows(const int32_t* x, int64_t x_row, int64_t rows, const __m
   }
 }
 
+// The work of a linear is cut into (feature tile, group of rows) units: a layer of 576 features is
+// only 9 tiles, which two threads would share 5 to 4; cut into 6-row groups its units share evenly.
+static int64_t rows_per_unit(int64_t tiles) { return tiles >= 16 ? 4 * kTileM : kTileM; }
+
+// bias (any dtype) as float32, zero-padded to `length`; empty where there is no bias.
+static std::vector<float> float_bias(const torch::Tensor& bias, int64_t length) {
+  std::vector<float> out;
+  if (bias.defined() && bias.numel()) {
+    out.assign(length, 0.f);
+    auto b = bias.to(at::kFloat).contiguous();
+    std::copy(b.data_ptr<float>(), b.data_ptr<float>() + std::min<int64_t>(b.numel(), length), out.begin());
+  }
+  return out;
+}
+
 // x (rows, K) bfloat16 with unit stride in K; packed from pack_bf16_weight; bias (N,) or empty.
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t N) {
   if (x.stride(1) != 1) x = x.contiguous();
@@ -816,27 +831,17 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor b
   TORCH_CHECK(x.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0,
               "linear_bf16: x's rows must start on 4-byte boundaries");
   auto y = torch::empty({M, N}, x.options());
-  std::vector<float> bias_f;
-  if (bias.defined() && bias.numel()) {                                       // padded to whole tiles
-    bias_f.assign(tiles * kTileN, 0.f);
-    auto b = bias.to(at::kFloat).contiguous();
-    std::copy(b.data_ptr<float>(), b.data_ptr<float>() + N, bias_f.begin());
-  }
+  const std::vector<float> bias_f = float_bias(bias, tiles * kTileN);           // padded to whole tiles
   const int32_t* xp = reinterpret_cast<const int32_t*>(x.data_ptr<bf16>());    // a pair of inputs as one int32
   const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<bf16>());
   bf16* yp = y.data_ptr<bf16>();
-  // the work in (feature tile, row group) units, a group up to `per_group` row tiles: a layer of
-  // 576 features is only 9 tiles, which two threads would share 5 to 4; its units share evenly
-  const int64_t row_tiles = (M + kTileM - 1) / kTileM, per_group = tiles >= 16 ? 4 : 1;
-  const int64_t groups = (row_tiles + per_group - 1) / per_group, units = tiles * groups;
+  const int64_t per_unit = rows_per_unit(tiles), groups = (M + per_unit - 1) / per_unit, units = tiles * groups;
   at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) {
     for (int64_t u = b; u < e; ++u) {
-      const int64_t t = u / groups, m_end = std::min(M, (u % groups + 1) * per_group * kTileM);
-      const __m512i* w = wp + t * KP * 4;
+      const int64_t t = u / groups, m = (u % groups) * per_unit, rows = std::min(M, m + per_unit) - m;
       const float* bt = bias_f.empty() ? nullptr : bias_f.data() + t * kTileN;
       const int64_t width = std::min(kTileN, N - t * kTileN);
-      const int64_t m = (u % groups) * per_group * kTileM;
-      linear_rows(xp + m * x_row, x_row, m_end - m, w, KP, bt, yp + m * N + t * kTileN, N, width);
+      linear_rows(xp + m * x_row, x_row, rows, wp + t * KP * 4, KP, bt, yp + m * N + t * kTileN, N, width);
     }
   });
   return y;
@@ -861,20 +866,13 @@ torch::Tensor linear_bf16_silu_mul(torch::Tensor x, torch::Tensor packed, torch:
               "linear_bf16_silu_mul: x's rows must start on 4-byte boundaries");
   const int64_t M = x.size(0), KP = packed.size(1), tiles = I / kTileN, x_row = x.stride(0) / 2;
   auto y = torch::empty({M, I}, x.options());
-  std::vector<float> bias_f;
-  if (bias.defined() && bias.numel()) {
-    auto b = bias.to(at::kFloat).contiguous();
-    bias_f.assign(b.data_ptr<float>(), b.data_ptr<float>() + 2 * I);
-  }
+  const std::vector<float> bias_f = float_bias(bias, 2 * I);
   const int32_t* xp = reinterpret_cast<const int32_t*>(x.data_ptr<bf16>());
   const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<bf16>());
   bf16* yp = y.data_ptr<bf16>();
-  // as linear_bf16: (feature tile, group of rows) units, the groups 6 rows where the tiles are few
-  constexpr int64_t kRows = 4 * kTileM;
-  const int64_t per_unit = tiles >= 16 ? kRows : kTileM;
-  const int64_t groups = (M + per_unit - 1) / per_unit, units = tiles * groups;
+  const int64_t per_unit = rows_per_unit(tiles), groups = (M + per_unit - 1) / per_unit, units = tiles * groups;
   at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) {
-    alignas(64) bf16 gate[kRows * kTileN], up[kRows * kTileN];
+    alignas(64) bf16 gate[4 * kTileM * kTileN], up[4 * kTileM * kTileN];     // rows_per_unit's most
     for (int64_t u = b; u < e; ++u) {
       const int64_t t = u / groups, m = (u % groups) * per_unit, rows = std::min(M, m + per_unit) - m;
       const float* bg = bias_f.empty() ? nullptr : bias_f.data() + t * kTileN;

@@ -249,10 +249,9 @@ def test_argmax_rows_equals_torch_argmax(ops, rows, n):
     assert torch.equal(ops.argmax_rows(x[:, ::2]), x[:, ::2].argmax(dim=-1))       # a strided view
 
 
-def test_argmax_rows_breaks_ties_and_meets_nan_and_infinity_as_torch_does():
+def test_argmax_rows_breaks_ties_and_meets_nan_and_infinity_as_torch_does(ops):
     """The first of equal largest values; a NaN beats every number and the first NaN wins; a row
     of -inf (every token masked) answers 0; +inf is an ordinary largest value."""
-    ops = cpu_ops()
     x = torch.randn(10, 1000)
     x[0, 700] = x[0, 5] = x[0, 900] = 50.0          # a tie, the first not in the first 16 lanes' order
     x[1, 300] = x[1, 17] = float("nan")
