@@ -181,6 +181,31 @@ def test_paged_attention_of_decode_rows_equals_gathering_the_blocks(ops, dtype, 
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, dim, block", [(9, 3, 64, 16), (16, 2, 64, 32), (32, 1, 64, 16),
+                                                         (8, 8, 128, 16), (12, 3, 64, 16), (10, 2, 128, 16),
+                                                         (4, 4, 256, 16)])
+def test_paged_attention_of_many_rows_equals_one_row_at_a_time(ops, dtype, heads, kv_heads, dim, block):
+    """A step of many rows gives each thread whole rows (every KV head of a row in one job, 1, 2,
+    3 or 4 query heads per KV head at a time); a step of one row splits its KV heads over the
+    threads. Each row's answer is the same bits either way, and the reference's within bfloat16."""
+    seq_lens = [1, 2, block, block + 1, 17, 100, 203] * 3
+    case = paged_attention_case(dtype, heads, kv_heads, dim, block, seq_lens, [1] * 21, seed=heads + dim)
+    q, k_cache, v_cache, tables, lens, starts = kernel_case(case)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)             # 21 rows: whole rows for each of two threads
+    try:
+        together = ops.paged_attention(q, k_cache, v_cache, tables, lens, starts, dim ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    for r in range(21):
+        alone = ops.paged_attention(q[r:r + 1], k_cache, v_cache, tables[r:r + 1], lens[r:r + 1],
+                                    torch.tensor([0, 1]), dim ** -0.5)
+        assert torch.equal(alone[0], together[r]), r
+    want = reference_attention(*case[:5], [1] * 21, dim ** -0.5)
+    torch.testing.assert_close(together.float(), want, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 2, 96)])
 def test_paged_attention_of_a_mixed_step_is_causal(ops, dtype, tolerance, heads, kv_heads, dim):
