@@ -433,7 +433,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 }
 
 // ---- paged attention -------------------------------------------------------------------------
-// One (row, KV head) pair: the row's G query heads (the heads that share this KV head, GQA) over
+// For each KV head of a row: the row's G query heads (the heads that share this KV head, GQA) over
 // the first n keys of its request, which the block table scatters over the pool. Three passes:
 // the scores q . k of every query head with every key, a softmax over each head's scores, then
 // the values weighted by it. The weights are rounded to T before they weigh the values, as SDPA's
@@ -1241,18 +1241,20 @@ torch::Tensor decoder_forward(const Decoder& dec, torch::Tensor x, torch::Tensor
                               torch::Tensor seq_lens, torch::Tensor query_start_loc) {
   TORCH_CHECK(kv_cache.size(0) == int64_t(dec.layers.size()), "decoder_forward: one KV cache per layer");
   const int64_t n = x.size(0), q_width = dec.heads * dec.head_dim;
+  torch::Tensor mlp;     // the layer before's MLP output, added to x by the next norm (vLLM's fused_add_rms_norm)
   for (size_t i = 0; i < dec.layers.size(); ++i) {
     const Layer& layer = dec.layers[i];
     auto k_cache = kv_cache.select(0, i).select(0, 0), v_cache = kv_cache.select(0, i).select(0, 1);
-    auto qkv = layer.qkv(rms_norm(x, layer.input_norm, dec.eps));
+    auto nx = mlp.defined() ? add_rms_norm(x, mlp, layer.input_norm, dec.eps) : rms_norm(x, layer.input_norm, dec.eps);
+    auto qkv = layer.qkv(nx);
     rotary_and_store(qkv, cos, sin, layer.q_norm, layer.k_norm, dec.qk_eps, dec.heads, dec.kv_heads, k_cache, v_cache,
                      slot_mapping);
     auto q = qkv.narrow(1, 0, q_width).view({n, dec.heads, dec.head_dim});
     auto o = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, dec.scale);
     auto h = add_rms_norm(x, layer.o(o.view({n, q_width})), layer.post_norm, dec.eps);   // x += o
-    x.add_(layer.down(layer.gate_up.silu_mul(h)));
+    mlp = layer.down(layer.gate_up.silu_mul(h));
   }
-  return x;
+  return mlp.defined() ? x.add_(mlp) : x;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
