@@ -7,8 +7,9 @@ request (about 0.4 ms a call for an 80-token prompt on a 2-core VM). This backen
 through the block table, as the paper's kernel does (section 4.1), in one call per layer for the
 whole step (`paged_attention` in nanopaged/kernels/cpu_ops.cpp, vLLM's unified attention): row
 j of a request's q_len new rows sees the first seq_len - q_len + j + 1 keys, so prompt chunks,
-prefix-cache hits and decode rows are one loop. Every (row, KV head) pair is a job for torch's
-threads: scores of the head's query group against each key, a softmax, then the values. Inside
+prefix-cache hits and decode rows are one loop. Each row (or, in a step of a few rows, each
+(row, KV head) pair) is a job for torch's threads: scores of each query head against each key,
+a softmax, then the values, block by block through the block table. Inside
 each block the kernels keep K and V in an order of their own (cpu_ops.cpp: KvLayout; vLLM's CPU and
 CUDA kernels do too), so the store is theirs as well (`store_kv`; the fused layers store in their
 rotary pass instead), and the torch backend cannot read a cache this one wrote: one engine, one
