@@ -784,16 +784,23 @@ torch::Tensor pack_bf16_weight(torch::Tensor w) {
 }
 
 // Rows m0 .. m0 + MT of x times one tile of 64 features; y's columns past N are not written.
+// `next`: another tile of weights to ask into L2 meanwhile (linear_rows says which), else this
+// tile's own weights a few steps ahead into L1.
 template <int MT>
 static inline void linear_tile(const int32_t* x, int64_t x_row, const __m512i* w, int64_t KP, const float* bias,
-                               bf16* y, int64_t y_row, int64_t width) {
+                               bf16* y, int64_t y_row, int64_t width, const __m512i* next) {
   __m512 acc[MT][4];
   NP_UNROLL
   for (int m = 0; m < MT; ++m)
     NP_UNROLL
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < KP; ++kp, w += 4) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + 32), _MM_HINT_T0);
+    if (next) {
+      NP_UNROLL
+      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + 4 * kp + j), _MM_HINT_T1);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(w + 32), _MM_HINT_T0);
+    }
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w), b1 = (__m512bh)_mm512_loadu_si512(w + 1),
                    b2 = (__m512bh)_mm512_loadu_si512(w + 2), b3 = (__m512bh)_mm512_loadu_si512(w + 3);
     NP_UNROLL
@@ -821,17 +828,25 @@ static inline void linear_tile(const int32_t* x, int64_t x_row, const __m512i* w
     }
 }
 
-// `rows` rows of x times one tile of 64 features, 6 rows at a time.
+// `rows` rows of x times one tile of 64 features, 6 rows at a time, this call's first 6 rows the
+// tile's pass number `pass`. A tile's first pass reads its weights from memory and waits on them;
+// the passes after it read them from L2 and wait on the arithmetic. So the second pass, if it is a
+// whole one, also asks for `next`, the tile this thread reads after this one, into L2: its first
+// pass then finds it there, and the memory streams while the arithmetic runs. (A short second
+// pass, 1-5 rows, is over before the next tile arrives: at 8 rows asking there made a step's
+// linears 30% slower. With it as it is: 10-20% faster from 12 to 48 rows, the same at 256 and 2,048.)
 static void linear_rows(const int32_t* x, int64_t x_row, int64_t rows, const __m512i* w, int64_t KP, const float* bias,
-                        bf16* y, int64_t y_row, int64_t width) {
+                        bf16* y, int64_t y_row, int64_t width, const __m512i* next = nullptr, int64_t pass = 0) {
   int64_t m = 0;
-  for (; m + kTileM <= rows; m += kTileM) linear_tile<kTileM>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width);
+  for (; m + kTileM <= rows; m += kTileM)
+    linear_tile<kTileM>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width,
+                        pass + m / kTileM == 1 ? next : nullptr);
   switch (rows - m) {
-    case 5: linear_tile<5>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width); break;
-    case 4: linear_tile<4>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width); break;
-    case 3: linear_tile<3>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width); break;
-    case 2: linear_tile<2>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width); break;
-    case 1: linear_tile<1>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width); break;
+    case 5: linear_tile<5>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width, nullptr); break;
+    case 4: linear_tile<4>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width, nullptr); break;
+    case 3: linear_tile<3>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width, nullptr); break;
+    case 2: linear_tile<2>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width, nullptr); break;
+    case 1: linear_tile<1>(x + m * x_row, x_row, w, KP, bias, y + m * y_row, y_row, width, nullptr); break;
     default: break;
   }
 }
@@ -871,7 +886,9 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor b
       const int64_t t = u / groups, m = (u % groups) * per_unit, rows = std::min(M, m + per_unit) - m;
       const float* bt = bias_f.empty() ? nullptr : bias_f.data() + t * kTileN;
       const int64_t width = std::min(kTileN, N - t * kTileN);
-      linear_rows(xp + m * x_row, x_row, rows, wp + t * KP * 4, KP, bt, yp + m * N + t * kTileN, N, width);
+      const __m512i* next = (t + 1) * groups < e ? wp + (t + 1) * KP * 4 : nullptr;     // this thread's next tile
+      linear_rows(xp + m * x_row, x_row, rows, wp + t * KP * 4, KP, bt, yp + m * N + t * kTileN, N, width, next,
+                  m / kTileM);
     }
   });
   return y;
@@ -907,8 +924,10 @@ torch::Tensor linear_bf16_silu_mul(torch::Tensor x, torch::Tensor packed, torch:
       const int64_t t = u / groups, m = (u % groups) * per_unit, rows = std::min(M, m + per_unit) - m;
       const float* bg = bias_f.empty() ? nullptr : bias_f.data() + t * kTileN;
       const float* bu = bias_f.empty() ? nullptr : bias_f.data() + I + t * kTileN;
-      linear_rows(xp + m * x_row, x_row, rows, wp + t * KP * 4, KP, bg, gate, kTileN, kTileN);
-      linear_rows(xp + m * x_row, x_row, rows, wp + (t + tiles) * KP * 4, KP, bu, up, kTileN, kTileN);
+      const __m512i* next = (t + 1) * groups < e ? wp + (t + 1) * KP * 4 : nullptr;
+      linear_rows(xp + m * x_row, x_row, rows, wp + t * KP * 4, KP, bg, gate, kTileN, kTileN, wp + (t + tiles) * KP * 4,
+                  m / kTileM);
+      linear_rows(xp + m * x_row, x_row, rows, wp + (t + tiles) * KP * 4, KP, bu, up, kTileN, kTileN, next, m / kTileM);
       for (int64_t r = 0; r < rows; ++r) silu_and_mul_row(gate + r * kTileN, up + r * kTileN, yp + (m + r) * I + t * kTileN, kTileN);
     }
   });
