@@ -4,13 +4,14 @@ and the layer loop itself in C++.
 `models/llama.py: DecoderLayer` is the reference a reader studies; run eagerly on a CPU it
 launches about 50 torch ops a layer for a few rows of work (a norm alone is float, pow, mean,
 add, rsqrt, mul, to, mul), and a decode step of a small model spends more time launching them
-than in its matmuls. The fused path runs each layer in ten calls, all in C++
+than in its matmuls. The fused path runs each layer in nine calls, all in C++
 (nanopaged/kernels/cpu_ops.cpp: decoder_forward), once per step for the whole stack:
 
-    rms_norm -> qkv_proj -> rotary_and_store -> paged_attention -> o_proj
-             -> add_rms_norm -> gate_up_proj -> silu_and_mul -> down_proj -> add
+    (add_)rms_norm -> qkv_proj -> rotary_and_store -> paged_attention -> o_proj
+                   -> add_rms_norm -> gate_up_proj -> silu_and_mul -> down_proj
 
-  rms_norm          one pass per row
+  rms_norm          one pass per row; from the second layer on, add_rms_norm, which first adds
+                    the layer before's MLP output to the residual (the last one's after the loop)
   rotary_and_store  rotates q and k in place inside the projection's output (Qwen3: each head
                     normed first) and writes k and v to their slots: vLLM's rotary_embedding and
                     reshape_and_cache in one pass
