@@ -506,7 +506,7 @@ static inline uint32_t bf16_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); 
 // after another, so the job reads each block's K (and then V) as one run of memory, and a request
 // whose blocks lie in order as one long run, which the CPU's prefetcher streams from memory.
 // (Head by head over all blocks, the job read 1 / kv_heads of each block, a short run each time:
-// a 32-row decode step's attention took about 25% longer with its K and V out of cache.)
+// a 32-row decode step's attention took a third longer, 5.8 against 4.3 ms in the engine.)
 // `pairs` pairs of tokens of one block (V laid out at x: every dim's two values, pair after pair),
 // the first of them pair `first` of the request, weighed into GC x DIM / 16 sums. Its own function
 // with its own copy of the sums: the compiler then keeps them in registers through the loop.
