@@ -855,6 +855,12 @@ static void linear_rows(const int32_t* x, int64_t x_row, int64_t rows, const __m
 // only 9 tiles, which two threads would share 5 to 4; cut into 6-row groups its units share evenly.
 static int64_t rows_per_unit(int64_t tiles) { return tiles >= 16 ? 4 * kTileM : kTileM; }
 
+// The weight tile a thread reads after tile t (linear_rows asks for it ahead): tile t + 1, if the
+// thread's range of units, which ends before unit `end` (units tile-major, `groups` a tile), holds it.
+static const __m512i* next_tile(const __m512i* w, int64_t KP, int64_t t, int64_t groups, int64_t end) {
+  return (t + 1) * groups < end ? w + (t + 1) * KP * 4 : nullptr;
+}
+
 // bias (any dtype) as float32, zero-padded to `length`; empty where there is no bias.
 static std::vector<float> float_bias(const torch::Tensor& bias, int64_t length) {
   std::vector<float> out;
@@ -886,9 +892,8 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor b
       const int64_t t = u / groups, m = (u % groups) * per_unit, rows = std::min(M, m + per_unit) - m;
       const float* bt = bias_f.empty() ? nullptr : bias_f.data() + t * kTileN;
       const int64_t width = std::min(kTileN, N - t * kTileN);
-      const __m512i* next = (t + 1) * groups < e ? wp + (t + 1) * KP * 4 : nullptr;     // this thread's next tile
-      linear_rows(xp + m * x_row, x_row, rows, wp + t * KP * 4, KP, bt, yp + m * N + t * kTileN, N, width, next,
-                  m / kTileM);
+      linear_rows(xp + m * x_row, x_row, rows, wp + t * KP * 4, KP, bt, yp + m * N + t * kTileN, N, width,
+                  next_tile(wp, KP, t, groups, e), m / kTileM);
     }
   });
   return y;
@@ -924,10 +929,10 @@ torch::Tensor linear_bf16_silu_mul(torch::Tensor x, torch::Tensor packed, torch:
       const int64_t t = u / groups, m = (u % groups) * per_unit, rows = std::min(M, m + per_unit) - m;
       const float* bg = bias_f.empty() ? nullptr : bias_f.data() + t * kTileN;
       const float* bu = bias_f.empty() ? nullptr : bias_f.data() + I + t * kTileN;
-      const __m512i* next = (t + 1) * groups < e ? wp + (t + 1) * KP * 4 : nullptr;
       linear_rows(xp + m * x_row, x_row, rows, wp + t * KP * 4, KP, bg, gate, kTileN, kTileN, wp + (t + tiles) * KP * 4,
-                  m / kTileM);
-      linear_rows(xp + m * x_row, x_row, rows, wp + (t + tiles) * KP * 4, KP, bu, up, kTileN, kTileN, next, m / kTileM);
+                  m / kTileM);                                      // up's tile t is read next
+      linear_rows(xp + m * x_row, x_row, rows, wp + (t + tiles) * KP * 4, KP, bu, up, kTileN, kTileN,
+                  next_tile(wp, KP, t, groups, e), m / kTileM);
       for (int64_t r = 0; r < rows; ++r) silu_and_mul_row(gate + r * kTileN, up + r * kTileN, yp + (m + r) * I + t * kTileN, kTileN);
     }
   });

@@ -6,6 +6,8 @@ lands on the other side of a rounding boundary: those differ by a unit or two of
 Every check runs twice: on the build for this CPU, and on a build without AVX-512 (the loops an
 AVX2-only host runs), so both paths are held to the reference on any x86 host.
 """
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,6 +161,17 @@ def paged_attention_case(dtype, heads, kv_heads, dim, block, seq_lens, query_len
     return q, k_cache, v_cache, tables, torch.tensor(seq_lens), starts
 
 
+@contextmanager
+def torch_threads(n: int):
+    """torch's thread count set to n inside the block, and put back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def kernel_case(case):
     """The same case with the caches in the kernels' order."""
     q, k_cache, v_cache, *rest = case
@@ -192,12 +205,8 @@ def test_paged_attention_of_many_rows_equals_one_row_at_a_time(ops, dtype, heads
     seq_lens = [1, 2, block, block + 1, 17, 100, 203] * 3
     case = paged_attention_case(dtype, heads, kv_heads, dim, block, seq_lens, [1] * 21, seed=heads + dim)
     q, k_cache, v_cache, tables, lens, starts = kernel_case(case)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)             # 21 rows: whole rows for each of two threads
-    try:
+    with torch_threads(2):               # 21 rows: whole rows for each of two threads
         together = ops.paged_attention(q, k_cache, v_cache, tables, lens, starts, dim ** -0.5)
-    finally:
-        torch.set_num_threads(before)
     for r in range(21):
         alone = ops.paged_attention(q[r:r + 1], k_cache, v_cache, tables[r:r + 1], lens[r:r + 1],
                                     torch.tensor([0, 1]), dim ** -0.5)
@@ -222,14 +231,10 @@ def test_paged_attention_splits_a_long_prompt_evenly_over_threads(ops):
     """One 700-token prompt: its rows are cut by keys, not by count, and the answer is the same
     whatever the number of threads."""
     case = paged_attention_case(torch.float32, 4, 2, 64, 16, [700], [700], seed=7)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
+    outs = []
+    for threads in (1, 2, 3):
+        with torch_threads(threads):
             outs.append(ops.paged_attention(*kernel_case(case), 0.125))
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     torch.testing.assert_close(outs[0], reference_attention(*case[:5], [700], 0.125), atol=2e-5, rtol=2e-5)
 
