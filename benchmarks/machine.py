@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from nanopaged.cpu_features import bf16_matrix_units, cpu_flags
+from nanopaged.cpu.features import bf16_matrix_units, cpu_flags
 
 
 def machine_info(device: str) -> dict:

@@ -23,7 +23,7 @@ def kv_sample(t: float, held_by: list, config) -> KVSample:
 
     After the step's update a request's num_computed_tokens counts this step's tokens and,
     allocation being on demand, it held exactly cdiv(num_computed_tokens, block_size) blocks
-    (the same figures nanopaged/extras/stats.py: EngineStats takes). A reservation allocator
+    (the same figures nanopaged/engine/stats.py: EngineStats takes). A reservation allocator
     would have held, for the same requests, max_model_len slots each, or prompt + max_tokens
     slots each.
     """

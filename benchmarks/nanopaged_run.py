@@ -66,8 +66,8 @@ def resolved_settings(config: EngineConfig, stats: dict) -> dict:
     return {"block_size": config.block_size, "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "max_model_len": config.max_model_len, "num_kv_blocks": stats["num_kv_blocks"],
-            "dtype": config.dtype, "cpu_linear": config.cpu_linear, "cpu_kernels": config.cpu_kernels,
-            "attention_backend": config.attention_backend, "quantization": config.quantization}
+            "dtype": config.dtype, "cpu_linear": stats["cpu_linear"], "cpu_kernels": stats["cpu_kernels"],
+            "attention_backend": stats["attention_backend"], "quantization": config.quantization}
 
 
 def quantized_vs_dense(model_dir: str, trace: Trace, settings: dict, first: Run) -> dict:

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.worker.quant_linear import ROWS_FOR_QUANTIZED
+from nanopaged.cpu.quantized_linear import ROWS_FOR_QUANTIZED
 
 DATA = Path(__file__).resolve().parent / "data"
 TEXTS = (DATA / "english.txt", DATA / "english_more.txt")

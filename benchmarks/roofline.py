@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.trace import Run, StepTiming, Trace
 from nanopaged.models.config import ModelConfig
-from nanopaged.worker.cpu_linear import KERNELS
+from nanopaged.cpu.linear import KERNELS
 
 
 def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype: torch.dtype,

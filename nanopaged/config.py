@@ -1,9 +1,11 @@
-"""EngineConfig: every engine setting, with vLLM's names, checked and resolved once.
+"""EngineConfig: every engine setting, with vLLM's names, checked once: the settings' schema.
 
 A wrong value is a ValueError that names the setting, the value and what is allowed,
-raised before a model is loaded or a byte of KV cache is allocated. Every "auto" and every
-default is resolved here, in `__post_init__`, so the engine and the runner only read
-final values. Each table of choices lives with its users: the dtypes and devices here, the
+raised before a model is loaded or a byte of KV cache is allocated. The device, the dtype and
+the sizes are resolved here, in `__post_init__`; the kernels are not: `cpu_linear`,
+`cpu_kernels` and `attention_backend` stay as the user named them, and the runner asks
+`nanopaged/cpu/choose.py: choose` what they mean on this machine (which may compile C++, which
+a settings check never does). Each table of choices lives with its users: the dtypes and devices here, the
 prefix-cache hash functions with the block pool (`nanopaged/core/block_pool.py: HASH_FUNCTIONS`),
 the attention backends beside them (`nanopaged/attention/backends.py: ATTENTION_BACKENDS`);
 the checks are `nanopaged/validation.py`'s. The README's settings table says what each means.
@@ -14,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from nanopaged.attention.backends import ATTENTION_BACKENDS, resolve_attention_backend
+from nanopaged.attention.backends import ATTENTION_BACKENDS
 from nanopaged.core.block_pool import HASH_FUNCTIONS
-from nanopaged.cpu_features import auto_cpu_dtype, bf16_matrix_units
+from nanopaged.cpu.features import auto_cpu_dtype
 from nanopaged.models.config import ModelConfig
 from nanopaged.sampling_params import MAX_LOGPROBS
 from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_range
@@ -25,13 +27,13 @@ from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_ran
 DTYPES = {"float32": ("float32", 4), "float": ("float32", 4), "bfloat16": ("bfloat16", 2),
           "float16": ("float16", 2), "half": ("float16", 2)}
 DEVICES = ("auto", "cpu", "cuda")
-# CPU linear kernels (worker/cpu_linear.py): packed = oneDNN's bfloat16 kernel on weights reordered
+# CPU linear kernels (cpu/linear.py): packed = oneDNN's bfloat16 kernel on weights reordered
 # once at load, dpbf16 = nanopaged's on AVX512-BF16's dot product, reference = F.linear as loaded.
 CPU_LINEARS = ("auto", "packed", "dpbf16", "reference")
-# CPU layer kernels: fused = C++ kernels for the norms, rotary + K/V store, SiLU-and-mul and the
-# decode attention (worker/cpu_fused.py, kernels/cpu_ops.cpp); reference = the model's torch ops.
+# CPU layer kernels: fused = each decoder layer in C++, the layer loop too (cpu/fused.py);
+# reference = the model's torch ops.
 CPU_KERNELS = ("auto", "fused", "reference")
-# weight-only quantization of the decoder layers' linears on CPU (worker/quant_linear.py)
+# weight-only quantization of the decoder layers' linears on CPU (cpu/quantized_linear.py)
 QUANTIZATIONS = (None, "gguf", "int4", "int8")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 CPU_KV_CACHE_BYTES = 1 << 30   # default KV budget on CPU (zeroing it takes ~3 s per GiB on a 2-core VM)
@@ -53,16 +55,16 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9     # CUDA: share of GPU memory the engine may use
     enable_prefix_caching: bool = True
     prefix_hash: str = "sha256"             # block hash: sha256 | xxhash (xxh3_128)
-    attention_backend: str = "auto"         # auto | torch | triton | flash
+    attention_backend: str = "auto"         # auto | torch | cpu | triton | flash (resolved by cpu/choose.py)
     enforce_eager: bool = False             # CUDA: no CUDA graphs
     seed: int = 0                           # for requests sampled without their own seed
     max_logprobs: int = MAX_LOGPROBS        # the most logprobs / prompt_logprobs a request may ask for
-    cpu_threads: str | None = "auto"        # CPU: follow the free cores (extras/thread_governor.py); None: torch's
+    cpu_threads: str | None = "auto"        # CPU: follow the free cores (cpu/thread_governor.py); None: torch's
     cpu_linear: str = "auto"                # CPU: packed (oneDNN) | dpbf16 (nanopaged's AVX512-BF16) | reference (F.linear)
     cpu_kernels: str = "auto"               # CPU: fused (C++ layer kernels) | reference (torch ops); auto: fused with packed linears
     tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
     speculative_config: dict | None = None  # ngram or draft_model drafts, verified in one pass (spec_decode/)
-    quantization: str | None = None         # CPU weight-only: gguf | int4 | int8 (worker/quant_linear.py); None: off
+    quantization: str | None = None         # CPU weight-only: gguf | int4 | int8 (cpu/quantized_linear.py); None: off
     quantization_group_size: int = 32       # int4: input features per scale and zero (gguf: the file's 32)
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
     gguf_file: str | None = field(init=False, default=None)     # quantization="gguf": the file's path
@@ -106,9 +108,6 @@ class EngineConfig:
         if self.dtype == "auto":    # vLLM's CPU backend runs half precision as bfloat16, too
             self.dtype = "bfloat16" if self.device == "cuda" else auto_cpu_dtype()
         self.dtype = DTYPES[self.dtype][0]
-        self.cpu_linear = resolve_cpu_linear(self.cpu_linear, self.device, self.dtype)
-        self.cpu_kernels = resolve_cpu_kernels(self.cpu_kernels, self.device, self.cpu_linear, self.attention_backend,
-                                               self.block_size)
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -119,12 +118,6 @@ class EngineConfig:
             self.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS[self.device]
         if self.device == "cpu" and self.kv_cache_memory_bytes is None:
             self.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES     # on CUDA: measured by the runner
-        if self.cpu_kernels == "fused":
-            self.attention_backend = "cpu"      # the fused layers attend in C++, with the cpu backend's kernel
-        self.attention_backend = resolve_attention_backend(self.attention_backend, self.device, self.dtype)
-        if self.attention_backend == "cpu" and self.block_size < 2:
-            raise ValueError("attention_backend='cpu' keeps pairs of tokens side by side in a block: block_size "
-                             f"must be at least 2, got {self.block_size}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
@@ -136,61 +129,6 @@ class EngineConfig:
             from nanopaged.vllm_compat import engine_settings    # read only when a vLLM argument is given
             kwargs = engine_settings(kwargs, own)
         return cls(model=model, **kwargs)
-
-
-def resolve_cpu_linear(name: str, device: str, dtype: str) -> str:
-    """auto, for a bfloat16 model on a CPU with bfloat16 matrix units: packed (oneDNN) where the CPU
-    has AMX, whose tiles oneDNN drives; dpbf16 (nanopaged's kernel) where it has AVX512-BF16 but
-    no AMX and the kernels build; the reference elsewhere. A kernel asked for where it cannot run
-    is a ValueError that says why."""
-    units = bf16_matrix_units()
-    can_pack = device == "cpu" and dtype == "bfloat16" and bool(units)
-    if name == "auto":
-        if not can_pack:
-            return "reference"
-        if "amx_bf16" not in units and _dpbf16_builds():
-            return "dpbf16"
-        return "packed"
-    if name in ("packed", "dpbf16") and not can_pack:
-        raise ValueError(f"cpu_linear={name!r} needs device='cpu', dtype='bfloat16' and a CPU with bfloat16 "
-                         f"matrix units (amx_bf16 or avx512_bf16); got device={device!r}, dtype={dtype!r}, "
-                         f"units {units or 'none'}")
-    if name == "dpbf16" and "avx512_bf16" not in units:
-        raise ValueError(f"cpu_linear='dpbf16' needs AVX512-BF16 (the CPU's flag avx512_bf16); this CPU has {units}")
-    if name == "dpbf16" and not _dpbf16_builds():
-        from nanopaged.kernels.cpu_ops import available
-        raise ValueError(f"cpu_linear='dpbf16': {available() or 'the kernels were built without AVX512-BF16'}")
-    return name
-
-
-def _dpbf16_builds() -> bool:
-    from nanopaged.kernels.cpu_ops import available, cpu_ops
-    return available() is None and bool(cpu_ops().has_avx512_bf16)
-
-
-def resolve_cpu_kernels(name: str, device: str, cpu_linear: str, attention_backend: str, block_size: int = 16) -> str:
-    """auto: fused where the linears are packed (packed or dpbf16: a bfloat16 model on a CPU with
-    bfloat16 matrix units, the path that is not held to Hugging Face token for token), the attention
-    backend is left to choose (the fused layers attend with the `cpu` backend's kernel) and the
-    kernels build here (the first time on a machine, a ~40 s compile); the torch reference
-    elsewhere, float32 included. fused off the CPU, beside another attention backend, or where
-    the kernels cannot build, is a ValueError that says why."""
-    candidate = (device == "cpu" and cpu_linear != "reference" and attention_backend in ("auto", "cpu")
-                 and block_size >= 2)
-    if name == "reference" or (name == "auto" and not candidate):
-        return "reference"
-    from nanopaged.kernels.cpu_ops import available     # only when the fast path is a candidate
-    if name == "auto":
-        return "fused" if available() is None else "reference"
-    if device != "cpu":
-        raise ValueError(f"cpu_kernels='fused' runs on CPU (device is {device!r})")
-    if attention_backend not in ("auto", "cpu"):
-        raise ValueError(f"cpu_kernels='fused' attends with the cpu backend's kernel; got "
-                         f"attention_backend={attention_backend!r} (use 'auto' or 'cpu')")
-    why_not = available()
-    if why_not:
-        raise ValueError(f"cpu_kernels='fused': {why_not}")
-    return name
 
 
 def _cuda_available() -> bool:

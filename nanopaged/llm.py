@@ -5,8 +5,8 @@ prompt fails the call before anything runs), queue them, then step until all are
 The extensions are wired in here, each through one of the engine's hooks:
 
     LLM()                    no model given: the demo model (models/demo_model.py)
-    get_stats, the bar       a step observer: statistics and the live figures (extras/stats.py)
-    cpu_threads="auto"       a step observer: torch's threads follow the free cores (extras/thread_governor.py)
+    get_stats, the bar       a step observer: statistics and the live figures (engine/stats.py)
+    cpu_threads="auto"       a step observer: torch's threads follow the free cores (cpu/thread_governor.py)
     tensor_parallel_size=N   `make_runner`: N ranks behind the runner (extras/tensor_parallel/)
     beam_search              a token-selection rule for `LLMEngine.step` (extras/beam_search.py)
 
@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from nanopaged.config import EngineConfig
-from nanopaged.cpu_features import bf16_matrix_units
+from nanopaged.cpu.features import bf16_matrix_units
+from nanopaged.cpu.thread_governor import ThreadGovernor
 from nanopaged.engine.input_processor import PromptType, render_chat
 from nanopaged.engine.llm_engine import LLMEngine
-from nanopaged.extras.stats import EngineStats, ProgressBar
-from nanopaged.extras.thread_governor import ThreadGovernor
+from nanopaged.engine.stats import EngineStats, ProgressBar
 from nanopaged.outputs import RequestOutput
 from nanopaged.sampling_params import RequestOutputKind, SamplingParams
 from nanopaged.worker.model_runner import ModelRunner
@@ -53,11 +53,12 @@ class LLM:
         if cfg.cpu_threads == "auto" and cfg.device == "cpu" and cfg.tensor_parallel_size == 1:
             self.thread_governor = governor
             self.llm_engine.observers.append(governor)
+        fast = self.llm_engine.runner.fast_path
         logger.info("%s: %s on %s, linear kernels %s, layer kernels %s, attention %s (CPU bfloat16 matrix units: "
                     "%s); %d KV blocks of %d tokens", cfg.model_config.architecture, cfg.dtype, cfg.device,
-                    cfg.cpu_linear if cfg.device == "cpu" else "torch", cfg.cpu_kernels, cfg.attention_backend,
+                    fast.linear, fast.layers, fast.attention_backend,
                     ", ".join(bf16_matrix_units()) or "none", self.llm_engine.runner.num_kv_blocks, cfg.block_size)
-        quantized = getattr(self.llm_engine.runner, "quantized", None)
+        quantized = fast.quantized
         if quantized:
             logger.info("quantization=%s: %d linears also hold %.1f MB of quantized weights (steps of at most %d "
                         "rows use them)%s", quantized["quantization"], quantized["quantized_linears"],

@@ -16,7 +16,7 @@ from conftest import make_prompts
 from nanopaged import LLM, BeamSearchParams, SamplingParams
 from nanopaged.engine.llm_engine import EngineStalled
 from nanopaged.core.scheduler import SchedulerOutput
-from nanopaged.worker.sampler import Sampler
+from nanopaged.sample.sampler import Sampler
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": p} for p in make_prompts(512, n=4, seed=60, min_len=5, max_len=40)]
@@ -162,7 +162,7 @@ def test_aborting_a_request_frees_its_blocks_and_gives_a_final_output(llm):
     while engine.has_unfinished_requests():
         outputs.update({o.request_id: o for o in engine.step()})
     assert outputs["one"].outputs[0].finish_reason == "length"
-    assert engine.scheduler.block_pool.usage() == 0.0 and not engine.sampler.unforked
+    assert engine.scheduler.block_pool.usage() == 0.0 and not engine.token_selection.unforked
     engine.abort_request("never-queued")         # an unknown id is a no-op, not an error
     assert engine.step() == []
 

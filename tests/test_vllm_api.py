@@ -269,7 +269,7 @@ def test_logit_bias_moves_a_token_to_the_top_and_a_large_negative_one_away(llm):
 
 def test_bad_words_are_never_generated(llm):
     """A word the model writes greedily, as bad_words, is not written; the rule for words of several
-    tokens is proved on the sampler (tests/worker/test_sampling.py)."""
+    tokens is proved on the sampler (tests/sample/test_sampler.py)."""
     tok = llm.get_tokenizer()
     free = greedy_tokens(llm)
     word = next(w for w in (tok.decode([t]) for t in free)

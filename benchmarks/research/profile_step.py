@@ -46,7 +46,7 @@ GROUPS = {
     "sampling": ("aten::argmax", "aten::_log_softmax", "aten::log_softmax", "aten::softmax", "aten::multinomial"),
 }
 # mkldnn::_linear_pointwise: oneDNN's packed bfloat16 linears; nanopaged::: the C++ CPU kernels
-# (nanopaged/kernels/cpu_ops.cpp), plain functions the profiler sees only through `labelled_kernels`
+# (nanopaged/cpu/csrc/cpu_ops.cpp), plain functions the profiler sees only through `labelled_kernels`
 OP_PREFIXES = ("aten::", "mkldnn::", "nanopaged::")
 
 
@@ -99,10 +99,10 @@ def labelled_kernels(engine):
     """nanopaged's C++ kernels are plain functions, not torch ops: while this is open each call is
     wrapped in a profiler range named nanopaged::<function>, so the profile counts and times it.
     Nothing changes outside it (the engine never pays for the labels)."""
-    if engine.config.cpu_kernels == "reference" and engine.config.cpu_linear != "dpbf16":
+    if engine.runner.fast_path.layers == "reference" and engine.runner.fast_path.linear != "dpbf16":
         yield
         return
-    from nanopaged.kernels.cpu_ops import cpu_ops
+    from nanopaged.cpu.build import cpu_ops
     ops = cpu_ops()
     names = [n for n in dir(ops) if not n.startswith("_") and callable(getattr(ops, n))]
     originals = {n: getattr(ops, n) for n in names}

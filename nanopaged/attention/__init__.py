@@ -1,9 +1,8 @@
 """Attention over the paged KV cache (docs/05): the step's metadata and the backends.
 
     metadata.py        AttentionMetadata: slot mapping, block tables, lengths
-    backends.py        the table of backends, what `auto` means here, loading one
+    backends.py        the table of backends (the `cpu` one is nanopaged/cpu/attention.py), loading one
     torch_backend.py   the reference: store by slot mapping, gather blocks, SDPA (any device)
-    cpu_backend.py     the `cpu` backend: decode rows attend through the block table in C++
     triton_kernels.py  Triton store / gather / paged-attention kernels
     triton_backend.py  the `triton` backend (CUDA; CPU under TRITON_INTERPRET=1 in tests)
     flash_backend.py   the `flash` backend on flash-attn (CUDA)

@@ -18,7 +18,7 @@ ATTENTION_BACKENDS = {
     "torch": "nanopaged.attention.torch_backend:TorchAttentionBackend",
     "triton": "nanopaged.attention.triton_backend:TritonAttentionBackend",
     "flash": "nanopaged.attention.flash_backend:FlashAttentionBackend",
-    "cpu": "nanopaged.attention.cpu_backend:CpuAttentionBackend",
+    "cpu": "nanopaged.cpu.attention:CpuAttentionBackend",     # the CPU annex's (nanopaged/cpu/)
 }
 
 
@@ -41,13 +41,8 @@ def resolve_attention_backend(name: str, device: str, dtype: str) -> str:
         if not (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
             raise ValueError(f"attention_backend='triton' needs CUDA (device is {device!r}) "
                              "or TRITON_INTERPRET=1 set before triton is imported (CPU, tests only)")
-    if name == "cpu":
-        if device != "cpu":
-            raise ValueError(f"attention_backend='cpu' runs on CPU (device is {device!r})")
-        from nanopaged.kernels.cpu_ops import available
-        why_not = available()
-        if why_not:
-            raise ValueError(f"attention_backend='cpu': {why_not}")
+    if name == "cpu" and device != "cpu":    # whether its kernels build here: cpu/choose.py asks
+        raise ValueError(f"attention_backend='cpu' runs on CPU (device is {device!r})")
     if name == "flash":
         if not cuda:
             raise ValueError(f"attention_backend='flash' needs CUDA (device is {device!r}); "

@@ -119,7 +119,7 @@ class TorchAttentionBackend:
                k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """The second job alone, the new K/V already in the pool (the fused CPU layer stores them
-        in the same pass that rotates them: worker/cpu_fused.py)."""
+        in the same pass that rotates them: cpu/fused.py)."""
         if meta.plan is None:
             meta.plan = plan_step(meta, q.dtype)
         plan = meta.plan

@@ -7,15 +7,16 @@ All validation happens before a request is queued: one that can never run raises
 ValueError and the engine goes on serving the others. `LLM.generate` (llm.py) is a loop
 over `step`; drive the engine directly to stream. docs/00_how_to_read.md walks one step.
 
-Extensions reach the engine through three hooks: `step(select_tokens)` takes a
-token-selection rule in place of the sampler (beam search; `track` follows the sequences it
+Extensions reach the engine through its hooks: `step(select_tokens)` takes a token-selection
+rule in place of `token_selection` for one step (beam search; `track` follows the sequences it
 forks), every function in `observers` sees each step's `StepRecord` (statistics, the bench),
 and `make_runner` builds another runner with ModelRunner's interface (tensor parallelism).
 A SamplingParams field can also turn an extension on (FIELD_EXTENSIONS: structured outputs): it
-is installed the first time a request sets the field and hooks into the sampler's
-`logits_processors` and check_stop's `stop_rules`. An engine setting can too (CONFIG_EXTENSIONS:
-speculative decoding), installed with the engine: it replaces the sampler and adds a proposer, a
-function in `proposers` that each step ends with, guessing the running requests' next tokens.
+is installed the first time a request sets the field and adds a logits processor and a stop
+rule (`add_logits_processor`, `add_stop_rule`). An engine setting can too (CONFIG_EXTENSIONS:
+speculative decoding), installed with the engine: it replaces `token_selection` and adds a
+proposer, a function in `proposers` that each step ends with, guessing the running requests'
+next tokens.
 """
 from __future__ import annotations
 
@@ -24,22 +25,34 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
+from typing import Callable, Protocol
 
 from nanopaged.config import EngineConfig
 from nanopaged.core.block_pool import BlockPool
 from nanopaged.core.request import Request, RequestStatus, SampledToken
 from nanopaged.core.scheduler import Scheduler, SchedulerOutput
 from nanopaged.engine.input_processor import InputProcessor, PromptType, load_tokenizer
-from nanopaged.engine.output_processor import OutputProcessor
-from nanopaged.engine.parallel_sampling import ParallelSampler
+from nanopaged.engine.output_processor import OutputProcessor, StopRule
 from nanopaged.outputs import RequestOutput
+from nanopaged.sample.logits_processors import LogitsProcessor
+from nanopaged.sample.parallel_sampling import ParallelSampler
+from nanopaged.sample.sampler import Sampler
 from nanopaged.sampling_params import SamplingParams
 from nanopaged.worker.model_runner import ModelRunner, ModelRunnerOutput
-from nanopaged.worker.sampler import Sampler
 
 # A token-selection rule: each sampling request's tokens this step (one; with drafts, those accepted and one more)
 SelectTokens = Callable[[ModelRunnerOutput], dict[Request, list[SampledToken]]]
+
+
+class TokenSelection(Protocol):
+    """The engine's own rule (sample/: ParallelSampler, or RejectionSampler with drafts): it also
+    learns of every request queued and finished."""
+
+    def __call__(self, runner_output: ModelRunnerOutput) -> dict[Request, list[SampledToken]]: ...
+    def add(self, samples: list[Request]) -> None: ...
+    def forget(self, request: Request) -> None: ...
+
+
 # SamplingParams fields that an extension beside the engine implements: its module's `install(engine)`
 # runs when a request first sets the field, and returns what `prepare`s each such request.
 FIELD_EXTENSIONS = {"structured_outputs": "nanopaged.structured_output"}
@@ -74,7 +87,8 @@ class LLMEngine:
         self.scheduler = Scheduler(block_pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.input_processor = InputProcessor(config, self.tokenizer, self.runner.num_kv_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.sampler = ParallelSampler(Sampler(self.runner.device, config.seed, self.runner.argmax))
+        self.sampler = Sampler(self.runner.device, config.seed, self.runner.fast_path.argmax)
+        self.token_selection: TokenSelection = ParallelSampler(self.sampler)
         self.observers: list[Callable[[StepRecord], None]] = []
         self.proposers: list[Callable[[list[Request]], None]] = []   # set running requests' spec_token_ids
         self.extensions: dict[str, object] = {}            # the extensions installed so far, by module
@@ -85,6 +99,15 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def add_logits_processor(self, processor: LogitsProcessor) -> None:
+        """An extension's processor sees each step's logits before anything is chosen, under every
+        token-selection rule (sample/logits_processors.py)."""
+        self.sampler.logits_processors.append(processor)
+
+    def add_stop_rule(self, rule: StopRule) -> None:
+        """An extension's rule says when a request's output is complete (check_stop's rule 0)."""
+        self.output_processor.stop_rules.append(rule)
 
     @cached_property
     def model_config(self):
@@ -126,7 +149,7 @@ class LLMEngine:
         if samples[0].request_id in self.output_processor.requests:
             raise ValueError(f"request_id {samples[0].request_id!r} is already in use")
         self.output_processor.add(samples)
-        self.sampler.add(samples)
+        self.token_selection.add(samples)
 
     def abort_request(self, request_id: str) -> None:
         """Its blocks go back now; the next step returns its final output ("abort")."""
@@ -152,7 +175,7 @@ class LLMEngine:
         try:
             t1 = time.perf_counter()
             runner_output = self.runner.execute(scheduler_output)                    # 2. execute
-            sampled = (select_tokens or self.sampler)(runner_output)
+            sampled = (select_tokens or self.token_selection)(runner_output)
             t2 = time.perf_counter()
             self.scheduler.update(scheduler_output, sampled)                         # 3. update
             t3 = time.perf_counter()
@@ -172,7 +195,7 @@ class LLMEngine:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(request, status)
-        self.sampler.forget(request)
+        self.token_selection.forget(request)
 
     def _abort_step(self, scheduler_output: SchedulerOutput) -> None:
         """A step failed (a bug, out of memory, Ctrl-C): its requests end with "abort" and give

@@ -21,7 +21,7 @@ from nanopaged.core.request import Request, RequestStatus, SampledToken
 from nanopaged.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
 from nanopaged.sampling_params import RequestOutputKind
-from nanopaged.worker.sampler import top_logprobs
+from nanopaged.sample.sampler import top_logprobs
 
 # An extension's stop rule: has the request's output just become complete? (check_stop, rule 0)
 StopRule = Callable[[Request], bool]

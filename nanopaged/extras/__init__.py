@@ -1,7 +1,5 @@
-"""Extensions: features beside the engine, each reaching it through one hook.
+"""Extensions that can be left out: features beside the engine, each reaching it through one hook.
 
-    stats.py             a step observer: get_stats(), and the progress bar's live figures
-    thread_governor.py   a step observer: torch's CPU threads follow the cores left free
     beam_search.py       a token-selection rule for LLMEngine.step, forking beams (Scheduler.fork)
     tensor_parallel/     LLM(model, tensor_parallel_size=N): N ranks behind the runner (`make_runner`)
 

@@ -4,7 +4,7 @@ The demo model ships as llama.cpp's GGUF format: each linear weight in blocks of
 its input axis, 4 bits a value plus a float16 scale (Q4_0: w = (q - 8) d) and a minimum (Q4_1:
 w = q d + m). The converter (models/demo_model.py) dequantizes them once into a float32
 safetensors folder; with quantization="gguf" the engine loads that folder as usual and then
-puts the file's own 4-bit codes back under the linears (`nanopaged/worker/quant_linear.py: Int4Linear`):
+puts the file's own 4-bit codes back under the linears (`nanopaged/cpu/quantized_linear.py: Int4Linear`):
 Q4_1's w = q d + m is the kernel's (q - 8) scale + zero with scale = d and zero = m + 8 d.
 
 Two things are undone on the way, as transformers' GGUF loader undoes them: llama.cpp stores

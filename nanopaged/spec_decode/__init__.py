@@ -3,14 +3,14 @@
     config.py             SpeculativeConfig: `speculative_config={...}` with vLLM's names, checked at once
     ngram_proposer.py     drafts from the request's own tokens (prompt lookup)
     draft_model.py        drafts from a smaller model that shares the tokenizer
-    rejection_sampler.py  which drafts to keep, so the output is what plain decoding gives
     stats.py              drafts, accepted tokens, mean acceptance length (vLLM's counters)
 
 The core sees one number more: a request's `spec_token_ids`, which the scheduler adds to the
 target that `num_computed_tokens` chases (`num_tokens_with_spec`) and rolls back off the counter
 when drafts are rejected (core/scheduler.py: `_append`). The engine installs this module when
 `speculative_config` is set (engine/llm_engine.py: CONFIG_EXTENSIONS): the proposer becomes one of
-its `proposers`, the rejection sampler its sampler. docs/11_speculative_decoding.md.
+its `proposers`, the rejection sampler (nanopaged/sample/rejection_sampler.py: which drafts to keep,
+so the output is what plain decoding gives) its `token_selection`. docs/11_speculative_decoding.md.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class SpecDecode:
 
 
 def install(engine) -> SpecDecode:
-    from nanopaged.spec_decode.rejection_sampler import RejectionSampler
+    from nanopaged.sample.rejection_sampler import RejectionSampler
     cfg: SpeculativeConfig = engine.config.speculative_config
     stats = SpecDecodeStats(cfg.num_speculative_tokens)
     if cfg.method == "ngram":
@@ -40,7 +40,7 @@ def install(engine) -> SpecDecode:
         from nanopaged.spec_decode.draft_model import DraftModelProposer
         proposer = DraftModelProposer(engine, cfg)
         draft_probs = proposer.draft_probs
-    engine.sampler = RejectionSampler(engine.sampler, stats, draft_probs)
+    engine.token_selection = RejectionSampler(engine.token_selection, stats, draft_probs)
     engine.proposers.append(proposer)
     return SpecDecode(cfg, stats, proposer)
 

@@ -27,7 +27,7 @@ from nanopaged.core.request import Request
 from nanopaged.core.scheduler import SchedulerOutput
 from nanopaged.sampling_params import SamplingParams
 from nanopaged.spec_decode.ngram_proposer import draft_budget
-from nanopaged.spec_decode.rejection_sampler import with_output
+from nanopaged.sample.rejection_sampler import with_output
 from nanopaged.worker.model_runner import ModelRunner
 
 _PLAIN = SamplingParams()
@@ -37,7 +37,7 @@ class DraftModelProposer:
     def __init__(self, engine, spec) -> None:
         target = engine.config
         self.k = spec.num_speculative_tokens
-        self.sampler = engine.sampler.sampler            # the target's Sampler: its rules and generators
+        self.sampler = engine.sampler                    # the target's Sampler: its rules and generators
         self.num_blocks = engine.runner.num_kv_blocks
         self.block_size = target.block_size
         self.scratch_per_request = cdiv(self.k, target.block_size) + 1

@@ -27,6 +27,6 @@ def install(engine):
     from nanopaged.structured_output.manager import StructuredOutputManager
     model = engine.config.model_config
     manager = StructuredOutputManager(XgrammarBackend(engine.tokenizer, model.vocab_size, model.eos_token_ids))
-    engine.sampler.sampler.logits_processors.append(manager)
-    engine.output_processor.stop_rules.append(manager.ended)
+    engine.add_logits_processor(manager)
+    engine.add_stop_rule(manager.ended)
     return manager

@@ -34,8 +34,7 @@ from nanopaged.models.config import ModelConfig
 from nanopaged.models.llama import LlamaForCausalLM
 from nanopaged.models.loader import load_weights
 from nanopaged.sampling_params import SamplingParams
-from nanopaged.worker.cpu_linear import pack_linears
-from nanopaged.worker.sampler import torch_argmax
+from nanopaged.cpu.choose import FastPath, choose
 
 
 @dataclass
@@ -67,9 +66,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = device or torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        self.backend = load_attention_backend(config.attention_backend)
-        self.quantized: dict | None = None       # what quantize_linears did, with quantization=
-        self.argmax = torch_argmax               # the sampler's; the fused CPU path hands its kernel
+        # What runs in place of the reference: the kernels this machine and the settings choose
+        self.fast_path: FastPath = choose(config)
+        self.backend = load_attention_backend(self.fast_path.attention_backend)
         self.model = self.load_model()
         self.num_kv_blocks = self.determine_num_kv_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_kv_blocks)
@@ -84,16 +83,7 @@ class ModelRunner:
     def load_model(self) -> nn.Module:
         model = self.build_model().to(self.dtype)
         load_weights(model, self.config.model)
-        if self.config.quantization:              # 4- or 8-bit weights beside the dense ones (quant_linear.py)
-            from nanopaged.worker.quant_linear import quantize_linears
-            self.quantized = quantize_linears(model, self.config.quantization, self.config.quantization_group_size,
-                                              self.config.gguf_file)
-        if self.config.cpu_linear != "reference":   # bfloat16 on the CPU's matrix units (cpu_linear.py)
-            pack_linears(model, self.config.cpu_linear)
-        if self.config.cpu_kernels == "fused":    # the layers' small ops in C++ (cpu_fused.py)
-            from nanopaged.worker.cpu_fused import argmax_rows, fuse_layers
-            fuse_layers(model)
-            self.argmax = argmax_rows
+        self.fast_path.apply(model)       # the chosen fast layers swapped in (nanopaged/cpu/choose.py)
         return model.eval()
 
     def wrap_model(self, model: nn.Module):

@@ -20,7 +20,7 @@ pytest.importorskip("xgrammar", reason="the structured extra: pip install -e '.[
 from nanopaged import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from nanopaged.core.request import Request, RequestStatus, SampledToken  # noqa: E402
 from nanopaged.engine.output_processor import check_stop  # noqa: E402
-from nanopaged.worker.sampler import Sampler  # noqa: E402
+from nanopaged.sample.sampler import Sampler  # noqa: E402
 
 EXTENSION = "nanopaged.structured_output"
 # Every string bounded and no free whitespace: even a random model's output ends inside max_tokens.
@@ -153,7 +153,7 @@ def test_the_extension_is_installed_once_even_from_many_threads(tiny_model_dirs)
     engine = llm.llm_engine
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda i: engine.process_request(str(i), prompts(1)[0], json_params()), range(16)))
-    assert len(engine.sampler.sampler.logits_processors) == 1 and len(engine.output_processor.stop_rules) == 1
+    assert len(engine.sampler.logits_processors) == 1 and len(engine.output_processor.stop_rules) == 1
     assert len(engine.extension(EXTENSION).compiles) == 1             # and the schema compiled once
 
 
@@ -162,7 +162,7 @@ def test_without_xgrammar_a_constraint_is_a_value_error_naming_the_extra(tiny_mo
     monkeypatch.setitem(sys.modules, "nanopaged.structured_output.backend_xgrammar", None)   # as if not installed
     with pytest.raises(ValueError, match=r"structured_outputs needs xgrammar.*pip install -e '\.\[structured\]'"):
         llm.generate(prompts(1), json_params(), use_tqdm=False)
-    assert not llm.llm_engine.sampler.sampler.logits_processors      # nothing half installed
+    assert not llm.llm_engine.sampler.logits_processors      # nothing half installed
     assert llm.generate(prompts(1), SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
     monkeypatch.undo()                                                # installed after all: the next one works
     assert json.loads(llm.generate(prompts(1), json_params(), use_tqdm=False)[0].outputs[0].text)

@@ -8,7 +8,7 @@ dashboard maps across by renaming the prefix.
 
 Everything is written on the engine thread: the counters by a step observer (the
 engine's `observers` hook; the prefix-cache and preemption counts come from
-extras/stats.py, their one owner), the gauges after every round of the engine loop
+engine/stats.py, their one owner), the gauges after every round of the engine loop
 (engine_loop.py), request latencies from the arrival time the loop reports. The scraper
 only reads (prometheus-client is thread-safe). docs/08_server.md, "Metrics".
 """
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from nanopaged import spec_decode
 from nanopaged.engine.llm_engine import LLMEngine, StepRecord
-from nanopaged.extras.stats import EngineStats
+from nanopaged.engine.stats import EngineStats
 
 PREFIX = "nanopaged:"
 # Seconds; wide enough for a 2-core CPU and a GPU alike.

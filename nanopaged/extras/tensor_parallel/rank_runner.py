@@ -10,6 +10,8 @@ budget (`kv_cache_memory_bytes`, `gpu_memory_utilization`) is per rank, as in vL
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -33,6 +35,8 @@ class RankRunner(ModelRunner):
         parallelize(model, self.config.model_config, self.group)
         model = model.to(self.dtype)
         load_shard(model, self.config.model, self.group.rank)
+        # The parallel layers keep their own forward: nothing is packed or fused (the attention stays chosen).
+        self.fast_path = replace(self.fast_path, linear="reference", layers="reference")
         return model.eval()
 
     def determine_num_kv_blocks(self) -> int:

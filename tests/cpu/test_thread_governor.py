@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.extras.thread_governor import ThreadGovernor, read_cpu_times, threads_for
+from nanopaged.cpu.thread_governor import ThreadGovernor, read_cpu_times, threads_for
 
 TICK = 100
 

@@ -5,7 +5,7 @@ The torch reference gathers each decode row's blocks into a padded copy before i
 reads, reads the copy again, pads every row to the longest, and pays SDPA's fixed cost per
 request (about 0.4 ms a call for an 80-token prompt on a 2-core VM). This backend reads K/V once,
 through the block table, as the paper's kernel does (section 4.1), in one call per layer for the
-whole step (`paged_attention` in nanopaged/kernels/cpu_ops.cpp, vLLM's unified attention): row
+whole step (`paged_attention` in nanopaged/cpu/csrc/cpu_ops.cpp, vLLM's unified attention): row
 j of a request's q_len new rows sees the first seq_len - q_len + j + 1 keys, so prompt chunks,
 prefix-cache hits and decode rows are one loop. Each row (or, in a step of a few rows, each
 (row, KV head) pair) is a job for torch's threads: scores of each query head against each key,
@@ -14,7 +14,7 @@ each block the kernels keep K and V in an order of their own (cpu_ops.cpp: KvLay
 CUDA kernels do too), so the store is theirs as well (`store_kv`; the fused layers store in their
 rotary pass instead), and the torch backend cannot read a cache this one wrote: one engine, one
 backend.
-tests/kernels/test_cpu_ops.py holds the kernel to the reference; without a compiler,
+tests/cpu/test_cpu_ops.py holds the kernel to the reference; without a compiler,
 `resolve_attention_backend` says so and `auto` runs the torch backend.
 docs/05_model_runner_and_kernels.md, "Backends".
 """
@@ -24,7 +24,7 @@ import torch
 
 from nanopaged.attention.metadata import AttentionMetadata
 from nanopaged.attention.torch_backend import TorchAttentionBackend
-from nanopaged.kernels.cpu_ops import cpu_ops
+from nanopaged.cpu.build import cpu_ops
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

@@ -8,8 +8,8 @@ from conftest import EOS_TOKEN_ID, make_prompts
 from nanopaged import LLM, SamplingParams
 from nanopaged.core.block_pool import cdiv
 from nanopaged.core.request import Request
-from nanopaged.worker.sampler import (Sampler, apply_penalties, apply_token_rules, block_stop_tokens,
-                                      top_k_top_p_min_p, top_logprobs)
+from nanopaged.sample.logits_processors import apply_penalties, apply_token_rules, block_stop_tokens
+from nanopaged.sample.sampler import Sampler, top_k_top_p_min_p, top_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 A decode step streams every weight once, so on a CPU its matmuls cost what their bytes cost:
 4-bit weights are a quarter of bfloat16's. Two kernels unpack such weights inside the multiply:
 
-  nanopaged's (nanopaged/kernels/cpu_ops.cpp: linear_quantized), on a CPU with AVX-512: blocks of
+  nanopaged's (nanopaged/cpu/csrc/cpu_ops.cpp: linear_quantized), on a CPU with AVX-512: blocks of
     `group_size` inputs with a float16 scale d and minimum m each, w = q d + m (GGUF's Q4_1 as it
     ships; Q4_0 and int4-at-load map onto it), and 8-bit blocks w = q d (GGUF's Q8_0); the codes are
     widened in registers, on VDPBF16PS for bfloat16 rows where the CPU has AVX512-BF16.
@@ -49,13 +49,16 @@ def quantized_ops_available() -> bool:
 def nanopaged_kernels():
     """nanopaged's compiled kernels where they built with AVX-512, else None (torch's int4 kernel
     then: the plain loops of a build without AVX-512 are slower than it)."""
-    from nanopaged.kernels.cpu_ops import available, cpu_ops
+    from nanopaged.cpu.build import available, cpu_ops
     return cpu_ops() if available() is None and cpu_ops().has_avx512 else None
 
 
 # ---- the layers ------------------------------------------------------------------------
 class QuantizedLinear(nn.Module):
     """A quantized weight, and the layer it replaced (`dense`) for steps of many rows."""
+    cpp_kernel = "quantized"    # with nanopaged's kernels (`ops`), the fused layer loop runs it in C++ (fused.py)
+    rows_for_quantized = ROWS_FOR_QUANTIZED
+    ops = None
 
     def __init__(self, dense: nn.Linear) -> None:
         super().__init__()
@@ -72,6 +75,8 @@ class QuantizedLinear(nn.Module):
 
 
 class Int4Linear(QuantizedLinear):
+    bits = 4
+
     def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  group_size: int) -> None:
         """codes (out, in) in 0..15; scale and zero (out, in / group_size): w = (q - 8) scale + zero."""
@@ -99,6 +104,7 @@ class Int4Linear(QuantizedLinear):
 class Q8Linear(QuantizedLinear):
     """8-bit codes in blocks of `group_size` inputs with a float16 scale each (GGUF's Q8_0, as it
     ships): nanopaged's kernel only."""
+    bits = 8
 
     def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
         super().__init__(dense)

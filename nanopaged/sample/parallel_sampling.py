@@ -7,14 +7,14 @@ of the others carry `parent=sample 0`: the scheduler then forks them off it
 (`nanopaged/core/scheduler.py: Scheduler.fork`), sharing every prompt block instead of
 computing and storing the prompt four times. docs/06_sharing.md does the block arithmetic.
 
-This is the engine's token-selection rule (the hook `LLMEngine.step(select_tokens)` is
-handed); with no pending samples it is just the sampler.
+This is the engine's default token-selection rule (`LLMEngine.token_selection`); with no
+pending samples it is just the sampler.
 """
 from __future__ import annotations
 
-from nanopaged.worker.model_runner import ModelRunnerOutput
 from nanopaged.core.request import Request, SampledToken
-from nanopaged.worker.sampler import Sampler
+from nanopaged.sample.sampler import Sampler
+from nanopaged.worker.model_runner import ModelRunnerOutput
 
 
 class ParallelSampler:

@@ -1,13 +1,12 @@
 """The sampler: the next token of every sampling row, vectorised over the batch.
 
 In order, as vLLM's sampler (v1/sample/sampler.py) does:
-  0. the logits processors, a hook for extensions (structured outputs mask the tokens a grammar
-     forbids: nanopaged/structured_output/), as vLLM applies its grammar bitmask before its sampler;
+  0. an extension's logits processors (structured outputs mask the tokens a grammar forbids),
+     as vLLM applies its grammar bitmask before its sampler (logits_processors.py);
   1. logprobs of the raw logits, after step 0 as in vLLM (what `cumulative_logprob` and
      `logprobs=k` report), for the rows that asked for them;
-  2. the token rules: allowed_token_ids, bad_words, logit_bias;
-  3. penalties: repetition (prompt + output tokens), presence and frequency (output tokens);
-  4. min_tokens: EOS and stop tokens cannot be drawn before the request has min_tokens;
+  2-4. SamplingParams' own rules (logits_processors.py): allowed_token_ids, bad_words,
+     logit_bias; the penalties; min_tokens;
   5. greedy rows take the argmax; the others divide by temperature, cut by top-k, top-p and
      min-p, and draw with the exponential race argmax(p / q), q ~ Exp(1), which samples
      from p exactly and lets each row use its own generator.
@@ -18,8 +17,9 @@ A request with its own `seed` draws from its own torch.Generator, so its tokens 
 depend on which other requests share the batch or on preemption (the generator lives
 here, keyed by the request, and is not touched by recomputation).
 
-The engine calls it through `nanopaged/engine/parallel_sampling.py: ParallelSampler`, which adds
-the rows of the n > 1 samples that fork off a request (docs/06_sharing.md).
+The engine calls it through a token-selection rule: `parallel_sampling.py: ParallelSampler`
+(n > 1 samples fork off a request, docs/06_sharing.md), or with drafts
+`rejection_sampler.py: RejectionSampler`.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from nanopaged.core.request import Request
+from nanopaged.sample.logits_processors import LogitsProcessor, apply_sampling_rules, indices
 
 
 @dataclass
@@ -42,16 +43,15 @@ def torch_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int, argmax=torch_argmax) -> None:
+    def __init__(self, device: torch.device, seed: int, argmax=None) -> None:
         self.device = device
-        # each row's largest index, as torch.argmax(x, dim=-1): the runner may hand a faster one
-        # (the CPU kernels' argmax_rows, worker/cpu_fused.py)
-        self.argmax = argmax
+        # each row's largest index, as torch.argmax(x, dim=-1); a fast path may name a kernel of its
+        # own (cpu/choose.py: FastPath.argmax)
+        self.argmax = argmax or torch_argmax
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.request_generators: dict[Request, torch.Generator] = {}
-        # The hook, step 0: each processor(logits, requests) returns the logits to sample from (row i
-        # is requests[i]'s), leaving the tensor it is given as it was; processor.forget(request) at the end.
-        self.logits_processors: list = []
+        # step 0: an extension's processors (LLMEngine.add_logits_processor), in the order added
+        self.logits_processors: list[LogitsProcessor] = []
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
@@ -62,24 +62,16 @@ class Sampler:
         if random_rows:
             idx = indices(logits, random_rows)
             tokens[idx] = self._sample(logits[idx], [requests[i] for i in random_rows])
-        return SamplerOutput(tokens.tolist(), *self._logprobs(raw, tokens, params))
+        return SamplerOutput(tokens.tolist(), *self.logprobs_of(raw, tokens, params))
 
     def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 0-4: (the raw logits the logprobs are taken from, the logits to choose from)."""
         logits = logits.float()
         for process in self.logits_processors:
             logits = process(logits, requests)
-        raw = logits
-        params = [r.sampling_params for r in requests]
-        if any(p.allowed_token_ids or p.bad_words_token_ids or p.logit_bias for p in params):
-            logits = apply_token_rules(logits, requests)
-        if any(p.has_penalties for p in params):
-            logits = apply_penalties(logits, requests)
-        if any(r.num_output_tokens < r.sampling_params.min_tokens for r in requests):
-            logits = block_stop_tokens(logits, requests)
-        return raw, logits
+        return logits, apply_sampling_rules(logits, requests)
 
-    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, params) -> tuple[list, list]:
+    def logprobs_of(self, raw: torch.Tensor, tokens: torch.Tensor, params) -> tuple[list, list]:
         """The chosen tokens' logprobs and the top-k, in the raw distribution, for the rows that
         asked (logprobs=k); the others get 0.0 and None, since vLLM reports cumulative_logprob
         only with logprobs. A log_softmax over the vocabulary of every row costs a decode step
@@ -129,74 +121,6 @@ class Sampler:
         self.request_generators.pop(request, None)
         for process in self.logits_processors:
             process.forget(request)
-
-
-def indices(like: torch.Tensor, xs: list[int]) -> torch.Tensor:
-    """An index tensor on the device of `like`."""
-    return like.new_tensor(xs, dtype=torch.long)
-
-
-def apply_token_rules(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """vLLM's three, in its order (v1/sample/sampler.py): allowed_token_ids leaves only those tokens;
-    bad_words blocks a word's last token when the output ends with the word's other tokens (a
-    one-token word always; v1/sample/ops/bad_words.py); logit_bias adds to the logits."""
-    blocked = torch.zeros_like(logits, dtype=torch.bool)
-    allow_rows, allow_toks, block_rows, block_toks, bias_rows, bias_toks, biases = [], [], [], [], [], [], []
-    for j, r in enumerate(requests):
-        p = r.sampling_params
-        if p.allowed_token_ids:
-            blocked[j] = True
-            allow_rows += [j] * len(p.allowed_token_ids)
-            allow_toks += p.allowed_token_ids
-        for *start, last in p.bad_words_token_ids or ():
-            if len(start) <= r.num_output_tokens and r.output_token_ids[r.num_output_tokens - len(start):] == start:
-                block_rows.append(j)
-                block_toks.append(last)
-        for token, bias in (p.logit_bias or {}).items():
-            bias_rows.append(j)
-            bias_toks.append(token)
-            biases.append(bias)
-    blocked[indices(logits, allow_rows), indices(logits, allow_toks)] = False
-    blocked[indices(logits, block_rows), indices(logits, block_toks)] = True
-    logits = logits.masked_fill(blocked, float("-inf"))
-    return logits.index_put_((indices(logits, bias_rows), indices(logits, bias_toks)),
-                             logits.new_tensor(biases), accumulate=True)
-
-
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """vLLM's penalties; a row without penalties is left exactly as it was."""
-    out_rows, out_toks, seen_rows, seen_toks = [], [], [], []
-    for j, r in enumerate(requests):
-        out_rows += [j] * r.num_output_tokens
-        out_toks += r.output_token_ids
-        seen_rows += [j] * r.num_prompt_tokens
-        seen_toks += r.prompt_token_ids
-    counts = logits.new_zeros(logits.shape)           # new_*: on the logits' device
-    counts.index_put_((indices(logits, out_rows), indices(logits, out_toks)),
-                      logits.new_ones(len(out_toks)), accumulate=True)
-    seen = counts > 0
-    seen[indices(logits, seen_rows), indices(logits, seen_toks)] = True
-    p = [r.sampling_params for r in requests]
-    rep = logits.new_tensor([x.repetition_penalty for x in p])[:, None]
-    pres = logits.new_tensor([x.presence_penalty for x in p])[:, None]
-    freq = logits.new_tensor([x.frequency_penalty for x in p])[:, None]
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    return logits - freq * counts - pres * (counts > 0).float()
-
-
-def block_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Before min_tokens, EOS (unless ignore_eos) and stop_token_ids get probability 0."""
-    rows, toks = [], []
-    for j, r in enumerate(requests):
-        p = r.sampling_params
-        if r.num_output_tokens < p.min_tokens:
-            stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
-            rows += [j] * len(stop)
-            toks += sorted(stop)
-    logits = logits.clone()
-    logits[indices(logits, rows), indices(logits, toks)] = float("-inf")
-    return logits
 
 
 def top_k_top_p_min_p(probs: torch.Tensor, top_k: list[int], top_p: list[float],

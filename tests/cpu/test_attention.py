@@ -1,12 +1,13 @@
-"""The `cpu` backend (decode rows attended by nanopaged's C++ kernel, tests/kernels/test_cpu_ops.py
+"""The `cpu` backend (decode rows attended by nanopaged's C++ kernel, tests/cpu/test_cpu_ops.py
 checks the kernel itself): end to end, the same greedy tokens as `torch` in float32 over chunked
 prefill, decode rows mixed with prefill rows, preemption and prefix-cache hits."""
 import pytest
 
 from conftest import make_prompts
-from nanopaged import LLM, SamplingParams
+from nanopaged import LLM, EngineConfig, SamplingParams
 from nanopaged.attention.backends import resolve_attention_backend
-from nanopaged.kernels.cpu_ops import available
+from nanopaged.cpu.build import available
+from nanopaged.cpu.choose import choose
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"{available()}")
 
@@ -25,10 +26,13 @@ def test_the_cpu_backend_gives_the_same_greedy_tokens_as_torch(tiny_model_dirs, 
     assert len({tuple(t) for t in tokens["torch"]}) > 1
 
 
-def test_the_cpu_backend_needs_a_cpu_and_its_kernels(monkeypatch):
-    import nanopaged.kernels.cpu_ops as cpu_ops
+def test_the_cpu_backend_needs_a_cpu_and_its_kernels(monkeypatch, tiny_model_dirs):
+    import nanopaged.cpu.build as cpu_ops
     with pytest.raises(ValueError, match=r"attention_backend='cpu' runs on CPU \(device is 'cuda'\)"):
         resolve_attention_backend("cpu", "cuda", "bfloat16")
+    with pytest.raises(ValueError, match=r"attention_backend='cpu' keeps pairs of tokens side by side in a block: "
+                                         r"block_size must be at least 2, got 1"):
+        choose(EngineConfig(tiny_model_dirs["llama"], device="cpu", attention_backend="cpu", block_size=1))
     monkeypatch.setattr(cpu_ops, "available", lambda: "building nanopaged's CPU kernels needs a C++ compiler")
     with pytest.raises(ValueError, match="attention_backend='cpu': building nanopaged's CPU kernels needs a C\\+\\+ compiler"):
-        resolve_attention_backend("cpu", "cpu", "float32")
+        choose(EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32", attention_backend="cpu"))

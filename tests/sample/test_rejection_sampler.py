@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import chi2_critical
 
-from nanopaged.spec_decode.rejection_sampler import accept_greedy, accept_sampled, runs
+from nanopaged.sample.rejection_sampler import accept_greedy, accept_sampled, runs
 from nanopaged.spec_decode.stats import SpecDecodeStats
 
 

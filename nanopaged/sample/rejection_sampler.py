@@ -23,8 +23,7 @@ import copy
 import torch
 
 from nanopaged.core.request import Request, SampledToken
-from nanopaged.engine.parallel_sampling import ParallelSampler
-from nanopaged.spec_decode.stats import SpecDecodeStats
+from nanopaged.sample.parallel_sampling import ParallelSampler
 from nanopaged.worker.model_runner import ModelRunnerOutput
 
 
@@ -64,12 +63,13 @@ def accept_sampled(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
 
 
 class RejectionSampler:
-    """The engine's sampler while speculation is on: requests with drafts are verified here, the
-    others go to the parallel sampler as before. `draft_probs(request)` gives a draft model's q."""
+    """The engine's token-selection rule while speculation is on: requests with drafts are verified
+    here, the others go to the parallel sampler as before. `stats.record(drafts, accepted)` counts
+    (spec_decode/stats.py); `draft_probs(request)` gives a draft model's q."""
 
-    def __init__(self, parallel: ParallelSampler, stats: SpecDecodeStats, draft_probs=None) -> None:
+    def __init__(self, parallel: ParallelSampler, stats, draft_probs=None) -> None:
         self.parallel = parallel
-        self.sampler = parallel.sampler          # the Sampler itself, where logits processors hook in
+        self.sampler = parallel.sampler          # the one Sampler: its rules, generators and processors
         self.stats = stats
         self.draft_probs = draft_probs or (lambda request: None)
 
@@ -123,7 +123,7 @@ class RejectionSampler:
 
     def _sampled(self, raw: torch.Tensor, tokens: list[int], views: list[Request]) -> list[SampledToken]:
         """The emitted tokens, each with its logprob (and top-k) in its own row's raw distribution."""
-        logprobs, tops = self.sampler._logprobs(raw, raw.new_tensor(tokens, dtype=torch.long),
+        logprobs, tops = self.sampler.logprobs_of(raw, raw.new_tensor(tokens, dtype=torch.long),
                                                 [v.sampling_params for v in views])
         return [SampledToken(t, lp, top) for t, lp, top in zip(tokens, logprobs, tops)]
 

@@ -9,11 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanopaged.config as config_module
+import nanopaged.cpu.choose as choose_module
 from conftest import check_logprobs_close, make_prompts, nanopaged_greedy
 from nanopaged import LLM, EngineConfig, SamplingParams
-from nanopaged.cpu_features import auto_cpu_dtype
-from nanopaged.kernels.cpu_ops import available, cpu_ops
-from nanopaged.worker.cpu_linear import Dpbf16Linear, PackedLinear, pack_linears, packed_ops_available
+from nanopaged.cpu.build import available, cpu_ops
+from nanopaged.cpu.choose import choose
+from nanopaged.cpu.features import auto_cpu_dtype
+from nanopaged.cpu.linear import Dpbf16Linear, PackedLinear, pack_linears, packed_ops_available
 
 needs_dpbf16 = pytest.mark.skipif(available() is not None or not cpu_ops().has_avx512_bf16,
                                   reason="nanopaged's kernels did not build with AVX512-BF16 here")
@@ -100,25 +102,26 @@ def test_pack_linears_swaps_plain_linears_only(kernel, cls):
 def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch, tiny_model_dirs):
     """AMX: oneDNN's kernel, which drives its tiles; AVX512-BF16 alone (AMD Zen 4): nanopaged's
     dpbf16, where it builds (else oneDNN's); neither: float32 and F.linear."""
-    monkeypatch.setattr(config_module, "_dpbf16_builds", lambda: True)
+    def dtype_and_linear(**settings):
+        cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", **settings)
+        return cfg.dtype, choose(cfg).linear
+    monkeypatch.setattr(choose_module, "dpbf16_builds", lambda: True)
     monkeypatch.setattr(config_module, "auto_cpu_dtype", lambda: "bfloat16")
-    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["amx_bf16", "avx512_bf16"])
-    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu")
-    assert (cfg.dtype, cfg.cpu_linear) == ("bfloat16", "packed")
-    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["avx512_bf16"])
-    assert EngineConfig(tiny_model_dirs["llama"], device="cpu").cpu_linear == "dpbf16"
-    monkeypatch.setattr(config_module, "_dpbf16_builds", lambda: False)
-    assert EngineConfig(tiny_model_dirs["llama"], device="cpu").cpu_linear == "packed"
+    monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["amx_bf16", "avx512_bf16"])
+    assert dtype_and_linear() == ("bfloat16", "packed")
+    monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["avx512_bf16"])
+    assert dtype_and_linear() == ("bfloat16", "dpbf16")
+    monkeypatch.setattr(choose_module, "dpbf16_builds", lambda: False)
+    assert dtype_and_linear() == ("bfloat16", "packed")
     monkeypatch.setattr(config_module, "auto_cpu_dtype", lambda: "float32")
-    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: [])
-    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu")
-    assert (cfg.dtype, cfg.cpu_linear) == ("float32", "reference")
+    monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: [])
+    assert dtype_and_linear() == ("float32", "reference")
     # an explicit bfloat16 on a CPU without the units runs, with the reference kernel
-    assert EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16").cpu_linear == "reference"
+    assert dtype_and_linear(dtype="bfloat16") == ("bfloat16", "reference")
 
 
 def test_auto_cpu_dtype_reads_the_flags(monkeypatch):
-    import nanopaged.cpu_features as cf
+    import nanopaged.cpu.features as cf
     monkeypatch.setattr(cf, "cpu_flags", lambda: frozenset({"avx2", "fma"}))          # an AVX2-only EPYC
     assert auto_cpu_dtype() == "float32"
     monkeypatch.setattr(cf, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
@@ -126,21 +129,22 @@ def test_auto_cpu_dtype_reads_the_flags(monkeypatch):
 
 
 def test_packed_where_it_cannot_run_is_refused_by_name(tiny_model_dirs):
+    """Refused when the runner chooses its kernels, before a weight loads."""
     with pytest.raises(ValueError, match="cpu_linear='packed' needs device='cpu', dtype='bfloat16'"):
-        EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_linear="packed")
+        LLM(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_linear="packed")
     with pytest.raises(ValueError, match=r"cpu_linear must be one of \['auto', 'packed', 'dpbf16', 'reference'\]"):
         EngineConfig(tiny_model_dirs["llama"], cpu_linear="fast")
     with pytest.raises(ValueError, match="cpu_linear='dpbf16' needs device='cpu', dtype='bfloat16'"):
-        EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_linear="dpbf16")
+        LLM(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_linear="dpbf16")
 
 
 def test_dpbf16_without_avx512_bf16_is_refused_by_name(monkeypatch, tiny_model_dirs):
-    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["amx_bf16"])
+    monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["amx_bf16"])
     with pytest.raises(ValueError, match=r"cpu_linear='dpbf16' needs AVX512-BF16 \(the CPU's flag avx512_bf16\)"):
-        EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16", cpu_linear="dpbf16")
+        choose(EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16", cpu_linear="dpbf16"))
 
 
-@pytest.mark.skipif(not config_module.bf16_matrix_units(), reason="this CPU has no bfloat16 matrix units")
+@pytest.mark.skipif(not choose_module.bf16_matrix_units(), reason="this CPU has no bfloat16 matrix units")
 def test_the_packed_model_answers_as_the_reference_does(tiny_model_dirs):
     """Same bf16 weights, two kernels: greedy tokens agree under vLLM's check_logprobs_close rule."""
     prompts = make_prompts(512, n=6, seed=5, min_len=4, max_len=40)

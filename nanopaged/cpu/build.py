@@ -1,4 +1,4 @@
-"""nanopaged's C++ CPU kernels (cpu_ops.cpp beside this file), compiled on first use.
+"""nanopaged's C++ CPU kernels (csrc/ beside this file), compiled on first use.
 
 torch's extension builder compiles the file once per machine and source version and caches
 the library under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), in a folder named by a
@@ -22,11 +22,11 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from nanopaged.cpu_features import cpu_flags
+from nanopaged.cpu.features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 # Reassociating float sums lets the compiler vectorize the dot products and reductions.
 # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's headers, serial without it; the
 # library then asks for libgomp.so.1, which resolves to the copy torch has already loaded.

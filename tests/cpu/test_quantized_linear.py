@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import nanopaged.worker.quant_linear as ql
+import nanopaged.cpu.quantized_linear as ql
 from conftest import check_logprobs_close, make_prompts, nanopaged_greedy
 from nanopaged import LLM, EngineConfig, SamplingParams
 

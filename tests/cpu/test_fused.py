@@ -1,4 +1,4 @@
-"""The fused CPU decoder layer (worker/cpu_fused.py): the same model as the reference layers,
+"""The fused CPU decoder layer (cpu/fused.py): the same model as the reference layers,
 chosen by the settings' rules, and answering as the reference does.
 
 float32 keeps the order of most sums, so greedy tokens equal the reference's token for token on
@@ -9,14 +9,15 @@ import logging
 import pytest
 import torch
 
-import nanopaged.config as config_module
-import nanopaged.kernels.cpu_ops as cpu_ops_module
+import nanopaged.cpu.build as cpu_ops_module
+import nanopaged.cpu.choose as choose_module
 from conftest import check_logprobs_close, make_prompts, nanopaged_greedy
 from nanopaged import LLM, EngineConfig, SamplingParams
-from nanopaged.kernels.cpu_ops import available
+from nanopaged.cpu.build import available
+from nanopaged.cpu.choose import choose
+from nanopaged.cpu.fused import FusedLlamaModel, FusedRMSNorm, argmax_rows
 from nanopaged.models.llama import LlamaModel
-from nanopaged.worker.cpu_fused import FusedLlamaModel, FusedRMSNorm, argmax_rows
-from nanopaged.worker.sampler import torch_argmax
+from nanopaged.sample.sampler import torch_argmax
 
 needs_kernels = pytest.mark.skipif(available() is not None, reason=f"{available()}")
 
@@ -48,7 +49,7 @@ def test_fused_layers_give_the_references_tokens_in_float32(tiny_model_dirs, arc
 
 
 @needs_kernels
-@pytest.mark.skipif(not config_module.bf16_matrix_units(), reason="this CPU has no bfloat16 matrix units")
+@pytest.mark.skipif(not choose_module.bf16_matrix_units(), reason="this CPU has no bfloat16 matrix units")
 @pytest.mark.parametrize("linear", ["auto", "packed"])
 def test_fused_layers_answer_as_the_reference_in_bfloat16(demo_model_dir, linear):
     """On the real model, in bfloat16: the linears this CPU picks (nanopaged's dpbf16 runs in the C++
@@ -78,11 +79,11 @@ def test_the_swap_keeps_the_weights_it_found(tiny_model_dirs):
 @needs_kernels
 def test_the_fused_engine_samples_with_the_kernels_argmax(tiny_model_dirs):
     """The runner hands the sampler the C++ argmax (torch's answer, NaN and ties included:
-    tests/kernels/test_cpu_ops.py); the reference runs torch's, and so do other dtypes."""
+    tests/cpu/test_cpu_ops.py); the reference runs torch's, and so do other dtypes."""
     fused = LLM(tiny_model_dirs["llama"], dtype="float32", cpu_kernels="fused")
     reference = LLM(tiny_model_dirs["llama"], dtype="float32", cpu_kernels="reference")
-    assert fused.llm_engine.sampler.sampler.argmax is argmax_rows
-    assert reference.llm_engine.sampler.sampler.argmax is torch_argmax
+    assert fused.llm_engine.sampler.argmax is argmax_rows
+    assert reference.llm_engine.sampler.argmax is torch_argmax
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert ([o.outputs[0].token_ids for o in fused.generate(["a b c", "hello"], params, use_tqdm=False)] ==
             [o.outputs[0].token_ids for o in reference.generate(["a b c", "hello"], params, use_tqdm=False)])
@@ -90,40 +91,52 @@ def test_the_fused_engine_samples_with_the_kernels_argmax(tiny_model_dirs):
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
 
+def chosen(model_dir, **settings):
+    path = choose(EngineConfig(model_dir, **settings))
+    return path.linear, path.layers, path.attention_backend
+
+
 def test_auto_fuses_only_beside_packed_linears(monkeypatch, tiny_model_dirs):
     """auto: fused where the linears are packed (bfloat16 on a CPU with bfloat16 matrix units),
     the torch reference elsewhere (float32 is held to Hugging Face token for token)."""
+    model = tiny_model_dirs["llama"]
     monkeypatch.setattr(cpu_ops_module, "available", lambda: None)
-    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["amx_bf16"])
-    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16")
-    assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("packed", "fused", "cpu")
-    monkeypatch.setattr(config_module, "_dpbf16_builds", lambda: True)
-    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["avx512_bf16"])
-    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16")
-    assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("dpbf16", "fused", "cpu")
-    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32")
-    assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("reference", "reference", "torch")
-    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16", attention_backend="torch")
-    assert (cfg.cpu_kernels, cfg.attention_backend) == ("reference", "torch")   # a chosen backend is kept
+    monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["amx_bf16"])
+    assert chosen(model, device="cpu", dtype="bfloat16") == ("packed", "fused", "cpu")
+    monkeypatch.setattr(choose_module, "dpbf16_builds", lambda: True)
+    monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["avx512_bf16"])
+    assert chosen(model, device="cpu", dtype="bfloat16") == ("dpbf16", "fused", "cpu")
+    assert chosen(model, device="cpu", dtype="float32") == ("reference", "reference", "torch")
+    # a chosen backend is kept
+    assert chosen(model, device="cpu", dtype="bfloat16", attention_backend="torch")[1:] == ("reference", "torch")
     with pytest.raises(ValueError, match=r"cpu_kernels='fused' attends with the cpu backend's kernel; got "
                                          r"attention_backend='torch'"):
-        EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16", attention_backend="torch",
-                     cpu_kernels="fused")
+        chosen(model, device="cpu", dtype="bfloat16", attention_backend="torch", cpu_kernels="fused")
     # fused on request in float32, and beside the reference linears
-    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_kernels="fused")
-    assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("reference", "fused", "cpu")
+    assert chosen(model, device="cpu", dtype="float32", cpu_kernels="fused") == ("reference", "fused", "cpu")
+
+
+def test_the_settings_name_the_kernels_and_only_the_runner_chooses(tiny_model_dirs):
+    """EngineConfig keeps what the user named ("auto" stays "auto"): it compiles nothing; the
+    runner's FastPath says what runs, and get_stats reports that."""
+    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="float32")
+    assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("auto", "auto", "auto")
+    stats = LLM(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_kernels="reference").get_stats()
+    assert (stats["cpu_linear"], stats["cpu_kernels"], stats["attention_backend"]) == ("reference", "reference", "torch")
 
 
 def test_without_the_kernels_auto_runs_the_reference_and_fused_is_refused(monkeypatch, tiny_model_dirs):
     why = "building nanopaged's CPU kernels needs a C++ compiler (c++ or g++ on the PATH)"
+    model = tiny_model_dirs["llama"]
     monkeypatch.setattr(cpu_ops_module, "available", lambda: why)
-    monkeypatch.setattr(config_module, "bf16_matrix_units", lambda: ["amx_bf16"])
-    cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16")
-    assert (cfg.cpu_linear, cfg.cpu_kernels, cfg.attention_backend) == ("packed", "reference", "torch")
+    monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["amx_bf16"])
+    assert chosen(model, device="cpu", dtype="bfloat16") == ("packed", "reference", "torch")
     with pytest.raises(ValueError, match=r"cpu_kernels='fused': building nanopaged's CPU kernels needs a C\+\+"):
-        EngineConfig(tiny_model_dirs["llama"], device="cpu", cpu_kernels="fused")
+        chosen(model, device="cpu", cpu_kernels="fused")
+    with pytest.raises(ValueError, match=r"cpu_kernels='fused': building nanopaged's CPU kernels needs a C\+\+"):
+        LLM(model, device="cpu", cpu_kernels="fused")        # refused before a weight loads
     with pytest.raises(ValueError, match=r"cpu_kernels must be one of \['auto', 'fused', 'reference'\], got 'fast'"):
-        EngineConfig(tiny_model_dirs["llama"], cpu_kernels="fast")
+        EngineConfig(model, cpu_kernels="fast")
 
 
 def test_a_failed_build_is_a_warning_and_the_reference(monkeypatch, caplog):
@@ -136,7 +149,7 @@ def test_a_failed_build_is_a_warning_and_the_reference(monkeypatch, caplog):
     cpu_ops_module.available.cache_clear()
     logging.getLogger("nanopaged").addHandler(caplog.handler)          # nanopaged's log does not propagate
     try:
-        with caplog.at_level(logging.WARNING, logger="nanopaged.kernels.cpu_ops"):
+        with caplog.at_level(logging.WARNING, logger="nanopaged.cpu.build"):
             assert "did not build" in cpu_ops_module.available()
         assert "internal compiler error" in caplog.text
     finally:
@@ -148,4 +161,4 @@ def test_a_failed_build_is_a_warning_and_the_reference(monkeypatch, caplog):
 
 def test_fused_off_the_cpu_is_refused(tiny_model_dirs):
     with pytest.raises(ValueError, match=r"cpu_kernels='fused' runs on CPU \(device is 'cuda'\)"):
-        config_module.resolve_cpu_kernels("fused", "cuda", "reference", "auto")
+        choose_module.choose_layers("fused", "cuda", "reference", "auto")

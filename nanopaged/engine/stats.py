@@ -12,7 +12,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from nanopaged.cpu_features import bf16_matrix_units
+from nanopaged.cpu.features import bf16_matrix_units
 from nanopaged.engine.llm_engine import LLMEngine, StepRecord
 
 
@@ -74,16 +74,17 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         pool, scheduler = self.engine.scheduler.block_pool, self.engine.scheduler
-        steps = self.num_steps
+        fast, steps = self.engine.runner.fast_path, self.num_steps
         return {
             "num_steps": steps,
             "num_preemptions": self.num_preemptions,
             "dtype": self.engine.config.dtype,
-            "cpu_linear": self.engine.config.cpu_linear,         # the CPU linear kernel (worker/cpu_linear.py)
-            "cpu_kernels": self.engine.config.cpu_kernels,       # the layers' small ops: fused C++ or torch (worker/cpu_fused.py)
-            "attention_backend": self.engine.config.attention_backend,
-            "cpu_bf16_matrix_units": bf16_matrix_units(),         # what dtype="auto" read (cpu_features.py)
-            "quantization": getattr(self.engine.runner, "quantized", None),   # quantization=: what and how much
+            # what runs in place of the reference (cpu/choose.py: FastPath)
+            "cpu_linear": fast.linear,                            # the linear kernel (cpu/linear.py)
+            "cpu_kernels": fast.layers,                           # the decoder layers: fused C++ or torch (cpu/fused.py)
+            "attention_backend": fast.attention_backend,
+            "cpu_bf16_matrix_units": bf16_matrix_units(),         # what dtype="auto" read (cpu/features.py)
+            "quantization": fast.quantized,                       # quantization=: what and how much
             "kv_cache_usage": pool.usage(),
             "peak_kv_cache_usage": self.peak_kv_blocks_used / pool.num_blocks,
             "peak_kv_blocks_used": self.peak_kv_blocks_used,

@@ -5,7 +5,7 @@ and the layer loop itself in C++.
 launches about 50 torch ops a layer for a few rows of work (a norm alone is float, pow, mean,
 add, rsqrt, mul, to, mul), and a decode step of a small model spends more time launching them
 than in its matmuls. The fused path runs each layer in nine calls, all in C++
-(nanopaged/kernels/cpu_ops.cpp: decoder_forward), once per step for the whole stack:
+(nanopaged/cpu/csrc/cpu_ops.cpp: decoder_forward), once per step for the whole stack:
 
     (add_)rms_norm -> qkv_proj -> rotary_and_store -> paged_attention -> o_proj
                    -> add_rms_norm -> gate_up_proj -> silu_and_mul -> down_proj
@@ -28,8 +28,8 @@ the reference's do (oneDNN can add a residual inside its matmul, in float32: one
 per add, which moved the demo model's greedy answer at a near tie in bfloat16; docs/05).
 
 Each kernel rounds as the torch ops it replaces round (cpu_ops.cpp, "Rounding"), so the layer
-gives the reference's values up to the order of float32 sums; tests/kernels/test_cpu_ops.py holds
-each kernel to its torch ops, tests/worker/test_cpu_fused.py the whole model to the reference.
+gives the reference's values up to the order of float32 sums; tests/cpu/test_cpu_ops.py holds
+each kernel to its torch ops, tests/cpu/test_fused.py the whole model to the reference.
 The swap happens after loading, as packing the linears does, so models/llama.py has no branch
 for it (docs/05_model_runner_and_kernels.md, "Fused CPU kernels").
 """
@@ -38,10 +38,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanopaged.kernels.cpu_ops import cpu_ops
+from nanopaged.cpu.build import cpu_ops
 from nanopaged.models.llama import LlamaModel, RMSNorm
-from nanopaged.worker.cpu_linear import Dpbf16Linear
-from nanopaged.worker.quant_linear import ROWS_FOR_QUANTIZED, Int4Linear, Q8Linear
 
 NO_WEIGHT = torch.empty(0)      # an absent norm or bias
 
@@ -56,15 +54,18 @@ class FusedRMSNorm(nn.Module):
 
 
 def describe(layer: nn.Module):
-    """A linear layer as the C++ loop takes it (cpu_ops.cpp: struct Linear)."""
+    """A linear layer as the C++ loop takes it (cpu_ops.cpp: struct Linear). nanopaged's own layers
+    name their kernel (`cpp_kernel`: linear.py, quantized_linear.py), so C++ runs them directly;
+    any other is called back in Python."""
     ops = cpu_ops()
     lin = ops.Linear()
     lin.out_features = layer.out_features
-    if isinstance(layer, Dpbf16Linear):
+    kernel = getattr(layer, "cpp_kernel", None)
+    if kernel == "dpbf16":
         lin.kind, lin.packed, lin.bias = 0, layer.packed_weight, layer.bias
-    elif isinstance(layer, (Int4Linear, Q8Linear)) and layer.ops is not None:
-        lin.kind, lin.packed, lin.group, lin.rows_max = 1, layer.packed, layer.group_size, ROWS_FOR_QUANTIZED
-        lin.bits = 8 if isinstance(layer, Q8Linear) else 4
+    elif kernel == "quantized" and layer.ops is not None:
+        lin.kind, lin.packed, lin.group, lin.rows_max = 1, layer.packed, layer.group_size, layer.rows_for_quantized
+        lin.bits = layer.bits
         lin.bias = NO_WEIGHT if layer.bias is None else layer.bias
         lin.dense = describe(layer.dense)
     else:

@@ -1,6 +1,6 @@
 // nanopaged's CPU kernels: the small ops of a decoder layer fused into one pass each, and paged
-// attention. Built on first use by nanopaged/kernels/cpu_ops.py; every op has a torch
-// reference beside it (the model's own modules) and tests/kernels/test_cpu_ops.py holds it to that.
+// attention. Built on first use by nanopaged/cpu/build.py; every op has a torch
+// reference beside it (the model's own modules) and tests/cpu/test_cpu_ops.py holds it to that.
 //
 // Why C++: on a CPU a decode step of a small model launches ~1,600 torch ops (a norm is eight:
 // float, pow, mean, add, rsqrt, mul, to, mul), each a few microseconds of dispatch for a few
@@ -1211,7 +1211,7 @@ torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor packed, int64_t N,
 // ---- the decoder layers, one after another, in one call ----------------------------------------
 // A decode step of a small model on a CPU spends about a millisecond of its ten in Python between
 // the kernels above: looking up modules, calling them, slicing the projection's output. So the
-// fused path hands the whole stack of layers to C++ once per step (worker/cpu_fused.py builds the
+// fused path hands the whole stack of layers to C++ once per step (cpu/fused.py builds the
 // description from the model's own modules). Each layer is the reference's DecoderLayer in ten
 // calls: rms_norm, q/k/v projection, rotary_and_store, paged_attention, o projection,
 // add_rms_norm, gate/up projection, silu_and_mul, down projection, the residual add.

@@ -1,4 +1,4 @@
-"""nanopaged's C++ CPU kernels (nanopaged/kernels/cpu_ops.cpp) against the torch ops they replace.
+"""nanopaged's C++ CPU kernels (nanopaged/cpu/csrc/cpu_ops.cpp) against the torch ops they replace.
 
 Each kernel rounds where its torch reference rounds, so in bfloat16 and float16 it gives the
 reference's values except where a float32 sum taken in another order, or the last bit of an exp,
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from nanopaged.attention.torch_backend import store_kvcache
-from nanopaged.cpu_features import cpu_flags
-from nanopaged.kernels.cpu_ops import available, build, cpu_ops, from_kernel_layout, to_kernel_layout
+from nanopaged.cpu.features import cpu_flags
+from nanopaged.cpu.build import available, build, cpu_ops, from_kernel_layout, to_kernel_layout
 from nanopaged.models.llama import RMSNorm, apply_rotary
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"{available()}")
@@ -355,7 +355,7 @@ def test_the_build_folder_is_named_by_the_source_not_its_path(tmp_path, monkeypa
     """Two checkouts of the same source share one library; a changed source, other flags or
     another torch install get their own folder, so no process rebuilds a library another has loaded."""
     import torch.utils.cpp_extension
-    import nanopaged.kernels.cpu_ops as module
+    import nanopaged.cpu.build as module
     monkeypatch.setattr(torch.utils.cpp_extension, "get_default_build_root", lambda: str(tmp_path / "builds"))
     here = module.build_folder("nanopaged_cpu_ops", ["-O3"])
     assert here.parent == tmp_path / "builds" / "nanopaged" and here.is_dir()
@@ -377,7 +377,7 @@ def test_the_build_folder_is_named_by_the_source_not_its_path(tmp_path, monkeypa
 def test_the_library_is_compiled_from_a_copy_in_its_folder():
     from pathlib import Path
     from torch.utils.cpp_extension import get_default_build_root
-    import nanopaged.kernels.cpu_ops as module
+    import nanopaged.cpu.build as module
     cpu_ops()
     folders = [f for f in (Path(get_default_build_root()) / "nanopaged").iterdir()
                if f.name.startswith("nanopaged_cpu_ops-") and (f / "cpu_ops.cpp").exists()]

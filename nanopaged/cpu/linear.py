@@ -9,8 +9,8 @@ Two kernels, chosen by the CPU's flags as measured (docs/05, "bfloat16 on the ma
     packed   oneDNN's kernel (AMX tiles where the CPU has them): `torch.ops.mkldnn.
              _reorder_linear_weight` packs a weight and `_linear_pointwise` multiplies by it (what
              torch.compile's CPU backend emits for a frozen bfloat16 linear). Private to torch:
-             tests/worker/test_cpu_linear.py pins that they exist and still equal F.linear.
-    dpbf16   nanopaged's own (nanopaged/kernels/cpu_ops.cpp: linear_bf16), on AVX512-BF16's
+             tests/cpu/test_linear.py pins that they exist and still equal F.linear.
+    dpbf16   nanopaged's own (nanopaged/cpu/csrc/cpu_ops.cpp: linear_bf16), on AVX512-BF16's
              dot-product instruction: on a CPU with it and without AMX (AMD Zen 4) it ran a decode
              step's matmuls faster than oneDNN's at every row count measured.
 """
@@ -47,10 +47,11 @@ class PackedLinear(nn.Module):
 
 class Dpbf16Linear(nn.Module):
     """y = x W^T + b on AVX512-BF16's dot-product instruction, W packed once for it (inference only)."""
+    cpp_kernel = "dpbf16"       # the fused layer loop runs it in C++ (fused.py: describe)
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        from nanopaged.kernels.cpu_ops import cpu_ops     # built on first use (kernels/cpu_ops.py)
+        from nanopaged.cpu.build import cpu_ops     # built on first use (cpu/build.py)
         self.ops = cpu_ops()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight = self.ops.pack_bf16_weight(linear.weight.detach())

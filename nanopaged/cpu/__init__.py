@@ -1,0 +1,14 @@
+"""The CPU fast path, in one annex beside the readable reference (docs/05, docs/00 "The fast path
+beside the reference"). Nothing here is needed to follow the reference; `choose.py` decides what
+of it runs, and the runner calls it once.
+
+    features.py          the CPU's flags: whether its matrix units multiply bfloat16 (dtype="auto")
+    choose.py            the settings and the flags -> FastPath: which kernels replace which reference
+    build.py             the C++ in csrc/ compiled on first use, for this CPU
+    csrc/                the kernels, split by concern
+    linear.py            bfloat16 linears on weights packed once: oneDNN's (packed), nanopaged's (dpbf16)
+    quantized_linear.py  4- and 8-bit weight-only linears (quantization=)
+    fused.py             the decoder layer loop in C++, over the model's own weights
+    attention.py         the `cpu` attention backend: every row of a step through the block tables
+    thread_governor.py   torch's threads follow the cores other processes leave free (cpu_threads="auto")
+"""
