@@ -7,10 +7,10 @@
 
 Throughput follows nano-vllm's bench.py: seeded random token-id prompts, input and output
 lengths uniform in a range, `ignore_eos=True`, one warm-up, then output tokens / wall time
-of the timed generation. Every peer runs in the same process on the same prompts and
-lengths. Memory efficiency follows the paper (Fig. 2, section 6): the share of the KV slots
+of the timed generation. Every peer runs on the same prompts and lengths: the Hugging Face
+peers in this process, vLLM and llama.cpp each in its own environment. Memory efficiency follows the paper (Fig. 2, section 6): the share of the KV slots
 held that store a real token, for PagedAttention and for the reservation allocators it
-replaced, on the same running set. docs/benchmarks.md explains every number.
+replaced, on the same running set. docs/07_benchmarks.md explains every number.
 
 The file reads top-down: settings and arguments, the trace, the timed run of each engine,
 the table and JSON. The pieces live in benchmarks/ (its __init__ lists them): the model,
@@ -31,12 +31,13 @@ from benchmarks.models import RANDOM_CONFIGS, resolve_model, vocab_limit
 from benchmarks.nanopaged_run import quantized_vs_dense, resolved_settings, run_nanopaged
 from benchmarks.noise import noise_figures
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
-from benchmarks.report import plot, print_shared_prefix, print_sharing, print_table
+from benchmarks.report import (plot, print_shared_prefix, print_sharing, print_spec, print_structured,
+                               print_table)
 from benchmarks.quality import quality_figures, text_ids
 from benchmarks.roofline import measure_matmul_flops, roofline_figures
 from benchmarks.single_stream import single_stream_figures, single_stream_length
-from benchmarks.spec import print_spec, run_spec
-from benchmarks.structured import print_structured, run_structured
+from benchmarks.spec import run_spec
+from benchmarks.structured import run_structured
 from benchmarks.trace import make_trace
 from benchmarks.workloads import run_shared_prefix, run_sharing
 from nanopaged import EngineConfig

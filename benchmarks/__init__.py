@@ -1,23 +1,30 @@
 """The pieces bench.py uses, one idea a module; bench.py reads them in this order.
 
-    models.py          the model folder: --model, the demo model, or random weights of a named shape
+    models.py          the model folder: --model, the demo model, random weights of a named shape;
+                       and the spec workload's draft model, cut from it
     trace.py           the trace every engine runs, its warm-up prompt, and Run (one timed generation)
     nanopaged_run.py   nanopaged stepped through the trace, with a look at KV memory every step
     memory.py          KV slots held: paged blocks vs the reservation allocators and HF's padded cache
-    peers.py           the engines beside it: HF static batching, transformers' paged CB, vLLM
+    peers.py           the engines beside it: HF static batching, transformers' paged CB, vLLM and llama.cpp
     roofline.py        the matmul FLOP/s ceiling and the FLOPs the trace needs
     single_stream.py   one request at a time: decode tokens/s against HF generate
+    decode_speed.py    the rule every engine's single-stream decode tokens/s is timed by
     noise.py           the timed runs again beside a busy process on one core (--noise)
     figures.py         ratios to the peers, where step time goes, the targets, published figures
     workloads.py       the other workloads: prefix caching on vs off, sharing inside a request
-    serve.py           --workload serve: streaming clients at a Poisson rate against nanopaged serve and transformers serve
+    serve.py           --workload serve: streaming clients at a Poisson rate against nanopaged serve and
+                       transformers serve
     structured.py      --workload structured: what a JSON schema, a regex or a choice costs per token
     spec.py            --workload spec: speculative decoding where the answer repeats its prompt, and on random tokens
+    spec_prompts.py    the spec workload's prompts: passages to repeat, or to fix typos in
     quality.py         perplexity of a fixed English text: quantized weights against float32 and llama.cpp
-    vllm_peer.py, llamacpp_peer.py   the scripts vLLM and llama.cpp run in their own environments (peers.py starts them)
+    vllm_peer.py, llamacpp_peer.py   the scripts vLLM and llama.cpp run in their own environments (peers.py
+                       starts them); besides their engine they import only the standard library,
+                       decode_speed.py and trace.py
     machine.py         the machine and the library versions a result was measured with
     report.py          the tables printed and the plot drawn
+    tokenizer.py       a tiny tokenizer trained in-process, for the random-weight models (and the tests' tiny ones)
 
 research/ holds the tools bench.py does not use: the step profile, the skinny-matmul probe and
-the tensor-parallel figures (tests/test_bench.py checks that bench.py uses every module here).
+the tensor-parallel figures (tests/benchmarks/test_bench.py checks that bench.py uses every module here).
 """

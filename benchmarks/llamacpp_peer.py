@@ -1,13 +1,14 @@
 """llama.cpp on bench.py's trace and prompts, run in its own environment (scripts/setup_llamacpp_peer.sh).
 
-    VENV/bin/python benchmarks/llamacpp_peer.py IN.json OUT.json
+    PYTHONPATH=REPO VENV/bin/python -m benchmarks.llamacpp_peer IN.json OUT.json
 
 llama.cpp reads the GGUF file itself, the very file the demo model ships as, with its own 4-bit
 kernels; it serves one request at a time (its Python API has no batching), so its trace figure
 is the trace run request after request, and its single-stream figure the one that compares.
-bench.py writes IN.json (the GGUF path, the threads, the trace, the single-stream prompt, the
-perplexity text's token ids) and reads OUT.json back. This file imports only llama_cpp and the
-standard library (llama_cpp only inside main()), so bench.py can import it to find it.
+bench.py (benchmarks/peers.py: run_side) writes IN.json (the GGUF path, the threads, the trace, the
+single-stream prompt, the perplexity text's token ids) and reads OUT.json back. This file imports
+llama_cpp (only inside main(), so bench.py can import it to find it), the standard library, and of
+benchmarks/ only decode_speed.py, which imports nothing else.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import math
 import sys
 import time
 
-REPEATS = 3
+from benchmarks.decode_speed import decode_tokens_per_s
 
 
 def main(path_in: str, path_out: str) -> None:
@@ -32,17 +33,9 @@ def main(path_in: str, path_out: str) -> None:
         return out["usage"]["completion_tokens"]
 
     result = {"version": llama_cpp.__version__}
-    one = job["single_stream"]
-    generate(one["prompt"], 4)
-    best = 0.0
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        generate(one["prompt"], 1)
-        t1 = time.perf_counter()
-        generate(one["prompt"], one["output_tokens"])
-        t2 = time.perf_counter()
-        best = max(best, (one["output_tokens"] - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
-    result["decode_tokens_per_s"] = best
+    one = job["single_stream"]           # generate() resets the context: no call reuses another's
+    result["decode_tokens_per_s"] = decode_tokens_per_s([lambda n: generate(one["prompt"], n)],
+                                                        one["output_tokens"])[0]
     if job.get("prompts"):
         start, produced = time.perf_counter(), 0
         for prompt, n in zip(job["prompts"], job["output_lens"]):

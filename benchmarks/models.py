@@ -1,10 +1,16 @@
-"""The model every engine loads: --model, the demo model, or random weights of a named shape."""
+"""The model every engine loads: --model, the demo model, or random weights of a named shape;
+and the spec workload's draft model, cut from the target. Folders made here are written once
+into the cache (cache_dir()/bench)."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -40,21 +46,84 @@ def build_random_model(name: str) -> Path:
     (Qwen3: 151936) is kept for its true cost, and make_trace draws ids below the tokenizer's.
     """
     folder = cache_dir() / "bench" / f"{name}-random-v2"   # v2: its own tokenizer
+
+    def write(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, Qwen3Config
+        cfg = dict(RANDOM_CONFIGS[name])
+        config = Qwen3Config(**cfg, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                             architectures=["Qwen3ForCausalLM"])
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(tmp, safe_serialization=True)   # writes generation_config.json too
+        train_tokenizer(4096, model_max_length=cfg["max_position_embeddings"]).save_pretrained(tmp)
+
+    return write_once(folder, f"random weights for {name}", write)
+
+
+def write_once(folder: Path, what: str, write: Callable[[Path], None]) -> Path:
+    """`folder`, a model folder made once: if it has no model.safetensors yet, `write` fills a
+    temporary folder beside it, which is then renamed, so a half-written folder is never used."""
     if (folder / "model.safetensors").is_file():
         return folder
-    from transformers import AutoModelForCausalLM, Qwen3Config
-    print(f"bench: writing random weights for {name} into {folder} (once)", file=sys.stderr)
-    cfg = dict(RANDOM_CONFIGS[name])
-    config = Qwen3Config(**cfg, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                         architectures=["Qwen3ForCausalLM"])
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    print(f"bench: writing {what} into {folder} (once)", file=sys.stderr)
     tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
-    model.save_pretrained(tmp, safe_serialization=True)   # writes generation_config.json too
-    train_tokenizer(4096, model_max_length=cfg["max_position_embeddings"]).save_pretrained(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
     shutil.rmtree(folder, ignore_errors=True)
-    os.rename(tmp, folder)                                # a half-written folder is never used
+    os.rename(tmp, folder)
     return folder
+
+
+# ---- the spec workload's draft model -------------------------------------------------------
+
+DRAFT_NOTE = ("a layer-truncated self-draft (an early exit): the target's first {n} of its {total} decoder "
+              "layers, with its embedding, final norm and lm_head; not a separately trained model")
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def build_draft_model(model_dir: str, num_layers: int) -> Path:
+    """The target's first `num_layers` decoder layers as a model of its own, made once and cached:
+    the same config with num_hidden_layers = num_layers, the embedding, those layers, the final norm
+    and the lm_head (none where tie_word_embeddings: the embedding is the head), as safetensors, with
+    the tokenizer files copied. The folder's name carries a stamp of the target's weights. It shares the
+    target's vocabulary by construction; its drafts are only as good as the target's early layers."""
+    src = Path(model_dir).resolve()
+    config = json.loads((src / "config.json").read_text())
+    total = config["num_hidden_layers"]
+    if not 1 <= num_layers < total:
+        raise ValueError(f"--draft-layers {num_layers}: the model has {total} layers; a draft keeps 1 to {total - 1}")
+    weights = sorted(src.glob("*.safetensors"))
+    stamp = hashlib.sha256(repr([str(src)] + [(w.name, w.stat().st_size, w.stat().st_mtime_ns)
+                                              for w in weights]).encode()).hexdigest()[:10]
+
+    def write(tmp: Path) -> None:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+        state = {}
+        for w in weights:
+            with safe_open(str(w), "pt") as f:
+                for name in f.keys():
+                    m = LAYER.match(name)
+                    if m is None or int(m.group(1)) < num_layers:
+                        state[name] = f.get_tensor(name)
+        needed = ["model.embed_tokens.weight", "model.norm.weight"]
+        needed += [] if config.get("tie_word_embeddings") else ["lm_head.weight"]
+        missing = [n for n in needed if n not in state]
+        if missing:
+            raise ValueError(f"{src}: no {', '.join(missing)} in its weights; cannot cut a draft model from it")
+        config["num_hidden_layers"] = num_layers
+        if isinstance(config.get("layer_types"), list):
+            config["layer_types"] = config["layer_types"][:num_layers]
+        tmp.mkdir(parents=True)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in src.iterdir():       # tokenizer, chat template, generation config; not the weights, not links
+            if f.is_file() and not f.is_symlink() and f.suffix != ".safetensors" \
+                    and f.name not in ("config.json", "model.safetensors.index.json"):
+                shutil.copy2(f, tmp / f.name)
+
+    return write_once(cache_dir() / "bench" / f"{src.name}-first{num_layers}-draft-{stamp}",
+                      f"the draft model (the first {num_layers} of {total} layers of {src})", write)
 
 
 def vocab_limit(model_dir: str) -> int:

@@ -1,6 +1,6 @@
 """The peers, each on the same trace: Hugging Face static batching and transformers' own
-continuous batching over a paged cache in this process, and vLLM's CPU engine in its own
-environment (scripts/setup_vllm_peer.sh), in a subprocess."""
+continuous batching over a paged cache in this process; vLLM's CPU engine and llama.cpp each in
+its own environment (scripts/setup_*_peer.sh), in a subprocess (run_side)."""
 from __future__ import annotations
 
 import json
@@ -16,9 +16,14 @@ from benchmarks import llamacpp_peer, vllm_peer
 from benchmarks.memory import hf_static_kv_utilization
 from benchmarks.trace import WARMUP_PROMPT, Run, Trace
 from nanopaged import EngineConfig
+from nanopaged.models.config import ModelConfig
 
 PEERS = ("hf", "hf-paged", "vllm", "llama.cpp")
-VLLM_TIMEOUT_S = 1800     # vLLM compiles for about two minutes before its first step
+ROOT = Path(__file__).resolve().parent.parent
+SIDE_TIMEOUT_S = 1800     # vLLM compiles for about two minutes before its first step
+# The peers that run in an environment of their own, and its name: scripts/setup_{name}_peer.sh builds
+# it, --{name}-python names its python.
+SIDE = {"vllm": "vllm", "llama.cpp": "llamacpp"}
 
 
 def run_peer(name: str, model_dir: str, trace: Trace, args, settings: dict, config: EngineConfig,
@@ -30,19 +35,17 @@ def run_peer(name: str, model_dir: str, trace: Trace, args, settings: dict, conf
     `single_stream` ({"prompt", "output_tokens"}): vLLM and llama.cpp also time one request at a time;
     `perplexity_ids`: llama.cpp also scores this text (benchmarks/quality.py).
     """
-    if name == "vllm" and vllm_python(args) is None:
-        return {"skipped": "no vLLM environment: run `bash scripts/setup_vllm_peer.sh` (or give --vllm-python)"}
-    if name == "llama.cpp" and side_python(args, "llamacpp") is None:
-        return {"skipped": "no llama.cpp environment: run `bash scripts/setup_llamacpp_peer.sh` (or give "
-                           "--llamacpp-python)"}
+    python = side_python(args, name) if name in SIDE else None
+    if name in SIDE and python is None:
+        return {"skipped": not_set_up(name)}
     try:
         if name == "hf":
             return run_hf_sweep(model_dir, trace, config, args.hf_batch_sizes)
         if name == "hf-paged":
             return run_hf_paged(model_dir, trace, config, resolved).figures()
         if name == "llama.cpp":
-            return run_llamacpp(model_dir, trace, config, side_python(args, "llamacpp"), single_stream, perplexity_ids)
-        return run_vllm(model_dir, trace, config, resolved, vllm_python(args), single_stream)
+            return run_llamacpp(model_dir, trace, config, python, single_stream, perplexity_ids)
+        return run_vllm(model_dir, trace, config, resolved, python, single_stream)
     except Exception as e:                   # a peer failing is a result to report, not a crash
         return {"skipped": f"{type(e).__name__}: {e}"}
 
@@ -150,56 +153,65 @@ def cb_generate(manager, prompts, output_lens) -> list:
     return [results[i] for i in ids]
 
 
-# ---- vLLM ---------------------------------------------------------------------------------
+# ---- the side environments (vLLM, llama.cpp) ----------------------------------------------
 
 def side_python(args, peer: str) -> Path | None:
-    """A side environment's python (scripts/setup_{peer}_peer.sh): --{peer}-python, else
-    $NANOPAGED_{PEER}_PYTHON, else the script's default folder."""
-    for candidate in (getattr(args, f"{peer}_python", None), os.environ.get(f"NANOPAGED_{peer.upper()}_PYTHON"),
-                      Path.home() / ".cache" / "nanopaged" / f"{peer}-peer" / "bin" / "python"):
+    """The python of a peer's environment (scripts/setup_{name}_peer.sh): --{name}-python, else
+    $NANOPAGED_{NAME}_PYTHON, else the script's default folder; None where there is none."""
+    name = SIDE[peer]
+    for candidate in (getattr(args, f"{name}_python", None), os.environ.get(f"NANOPAGED_{name.upper()}_PYTHON"),
+                      Path.home() / ".cache" / "nanopaged" / f"{name}-peer" / "bin" / "python"):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
     return None
 
 
-def vllm_python(args) -> Path | None:
-    return side_python(args, "vllm")
+def not_set_up(peer: str) -> str:
+    """What a peer's row says when its environment is missing."""
+    name = SIDE[peer]
+    return f"no {peer} environment: run `bash scripts/setup_{name}_peer.sh` (or give --{name}-python)"
 
 
 def run_side(python: Path, script, job: dict) -> dict:
-    """Run a peer's script (benchmarks/*_peer.py) in its own environment on `job`; its result."""
+    """Run a peer's script (benchmarks/*_peer.py) in its own environment on `job`; its result.
+    It runs as a module of benchmarks/ (`python -m`), with the repository on its path and nothing
+    else of ours: it may import the modules of benchmarks/ that need only the standard library."""
     with tempfile.TemporaryDirectory() as tmp:
         path_in, path_out = Path(tmp) / "job.json", Path(tmp) / "result.json"
         path_in.write_text(json.dumps(job))
-        env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-        done = subprocess.run([str(python), script.__file__, str(path_in), str(path_out)], env=env,
-                              capture_output=True, text=True, timeout=VLLM_TIMEOUT_S)
+        env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        done = subprocess.run([str(python), "-m", script.__name__, str(path_in), str(path_out)], env=env,
+                              capture_output=True, text=True, timeout=SIDE_TIMEOUT_S)
         if done.returncode != 0 or not path_out.exists():
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
             raise RuntimeError(f"exited with {done.returncode}: {' | '.join(tail)}")
         return json.loads(path_out.read_text())
 
 
-def run_vllm(model_dir: str, trace: Trace, config: EngineConfig, resolved: dict, python: Path,
-             single_stream: dict | None = None) -> dict:
-    """vLLM's CPU engine on the same trace, in its own environment and process
-    (benchmarks/vllm_peer.py), with nanopaged's dtype, KV bytes and batch limits; its own block
-    size (its CPU attention takes multiples of 32 only)."""
-    m = config.model_config
-    kv_bytes = resolved["num_kv_blocks"] * resolved["block_size"] * m.kv_bytes_per_token(
-        getattr(torch, config.dtype).itemsize)
+# ---- vLLM ---------------------------------------------------------------------------------
+
+def vllm_job(model_dir: str, m: ModelConfig, resolved: dict, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    """The job benchmarks/vllm_peer.py runs: these prompts with nanopaged's resolved dtype, KV bytes
+    and batch limits; vLLM keeps its own block size (its CPU attention takes multiples of 32 only)."""
+    slots = resolved["num_kv_blocks"] * resolved["block_size"]
+    kv_bytes = slots * m.kv_bytes_per_token(getattr(torch, resolved["dtype"]).itemsize)
     # vLLM refuses a max_model_len whose one request would not fit its KV cache (nanopaged checks each
     # request instead): cap it at what the same bytes hold, in whole 128-token blocks, with 5% to spare.
-    max_model_len = min(resolved["max_model_len"],
-                        int(resolved["num_kv_blocks"] * resolved["block_size"] * 0.95) // 128 * 128)
-    job = {"model": model_dir, "prompts": trace.prompts, "output_lens": trace.output_lens,
-           "dtype": config.dtype, "kv_cache_bytes": kv_bytes, "single_stream": single_stream,
-           "max_model_len": max_model_len,
-           **{k: resolved[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")}}
+    return {"model": model_dir, "prompts": prompts, "output_lens": output_lens, "dtype": resolved["dtype"],
+            "kv_cache_bytes": kv_bytes, "max_model_len": min(resolved["max_model_len"], int(slots * 0.95) // 128 * 128),
+            **{k: resolved[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")}}
+
+
+def run_vllm(model_dir: str, trace: Trace, config: EngineConfig, resolved: dict, python: Path,
+             single_stream: dict | None = None) -> dict:
+    """vLLM's CPU engine on the same trace, in its own environment and process (vllm_job's settings)."""
+    job = {**vllm_job(model_dir, config.model_config, resolved, trace.prompts, trace.output_lens),
+           "single_stream": single_stream}
     out = run_side(python, vllm_peer, job)
     run = Run("vllm", out["wall_s"], out["output_tokens"], trace.num_prompt_tokens, len(trace.prompts),
-              {"version": out["vllm"], "load_s": out["load_s"], "kv_cache_bytes": kv_bytes,
-               "block_size": out["block_size"], "max_model_len": max_model_len})
+              {"version": out["vllm"], "load_s": out["load_s"], "kv_cache_bytes": job["kv_cache_bytes"],
+               "block_size": out["block_size"], "max_model_len": job["max_model_len"]})
     return {**run.figures(), "token_ids": out["token_ids"],
             **({"decode_tokens_per_s": out["decode_tokens_per_s"]} if "decode_tokens_per_s" in out else {})}
 

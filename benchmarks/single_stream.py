@@ -1,23 +1,16 @@
 """One request at a time: the decode tokens/s a single user sees, nanopaged against
-Hugging Face `generate` on the same prompt, and vLLM's figure from its own process.
-
-Decode speed is measured apart from the prefill: each engine generates 1 token, then N
-tokens, from the same prompt, and decode tokens/s = (N - 1) / (time(N) - time(1)). Each is
-the best of a few repeats, and the repeats alternate between the two engines, so a host
-that slows down part-way slows both alike. Prefix caching is off, so both timings compute
-the whole prompt.
+Hugging Face `generate` on the same prompt, alternating (benchmarks/decode_speed.py), and the
+peers' figures from their own processes, timed by the same rule. Prefix caching is off, so
+both timings compute the whole prompt.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
+from benchmarks.decode_speed import decode_tokens_per_s
 from benchmarks.peers import load_hf
 from benchmarks.trace import Trace
 from nanopaged import LLM, EngineConfig, SamplingParams
-
-REPEATS = 3
 
 
 def single_stream_length(trace: Trace) -> int:
@@ -55,18 +48,3 @@ def single_stream_figures(model_dir: str, trace: Trace, settings: dict, config: 
             out[f"ratio_vs_{key}"] = engine / peer["decode_tokens_per_s"]
     return out
 
-
-def decode_tokens_per_s(generates: list, n: int) -> list[float]:
-    """Each engine's best decode tokens/s over REPEATS rounds; each round times every engine."""
-    for generate in generates:
-        generate(n)                              # warm-up
-    best = [0.0] * len(generates)
-    for _ in range(REPEATS):
-        for i, generate in enumerate(generates):
-            t0 = time.perf_counter()
-            generate(1)
-            t1 = time.perf_counter()
-            generate(n)
-            t2 = time.perf_counter()
-            best[i] = max(best[i], (n - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
-    return best

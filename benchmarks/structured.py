@@ -101,21 +101,3 @@ def compile_times(llm: LLM) -> dict:
         manager.grammar(params)
         times[name] = {"cold_s": cold, "cached_s": time.perf_counter() - start}
     return times
-
-
-def print_structured(r: dict) -> None:
-    s = r["settings"]
-    print(f"\nstructured outputs: {s['num_requests']} requests, prompts {s['input_len'][0]}-{s['input_len'][1]} "
-          f"tokens, outputs {s['output_len'][0]}-{s['output_len'][1]} tokens, greedy; the same requests with "
-          "and without a JSON schema (the faster of two runs each)")
-    print(f"{'run':<13}{'wall s':>8}{'out tok/s':>11}{'steps':>7}{'mask s':>9}{'matcher s':>11}"
-          f"{'share':>8}{'median step':>13}")
-    for name in ("plain", "constrained"):
-        x = r[name]
-        print(f"{name:<13}{x['wall_s']:>8.2f}{x['output_tokens_per_s']:>11.1f}{x['steps']:>7}{x['mask_s']:>9.3f}"
-              f"{x['matcher_s']:>11.3f}{x['mask_and_matcher_share']:>8.1%}{x['median_step_share']:>13.1%}")
-    verdict = "met" if r["target_met"] else "missed"
-    print(f"the schema costs {r['overhead_per_token']:+.1%} per output token (target <= {r['target']:.0%}: {verdict})")
-    print(f"{'compile':<14}{'cold ms':>10}{'cached ms':>11}")
-    for name, t in r["compile"].items():
-        print(f"{name:<14}{t['cold_s'] * 1e3:>10.2f}{t['cached_s'] * 1e3:>11.4f}")

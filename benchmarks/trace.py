@@ -21,15 +21,17 @@ class Trace:
 
 
 def make_trace(num_requests: int, input_len, output_len, seed: int, vocab_limit: int) -> Trace:
-    """nano-vllm's trace: random token ids and uniform lengths, all from one seeded generator.
-
-    Ids start at 3 so a prompt holds no special token (0, 1, 2 are unk/bos/eos in the demo
-    tokenizer); `vocab_limit` keeps them inside both the model's and the tokenizer's vocab.
-    """
+    """nano-vllm's trace: random token ids and uniform lengths, all from one seeded generator."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, vocab_limit) for _ in range(rng.randint(*input_len))]
-               for _ in range(num_requests)]
+    prompts = [random_ids(rng, rng.randint(*input_len), vocab_limit) for _ in range(num_requests)]
     return Trace(prompts, [rng.randint(*output_len) for _ in range(num_requests)])
+
+
+def random_ids(rng: random.Random, n: int, vocab_limit: int) -> list[int]:
+    """`n` random token ids. They start at 3 so a prompt holds no special token (0, 1, 2 are
+    unk/bos/eos in the demo tokenizer); `vocab_limit` keeps them inside both the model's and the
+    tokenizer's vocab."""
+    return [rng.randrange(3, vocab_limit) for _ in range(n)]
 
 
 # Every engine warms up on this prompt: ids 3..18 start no random prompt, so the warm-up

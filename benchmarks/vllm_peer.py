@@ -1,14 +1,15 @@
 """vLLM's CPU engine on bench.py's trace, run in its own environment (scripts/setup_vllm_peer.sh).
 
-    VENV/bin/python benchmarks/vllm_peer.py IN.json OUT.json
+    PYTHONPATH=REPO VENV/bin/python -m benchmarks.vllm_peer IN.json OUT.json
 
-bench.py writes IN.json (the model folder, the trace's prompts and output lengths, the engine
-settings nanopaged resolved: dtype, KV bytes, max_num_seqs, token budget, max_model_len) and reads
-OUT.json back. vLLM pins other library versions than nanopaged's, so it cannot share bench.py's
-process; this file imports nothing of nanopaged or of benchmarks/, only vLLM and the standard
-library, and vLLM only inside main(), so bench.py can import it to find it. The timing rules are
-bench.py's: one warm-up, then output tokens / wall time of one generate over the whole trace
-(greedy, ignore_eos); one request at a time, decode tokens/s = (N - 1) / (time(N) - time(1)).
+bench.py (benchmarks/peers.py: run_side) writes IN.json (the model folder, the trace's prompts and
+output lengths, the engine settings nanopaged resolved: dtype, KV bytes, max_num_seqs, token budget,
+max_model_len) and reads OUT.json back. vLLM pins other library versions than nanopaged's, so it
+cannot share bench.py's process; this file imports vLLM (only inside main(), so bench.py can import
+it to find it), the standard library, and of benchmarks/ only modules that import nothing else
+(trace.py, decode_speed.py). The timing rules are bench.py's: one warm-up, then output tokens / wall
+time of one generate over the whole trace (greedy, ignore_eos); one request at a time, decode
+tokens/s by benchmarks/decode_speed.py.
 
 Optional keys (bench.py --workload spec): "speculative_config" (vLLM's own dict, e.g. n-gram drafts;
 its spec-decode counters come back as "spec_decode"), "ignore_eos" (default true), "enable_prefix_caching"
@@ -16,14 +17,15 @@ its spec-decode counters come back as "spec_decode"), "ignore_eos" (default true
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import sys
 import time
 
-WARMUP = [list(range(3, 19))]     # benchmarks/trace.py: WARMUP_PROMPT
-REPEATS = 3
+from benchmarks.decode_speed import decode_tokens_per_s
+from benchmarks.trace import WARMUP_PROMPT
 
 
 def main(path_in: str, path_out: str) -> None:
@@ -47,7 +49,7 @@ def main(path_in: str, path_out: str) -> None:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos) for n in lens]
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
-    generate(WARMUP, [4])
+    generate([WARMUP_PROMPT["prompt_token_ids"]], [4])
     before = spec_counters(llm) if spec else None
     start = time.perf_counter()
     outs = generate(job["prompts"], job["output_lens"])
@@ -69,7 +71,7 @@ def main(path_in: str, path_out: str) -> None:
             result["one_at_a_time"]["spec_decode"] = counters_since(spec_counters(llm), before)
     one = job.get("single_stream")
     if one:
-        result["decode_tokens_per_s"] = decode_tokens_per_s(generate, one["prompt"], one["output_tokens"])
+        result["decode_tokens_per_s"] = single_stream(generate, one["prompt"], one["output_tokens"])
     open(path_out, "w").write(json.dumps(result))
 
 
@@ -97,19 +99,15 @@ def counters_since(now: dict | None, before: dict | None) -> dict | None:
             "draft_acceptance_rate": accepted / tokens if tokens else 0.0}
 
 
-def decode_tokens_per_s(generate, prompt: list[int], n: int) -> float:
-    """Best of REPEATS: (n - 1) new tokens over the time n tokens take beyond one (no prefix caching
-    gain: the prompt is computed in both, as nanopaged's single-stream run does with caching off)."""
-    generate([prompt], [n])
-    best = 0.0
-    for i in range(REPEATS):                   # a first token of its own each time: no prefix-cache hit
-        t0 = time.perf_counter()
-        generate([[100 + 2 * i] + prompt[1:]], [1])
-        t1 = time.perf_counter()
-        generate([[101 + 2 * i] + prompt[1:]], [n])
-        t2 = time.perf_counter()
-        best = max(best, (n - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
-    return best
+def single_stream(generate, prompt: list[int], n: int) -> float:
+    """Decode tokens/s of one request (benchmarks/decode_speed.py). Prefix caching is on, so each
+    call's prompt starts with a token of its own: none reuses the cache another call left, and
+    each computes the whole prompt, as nanopaged's single-stream run does with caching off."""
+    first = itertools.count(100)
+
+    def one(tokens: int) -> None:
+        generate([[next(first)] + prompt[1:]], [tokens])
+    return decode_tokens_per_s([one], n)[0]
 
 
 if __name__ == "__main__":      # vLLM's LLM must be created under the main guard (it spawns workers)

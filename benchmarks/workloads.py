@@ -6,7 +6,7 @@ import random
 import time
 
 from benchmarks.models import vocab_limit
-from benchmarks.trace import WARMUP_PROMPT, make_trace
+from benchmarks.trace import WARMUP_PROMPT, make_trace, random_ids
 from nanopaged import LLM, BeamSearchParams, SamplingParams
 
 
@@ -19,9 +19,8 @@ def run_shared_prefix(args, model_dir: str, settings: dict) -> dict:
     """
     vocab = vocab_limit(model_dir)
     rng = random.Random(args.seed)
-    system = [rng.randrange(3, vocab) for _ in range(args.prefix_len)]
-    prompts = [system + [rng.randrange(3, vocab) for _ in range(rng.randint(*args.input_len))]
-               for _ in range(args.num_requests)]
+    system = random_ids(rng, args.prefix_len, vocab)
+    prompts = [system + random_ids(rng, rng.randint(*args.input_len), vocab) for _ in range(args.num_requests)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(*args.output_len), ignore_eos=True)
               for _ in prompts]
     total = sum(len(p) for p in prompts)

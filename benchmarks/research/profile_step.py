@@ -30,6 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import nanopaged.models.llama as llama
+from benchmarks.trace import random_ids
 from nanopaged import LLM, SamplingParams
 from nanopaged.attention.torch_backend import TorchAttentionBackend
 from nanopaged.models.demo_model import demo_model_path
@@ -58,7 +59,7 @@ def decoding_engine(model: str, rows: int, seed: int = 0, dtype: str = "auto", *
     rng = random.Random(seed)
     vocab = min(engine.runner.model_config.vocab_size, len(engine.tokenizer))
     for i in range(rows):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(32, 128))]
+        prompt = random_ids(rng, rng.randint(32, 128), vocab)
         engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
     scheduler = engine.scheduler

@@ -10,12 +10,11 @@ count. This prints, for each row count, the time of one pass over all the model'
 (every layer's q/k/v, o, gate/up, down and the lm_head, as separate tensors that stream from
 memory, `roofline.own_matmul_seconds`), the weight bytes read per second, and the
 FLOP/s; then the same bytes copied, for the bandwidth the memory itself gives.
-docs/benchmarks.md reads the figures.
+benchmarks/LOG.md reads the figures (2026-12-01, third round).
 """
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 

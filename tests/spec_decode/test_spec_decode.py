@@ -299,7 +299,7 @@ def test_demo_model_greedy_ngram(demo_model_dir):
 def test_demo_model_greedy_draft_model(demo_model_dir):
     """A draft model with the demo model's vocabulary: its own first 4 layers (the bench's early-exit
     draft). Its drafts are poor; the output is the target's all the same."""
-    from benchmarks.spec import build_draft_model
+    from benchmarks.models import build_draft_model
     prompts = ["Name three colours.", "Write the word blue four times."]
     p = SamplingParams(temperature=0, max_tokens=12)
     plain = token_ids(engine(demo_model_dir), prompts, p)

@@ -1,15 +1,17 @@
-"""`bench.py --workload spec` (benchmarks/spec.py) on the tiny models: the prompts repeat their passage,
-the typos are the same every run, the truncated draft model is what it says and loads as a draft model,
-the targets are computed from the figures, and one tiny run yields every figure the JSON promises."""
+"""`bench.py --workload spec` (benchmarks/spec.py) on the tiny models: the prompts repeat their passage
+(benchmarks/spec_prompts.py), the typos are the same every run, the truncated draft model
+(benchmarks/models.py) is what it says and loads as a draft model, the targets are computed from the
+figures, and one tiny run yields every figure the JSON promises."""
 import json
 import pathlib
 import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import bench  # noqa: E402
-from benchmarks import spec  # noqa: E402
+from benchmarks import spec, spec_prompts  # noqa: E402
+from benchmarks.models import build_draft_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,51 +27,51 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_passages_are_the_text_cut_at_sentence_ends(tokenizer):
-    passages = spec.split_passages(spec.TEXT.read_text(), tokenizer)
-    prose = " ".join(spec.TEXT.read_text().split())
+    passages = spec_prompts.split_passages(spec_prompts.TEXT.read_text(), tokenizer)
+    prose = " ".join(spec_prompts.TEXT.read_text().split())
     assert len(passages) >= 4
     for p in passages:
         assert p in prose and p[-1] in ".!?\"'"
-        assert spec.num_tokens(tokenizer, p) >= spec.MIN_PASSAGE_TOKENS
+        assert spec_prompts.num_tokens(tokenizer, p) >= spec_prompts.MIN_PASSAGE_TOKENS
     assert "The Lighthouse Keeper's Year" not in passages[0]       # the heading is left out
 
 
 def test_typos_are_deterministic_and_few():
     text = ("The lighthouse keeper walked along the northern cliff every morning, counting seabirds and "
             "writing their numbers into a battered notebook")
-    a, b = spec.add_typos(text, seed=7), spec.add_typos(text, seed=7)
+    a, b = spec_prompts.add_typos(text, seed=7), spec_prompts.add_typos(text, seed=7)
     assert a == b != text
     changed = [(x, y) for x, y in zip(text.split(" "), a.split(" ")) if x != y]
-    assert len(a.split(" ")) == len(text.split(" ")) and len(changed) == spec.NUM_TYPOS
+    assert len(a.split(" ")) == len(text.split(" ")) and len(changed) == spec_prompts.NUM_TYPOS
     assert all(x[0] == y[0] and x[-1] == y[-1] and abs(len(x) - len(y)) <= 1 for x, y in changed)
-    assert spec.add_typos(text, seed=8) != a                        # another seed, other typos
+    assert spec_prompts.add_typos(text, seed=8) != a                        # another seed, other typos
 
 
 def test_prompts_ask_for_their_passage_in_the_chat_format(tokenizer):
-    items = spec.build_workload(tokenizer, 6, seed=0)
-    again = spec.build_workload(tokenizer, 6, seed=0)
+    items = spec_prompts.build_workload(tokenizer, 6, seed=0)
+    again = spec_prompts.build_workload(tokenizer, 6, seed=0)
     assert [it.prompt_token_ids for it in items] == [it.prompt_token_ids for it in again]
-    assert {it.kind for it in items} == set(spec.INSTRUCTIONS)
+    assert {it.kind for it in items} == set(spec_prompts.INSTRUCTIONS)
     assert len({(it.kind, it.passage_index) for it in items}) == len(items)      # no prompt twice
     for it in items:
         text = tokenizer.decode(it.prompt_token_ids)
-        assert spec.INSTRUCTIONS[it.kind].format(it.shown) in text
+        assert spec_prompts.INSTRUCTIONS[it.kind].format(it.shown) in text
         assert text.rstrip().endswith("<|im_start|>assistant")                  # the generation prompt
-        assert it.max_tokens == it.passage_tokens + spec.MAX_TOKENS_SLACK
+        assert it.max_tokens == it.passage_tokens + spec_prompts.MAX_TOKENS_SLACK
         if it.kind == "repeat":
             assert it.shown == it.passage
         else:
-            assert it.shown == spec.add_typos(it.passage, it.passage_index) != it.passage
-    assert all(it.max_tokens == 9 for it in spec.build_workload(tokenizer, 2, max_tokens=9))
+            assert it.shown == spec_prompts.add_typos(it.passage, it.passage_index) != it.passage
+    assert all(it.max_tokens == 9 for it in spec_prompts.build_workload(tokenizer, 2, max_tokens=9))
     with pytest.raises(ValueError, match="--num-prompts"):
-        spec.build_workload(tokenizer, 10_000)
+        spec_prompts.build_workload(tokenizer, 10_000)
 
 
 def test_the_draft_model_keeps_the_first_layers_and_loads_as_a_draft(tiny_model_dirs, cache):
     from safetensors import safe_open
     from nanopaged import LLM, SamplingParams
     target = tiny_model_dirs["llama"]                  # 2 layers, tied embeddings
-    folder = spec.build_draft_model(target, 1)
+    folder = build_draft_model(target, 1)
     assert folder.parent == cache / "bench"
     config = json.loads((folder / "config.json").read_text())
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"]
@@ -79,11 +81,11 @@ def test_the_draft_model_keeps_the_first_layers_and_loads_as_a_draft(tiny_model_
     assert any(n.startswith("model.layers.0.") for n in names)
     assert not any(n.startswith("model.layers.1.") for n in names)
     assert (folder / "tokenizer.json").is_file()
-    assert spec.build_draft_model(target, 1) == folder                   # cached: made once
+    assert build_draft_model(target, 1) == folder                   # cached: made once
     with pytest.raises(ValueError, match="--draft-layers"):
-        spec.build_draft_model(target, 2)
+        build_draft_model(target, 2)
 
-    untied = spec.build_draft_model(tiny_model_dirs["qwen2"], 1)      # its own lm_head goes along
+    untied = build_draft_model(tiny_model_dirs["qwen2"], 1)      # its own lm_head goes along
     with safe_open(str(untied / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" in f.keys()
 
@@ -176,15 +178,8 @@ def test_spec_workload_smoke(tiny_model_dirs, cache, tmp_path, capsys):
 
 
 def test_the_vllm_row_says_why_it_did_not_run(monkeypatch, tokenizer):
-    monkeypatch.setattr(spec, "vllm_python", lambda args: None)
+    monkeypatch.setattr(spec, "side_python", lambda args, peer: None)
     args = bench.parse_args(["--workload", "spec", "--peers", "vllm"])
-    row = spec.run_vllm_spec(args, "unused", spec.build_workload(tokenizer, 1), {"dtype": "float32"})
+    row = spec.run_vllm_spec(args, "unused", spec_prompts.build_workload(tokenizer, 1), {"dtype": "float32"})
     assert "setup_vllm_peer.sh" in row["skipped"]
 
-
-def test_vllm_spec_counters_are_per_run():
-    from benchmarks.vllm_peer import counters_since
-    d = counters_since({"num_drafts": 12, "num_draft_tokens": 30, "num_accepted_tokens": 21},
-                       {"num_drafts": 2, "num_draft_tokens": 0, "num_accepted_tokens": 1})
-    assert d["num_drafts"] == 10 and d["mean_acceptance_length"] == 3.0 and d["draft_acceptance_rate"] == 20 / 30
-    assert counters_since(None, {}) is None

@@ -1,0 +1,39 @@
+"""Decode tokens/s of one request, the rule every engine's single-stream figure is timed by.
+
+Decode speed is measured apart from the prefill: an engine generates 1 token, then N tokens,
+from the same prompt, and decode tokens/s = (N - 1) / (time(N) - time(1)). Each figure is the
+best of REPEATS rounds, and each round times every engine given, in turn, so a host that slows
+down part-way slows them all alike. The engine must compute the whole prompt both times (no
+prefix-cache hit): each caller's `generate` sees to it.
+
+Standard library only: the peers' side scripts (vllm_peer.py, llamacpp_peer.py) time their
+figure with it in their own environments.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+REPEATS = 3
+
+
+def decode_tokens_per_s(generates: list[Callable[[int], object]], n: int) -> list[float]:
+    """Each engine's best decode tokens/s over REPEATS rounds; `generate(tokens)` generates
+    `tokens` tokens (ignoring EOS) from the prompt."""
+    for generate in generates:
+        generate(n)                              # warm-up
+    best = [0.0] * len(generates)
+    for _ in range(REPEATS):
+        for i, generate in enumerate(generates):
+            t0 = time.perf_counter()
+            generate(1)
+            t1 = time.perf_counter()
+            generate(n)
+            t2 = time.perf_counter()
+            best[i] = max(best[i], tokens_per_s(n, t1 - t0, t2 - t1))
+    return best
+
+
+def tokens_per_s(n: int, one_s: float, n_s: float) -> float:
+    """(n - 1) decode tokens over the time n tokens take beyond one (the prefill's share cancels)."""
+    return (n - 1) / max(n_s - one_s, 1e-9)

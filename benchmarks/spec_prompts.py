@@ -1,0 +1,98 @@
+"""The spec workload's prompts: answers that repeat their input.
+
+benchmarks/data/english.txt (the first part of the text quality.py scores) cut at sentence ends into
+passages of at least MIN_PASSAGE_TOKENS tokens in the model's tokenizer (about 100-150), each put in a
+chat-formatted prompt (the tokenizer's chat template, generation prompt added) under one of
+INSTRUCTIONS: repeat it exactly, or fix its typos (NUM_TYPOS put in by a seeded rule) and write it
+out. max_tokens is the passage's tokens + MAX_TOKENS_SLACK: room to copy it and stop.
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from benchmarks.quality import DATA
+
+TEXT = DATA / "english.txt"       # the first of the quality text's files: the passages to repeat or fix
+MIN_PASSAGE_TOKENS = 100        # a passage ends at the first sentence end past this (demo tokenizer: 100-143)
+MAX_TOKENS_SLACK = 16           # max_tokens = the passage's tokens + this: room to copy it and stop
+NUM_TYPOS = 3
+INSTRUCTIONS = {"repeat": "Repeat this passage exactly:\n\n{}",
+                "fix_typos": "Fix the typos in this passage and write it out in full:\n\n{}"}
+
+
+@dataclass
+class SpecPrompt:
+    kind: str                    # a key of INSTRUCTIONS
+    passage_index: int
+    passage: str                 # the passage as the text has it (what a faithful answer writes)
+    shown: str                   # the passage as the prompt shows it (fix_typos: with its typos)
+    prompt_token_ids: list[int]
+    passage_tokens: int
+    max_tokens: int
+
+
+def split_passages(text: str, tokenizer, min_tokens: int = MIN_PASSAGE_TOKENS) -> list[str]:
+    """The text's prose (headings, lines with no final stop, left out) as one run of sentences, cut
+    into passages at the first sentence end at or past `min_tokens` tokens; a short tail is dropped."""
+    paragraphs = [" ".join(p.split()) for p in text.split("\n\n")]
+    prose = " ".join(p for p in paragraphs if p[-1:] in ".!?\"'")
+    passages, current = [], []
+    for sentence in re.split(r"(?<=[.!?])\s+", prose):
+        current.append(sentence)
+        if num_tokens(tokenizer, " ".join(current)) >= min_tokens:
+            passages.append(" ".join(current))
+            current = []
+    return passages
+
+
+def num_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def add_typos(text: str, seed: int, count: int = NUM_TYPOS) -> str:
+    """`count` words of five letters or more, each with one typo (two letters swapped, one dropped or
+    one doubled); which words and which typo follow `seed` alone, so a prompt is the same every run."""
+    rng = random.Random(seed)
+    words = text.split(" ")
+    candidates = [i for i, w in enumerate(words) if w.isalpha() and len(w) >= 5]
+    for i in sorted(rng.sample(candidates, min(count, len(candidates)))):
+        words[i] = typo(words[i], rng)
+    return " ".join(words)
+
+
+def typo(word: str, rng: random.Random) -> str:
+    j = rng.randrange(1, len(word) - 2)          # inside the word: its first and last letters stay
+    kind = rng.choice(("swap", "drop", "double"))
+    if kind == "swap" and word[j] != word[j + 1]:
+        return word[:j] + word[j + 1] + word[j] + word[j + 2:]
+    if kind == "double":
+        return word[:j + 1] + word[j:]
+    return word[:j] + word[j + 1:]               # drop (and a swap of two equal letters)
+
+
+def chat_prompt(tokenizer, content: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def build_workload(tokenizer, num_prompts: int, max_tokens: int | None = None, seed: int = 0) -> list[SpecPrompt]:
+    """`num_prompts` prompts, every passage once under each instruction at most: prompt j asks for
+    passage j mod P, under the instructions in turn, shifted by one each time round the passages."""
+    passages = split_passages(TEXT.read_text(), tokenizer)
+    kinds = list(INSTRUCTIONS)
+    if not 1 <= num_prompts <= len(kinds) * len(passages):
+        raise ValueError(f"--num-prompts {num_prompts}: the text gives {len(passages)} passages in this tokenizer, "
+                         f"so 1 to {len(kinds) * len(passages)} prompts")
+    items = []
+    for j in range(num_prompts):
+        index = j % len(passages)
+        kind = kinds[(index + j // len(passages)) % len(kinds)]
+        passage = passages[index]
+        shown = add_typos(passage, seed * 10_007 + index) if kind == "fix_typos" else passage
+        n = num_tokens(tokenizer, passage)
+        items.append(SpecPrompt(kind, index, passage, shown, chat_prompt(tokenizer, INSTRUCTIONS[kind].format(shown)),
+                                n, max_tokens or n + MAX_TOKENS_SLACK))
+    return items
