@@ -112,3 +112,60 @@ def test_stats_count_as_vllm_does():
     base = s.copy()
     s.record(3, 3)
     assert s.since(base).as_dict()["accepted_per_pos"] == [1, 1, 1]
+
+
+# The bonus token: with every draft kept, one more token comes from the last row, p[k] (k = 2 here).
+# Drafts the target likes (kept 56% of the time for the n-gram's [0, 1], 72% for the draft model's),
+# so about 11,000 of the trials end in a bonus; the last row differs from the row before it and from
+# either residual max(p[2] - q[1], 0) (n-gram: p[2] without token 1).
+P_BONUS = torch.tensor([[0.80, 0.05, 0.05, 0.05, 0.03, 0.02],   # row 0: scores d_1
+                        [0.05, 0.70, 0.10, 0.05, 0.05, 0.05],   # row 1: scores d_2
+                        [0.05, 0.40, 0.10, 0.05, 0.30, 0.10]])  # row 2: the bonus row
+Q_BONUS = torch.tensor([[0.60, 0.10, 0.10, 0.10, 0.05, 0.05],
+                        [0.10, 0.60, 0.10, 0.10, 0.05, 0.05]])
+
+
+def bonus_tokens(q, rule=accept_sampled, seed=3, trials=TRIALS):
+    """The third token emitted, counted over `trials` verify steps of 2 drafts (n-gram's [0, 1] for
+    q=None, else drawn from q), and how many steps kept both drafts."""
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda probs: int(torch.multinomial(probs, 1, generator=g))  # noqa: E731
+    bonus, kept_all = torch.zeros(6), 0
+    for _ in range(trials):
+        drafts = [0, 1] if q is None else [draw(q[0]), draw(q[1])]
+        out = rule(P_BONUS, drafts, q, g, draw)
+        if len(out) == 3:
+            assert out[:2] == drafts
+            bonus[out[2]] += 1
+            kept_all += 1
+    return bonus, kept_all
+
+
+@pytest.mark.parametrize("q", [None, Q_BONUS], ids=["ngram", "draft"])
+def test_the_bonus_token_after_every_kept_draft_is_drawn_from_the_last_row(q):
+    bonus, kept_all = bonus_tokens(q)
+    # both drafts kept with probability sum min(p_0, q_0) * sum min(p_1, q_1) (q one-hot: p_0(0) p_1(1))
+    rows = torch.eye(6)[[0, 1]] if q is None else q
+    chance = float(torch.minimum(P_BONUS[:2], rows).sum(-1).prod())
+    assert abs(kept_all - TRIALS * chance) < 4 * (TRIALS * chance * (1 - chance)) ** 0.5
+    assert fits(bonus, P_BONUS[2])
+
+
+def test_a_bonus_from_another_row_or_a_residual_is_caught():
+    """The test above has the power to fail: a bonus drawn from row k - 1, or from the residual
+    max(p[k] - q[k - 1], 0) as if the last draft had been rejected, does not fit row k."""
+    def bonus_from_the_row_before(p, drafts, q, g, draw):
+        out = accept_sampled(p, drafts, q, g, draw)
+        return out[:-1] + [draw(p[len(drafts) - 1])] if len(out) == len(drafts) + 1 else out
+
+    def bonus_from_a_residual(p, drafts, q, g, draw):
+        out = accept_sampled(p, drafts, q, g, draw)
+        if len(out) < len(drafts) + 1:
+            return out
+        last_q = torch.eye(p.shape[1])[drafts[-1]] if q is None else q[-1]
+        return out[:-1] + [draw((p[-1] - last_q).clamp(min=0.0))]
+
+    for q in (None, Q_BONUS):
+        for wrong in (bonus_from_the_row_before, bonus_from_a_residual):
+            bonus, _ = bonus_tokens(q, wrong, trials=TRIALS // 5)
+            assert not fits(bonus, P_BONUS[2]), (wrong.__name__, q)
