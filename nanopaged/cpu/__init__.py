@@ -4,8 +4,8 @@ of it runs, and the runner calls it once.
 
     features.py          the CPU's flags: whether its matrix units multiply bfloat16 (dtype="auto")
     choose.py            the settings and the flags -> FastPath: which kernels replace which reference
-    build.py             the C++ in csrc/ compiled on first use, for this CPU
-    csrc/                the kernels, split by concern
+    build.py             the C++ in csrc/ compiled on first use, for this CPU (cpu_ops: what it binds)
+    csrc/                the kernels, one file per concern (csrc/ops.h lists them)
     linear.py            bfloat16 linears on weights packed once: oneDNN's (packed), nanopaged's (dpbf16)
     quantized_linear.py  4- and 8-bit weight-only linears (quantization=)
     fused.py             the decoder layer loop in C++, over the model's own weights

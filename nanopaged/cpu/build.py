@@ -1,12 +1,13 @@
 """nanopaged's C++ CPU kernels (csrc/ beside this file), compiled on first use.
 
-torch's extension builder compiles the file once per machine and source version and caches
-the library under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), in a folder named by a
-hash of the source, the flags, the torch install and Python (`build_folder`); later loads take
-a fraction of a second. The source is compiled from a copy in that folder: torch's builder
-rebuilds when the source's path (or torch's) changes, so two checkouts or two environments (a
-clone CI runs beside a working tree) would otherwise rebuild each other's library, one process
-overwriting it while another loads it.
+csrc/ holds one file per concern (csrc/ops.h lists them), every .cpp compiled into the one
+module nanopaged_cpu_ops. torch's extension builder compiles them once per machine and source
+version and caches the library under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), in a
+folder named by a hash of every source and header, the flags, the torch install and Python
+(`build_folder`); later loads take a fraction of a second. The sources are compiled from copies
+in that folder: torch's builder rebuilds when a source's path (or torch's) changes, so two
+checkouts or two environments (a clone CI runs beside a working tree) would otherwise rebuild
+each other's library, one process overwriting it while another loads it.
 The instruction sets are the CPU's own, named from its flags: a -march=native build has
 produced code a VM could not run. Where no compiler or ninja is found, `available()` says why
 and the torch reference runs instead.
@@ -26,7 +27,9 @@ from nanopaged.cpu.features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))    # each compiled on its own, linked into the one module
+HEADERS = sorted(CSRC.glob("*.h"))      # what they include of each other: copied and hashed with them
 # Reassociating float sums lets the compiler vectorize the dot products and reductions.
 # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's headers, serial without it; the
 # library then asks for libgomp.so.1, which resolves to the copy torch has already loaded.
@@ -51,36 +54,43 @@ def missing_tools() -> str | None:
 
 @lru_cache(maxsize=1)
 def cpu_ops():
-    """The compiled module: rms_norm, add_rms_norm, rotary_and_store, silu_and_mul, paged_attention, and
-    where the CPU has AVX512-BF16 (`has_avx512_bf16`) pack_bf16_weight and linear_bf16."""
+    """The compiled module (csrc/bindings.cpp): rms_norm, add_rms_norm, store_kv, rotary_and_store,
+    paged_attention, silu_and_mul, argmax_rows, pack_quantized and linear_quantized (4- and 8-bit),
+    pack_bf16_weight, linear_bf16 and linear_bf16_silu_mul (where it was built with AVX512-BF16:
+    `has_avx512_bf16`; elsewhere they raise), decoder_forward with the classes it takes (Decoder,
+    Layer, Linear, LinearKind), and `has_avx512`."""
     return build("nanopaged_cpu_ops", [gcc for flag, gcc in ISA_FLAGS.items() if flag in cpu_flags()])
 
 
 def build(name: str, isa: list[str]):
-    """cpu_ops.cpp compiled for the instruction sets `isa` (gcc's names: avx2, avx512f, ...): with
-    avx512f its Vec16 is one AVX-512 register, without it an array the compiler splits. The tests
-    build an AVX2-only copy too, so the path an AVX2 host runs is checked on any host."""
+    """csrc/ compiled for the instruction sets `isa` (gcc's names: avx2, avx512f, ...): with
+    avx512f its Vec16 (vec16.h) is one AVX-512 register, without it an array the compiler splits.
+    The tests build an AVX2-only copy too, so the path an AVX2 host runs is checked on any host."""
     from torch.utils.cpp_extension import load
     cflags = OPT_FLAGS + [f"-m{f}" for f in isa]
     folder = build_folder(name, cflags)
-    source = folder / SOURCE.name
-    if not source.exists():                  # written whole or not at all: another process may be here too
-        partial = folder / f".{SOURCE.name}.{os.getpid()}"
-        partial.write_bytes(SOURCE.read_bytes())
-        os.replace(partial, source)
-    return load(name, sources=[str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                build_directory=str(folder), verbose=False)
+    for path in SOURCES + HEADERS:
+        copy = folder / path.name
+        if not copy.exists():                # written whole or not at all: another process may be here too
+            partial = folder / f".{path.name}.{os.getpid()}"
+            partial.write_bytes(path.read_bytes())
+            os.replace(partial, copy)
+    return load(name, sources=[str(folder / p.name) for p in SOURCES], extra_cflags=cflags,
+                extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
 
 def build_folder(name: str, cflags: list[str]) -> Path:
-    """Where `name` is built: one folder per (source, flags, torch install, Python), so a library
-    is never rebuilt in place under a process that has it loaded. The torch install's path counts:
-    the build names its headers and libraries by path, so two environments with the same torch
-    version would otherwise rebuild each other's library."""
+    """Where `name` is built: one folder per (sources and headers, flags, torch install, Python), so
+    a library is never rebuilt in place under a process that has it loaded. The torch install's path
+    counts: the build names its headers and libraries by path, so two environments with the same
+    torch version would otherwise rebuild each other's library."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((cflags, torch.__version__, torch.__file__,
-                                                     sys.version_info[:2])).encode())
+    key = hashlib.sha256()
+    for path in SOURCES + HEADERS:           # each file's name and length, then its bytes
+        data = path.read_bytes()
+        key.update(f"{path.name}:{len(data)}:".encode() + data)
+    key.update(repr((cflags, torch.__version__, torch.__file__, sys.version_info[:2])).encode())
     folder = Path(get_default_build_root()) / "nanopaged" / f"{name}-{key.hexdigest()[:16]}"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
@@ -100,7 +110,7 @@ def available() -> str | None:
     return None
 
 
-# ---- the KV cache in the kernels' order (cpu_ops.cpp: KvLayout) -------------------------------
+# ---- the KV cache in the kernels' order (csrc/kv_layout.h: KvLayout) --------------------------
 def to_kernel_layout(k_cache, v_cache):
     """The same blocks reordered inside as the kernels keep them (K: kv_heads, head_dim / 2,
     block_size, 2; V: kv_heads, block_size / 2, head_dim, 2), each returned in the runner's shape

@@ -4,8 +4,9 @@ and the layer loop itself in C++.
 `models/llama.py: DecoderLayer` is the reference a reader studies; run eagerly on a CPU it
 launches about 50 torch ops a layer for a few rows of work (a norm alone is float, pow, mean,
 add, rsqrt, mul, to, mul), and a decode step of a small model spends more time launching them
-than in its matmuls. The fused path runs each layer in nine calls, all in C++
-(nanopaged/cpu/csrc/cpu_ops.cpp: decoder_forward), once per step for the whole stack:
+than in its matmuls. The fused path runs each layer in nine calls (eight behind nanopaged's
+bfloat16 linear, see silu_and_mul), all in C++ (nanopaged/cpu/csrc/decoder.cpp: decoder_forward),
+once per step for the whole stack:
 
     (add_)rms_norm -> qkv_proj -> rotary_and_store -> paged_attention -> o_proj
                    -> add_rms_norm -> gate_up_proj -> silu_and_mul -> down_proj
@@ -18,8 +19,9 @@ than in its matmuls. The fused path runs each layer in nine calls, all in C++
   paged_attention   every row of the step through its block table (the `cpu` attention backend's)
   add_rms_norm      the residual add and the next norm in one pass (vLLM's fused_add_rms_norm)
   silu_and_mul      vLLM's name for SiLU(gate) * up in one pass; behind nanopaged's bfloat16
-                    linear it is the projection's epilogue instead (linear_bf16_silu_mul: the
-                    (rows, 2 x intermediate) projection never goes to memory and back)
+                    linear it is the projection's epilogue instead, one call for both
+                    (linear_bf16_silu_mul: the (rows, 2 x intermediate) projection never goes to
+                    memory and back)
 
 The linears are the model's own layers, described to C++ (`describe`): nanopaged's bfloat16 and
 quantized kernels run there directly; any other layer (oneDNN's packed linear, nn.Linear,
@@ -27,7 +29,7 @@ torch's int4 kernel) is called back in Python. The residual adds round to the mo
 the reference's do (oneDNN can add a residual inside its matmul, in float32: one rounding fewer
 per add, which moved the demo model's greedy answer at a near tie in bfloat16; docs/05).
 
-Each kernel rounds as the torch ops it replaces round (cpu_ops.cpp, "Rounding"), so the layer
+Each kernel rounds as the torch ops it replaces round (csrc/vec16.h, "Rounding"), so the layer
 gives the reference's values up to the order of float32 sums; tests/cpu/test_cpu_ops.py holds
 each kernel to its torch ops, tests/cpu/test_fused.py the whole model to the reference.
 The swap happens after loading, as packing the linears does, so models/llama.py has no branch
@@ -54,22 +56,23 @@ class FusedRMSNorm(nn.Module):
 
 
 def describe(layer: nn.Module):
-    """A linear layer as the C++ loop takes it (cpu_ops.cpp: struct Linear). nanopaged's own layers
-    name their kernel (`cpp_kernel`: linear.py, quantized_linear.py), so C++ runs them directly;
-    any other is called back in Python."""
+    """A linear layer as the C++ loop takes it (csrc/decoder.h: struct Linear, its `kind` a
+    LinearKind). nanopaged's own layers name their kernel (`cpp_kernel`: linear.py,
+    quantized_linear.py), so C++ runs them directly (DPBF16, QUANTIZED); any other is called back
+    in Python (CALLBACK)."""
     ops = cpu_ops()
     lin = ops.Linear()
     lin.out_features = layer.out_features
     kernel = getattr(layer, "cpp_kernel", None)
     if kernel == "dpbf16":
-        lin.kind, lin.packed, lin.bias = 0, layer.packed_weight, layer.bias
+        lin.kind, lin.packed, lin.bias = ops.LinearKind.DPBF16, layer.packed_weight, layer.bias
     elif kernel == "quantized" and layer.ops is not None:
-        lin.kind, lin.packed, lin.group, lin.rows_max = 1, layer.packed, layer.group_size, layer.rows_for_quantized
-        lin.bits = layer.bits
+        lin.kind, lin.packed, lin.group = ops.LinearKind.QUANTIZED, layer.packed, layer.group_size
+        lin.bits, lin.rows_max = layer.bits, layer.rows_for_quantized
         lin.bias = NO_WEIGHT if layer.bias is None else layer.bias
         lin.dense = describe(layer.dense)
     else:
-        lin.kind, lin.fn = 2, layer
+        lin.kind, lin.fn = ops.LinearKind.CALLBACK, layer
     return lin
 
 
@@ -107,9 +110,9 @@ class FusedLlamaModel(nn.Module):
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """The sampler's argmax (greedy rows, and the exponential race of the others) in one C++ pass:
-    torch.argmax(dim=-1)'s answer, NaN and ties included, at the time it takes to read the logits
-    (torch's takes 0.5-1 ms of a 24-row decode step over a 49k vocabulary)."""
+    """The sampler's argmax (greedy rows, and the exponential race of the others) in one C++ pass
+    (csrc/argmax.cpp): torch.argmax(dim=-1)'s answer, NaN and ties included, at the time it takes
+    to read the logits (torch's takes longer: docs/05, "The sampler's argmax")."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[-1] == 0:
         return logits.argmax(dim=-1)
     return cpu_ops().argmax_rows(logits)

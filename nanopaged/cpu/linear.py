@@ -10,7 +10,7 @@ Two kernels, chosen by the CPU's flags as measured (docs/05, "bfloat16 on the ma
              _reorder_linear_weight` packs a weight and `_linear_pointwise` multiplies by it (what
              torch.compile's CPU backend emits for a frozen bfloat16 linear). Private to torch:
              tests/cpu/test_linear.py pins that they exist and still equal F.linear.
-    dpbf16   nanopaged's own (nanopaged/cpu/csrc/cpu_ops.cpp: linear_bf16), on AVX512-BF16's
+    dpbf16   nanopaged's own (nanopaged/cpu/csrc/linear_bf16.cpp: linear_bf16), on AVX512-BF16's
              dot-product instruction: on a CPU with it and without AMX (AMD Zen 4) it ran a decode
              step's matmuls faster than oneDNN's at every row count measured.
 """

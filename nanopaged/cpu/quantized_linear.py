@@ -3,15 +3,15 @@
 A decode step streams every weight once, so on a CPU its matmuls cost what their bytes cost:
 4-bit weights are a quarter of bfloat16's. Two kernels unpack such weights inside the multiply:
 
-  nanopaged's (nanopaged/cpu/csrc/cpu_ops.cpp: linear_quantized), on a CPU with AVX-512: blocks of
-    `group_size` inputs with a float16 scale d and minimum m each, w = q d + m (GGUF's Q4_1 as it
-    ships; Q4_0 and int4-at-load map onto it), and 8-bit blocks w = q d (GGUF's Q8_0); the codes are
-    widened in registers, on VDPBF16PS for bfloat16 rows where the CPU has AVX512-BF16.
+  nanopaged's (nanopaged/cpu/csrc/linear_quantized.cpp: linear_quantized), on a CPU with AVX-512:
+    blocks of `group_size` inputs with a float16 scale d and minimum m each, w = q d + m (GGUF's
+    Q4_1 as it ships; Q4_0 and int4-at-load map onto it), and 8-bit blocks w = q d (GGUF's Q8_0);
+    the codes are widened in registers, on VDPBF16PS for bfloat16 rows where the CPU has AVX512-BF16.
   torch's, elsewhere: `aten::_weight_int4pack_mm_for_cpu` (groups of `group_size`, w = (q - 8)
     scale + zero, scales in the activations' dtype) and, for int8, `aten::_weight_int8pack_mm`
     (one scale per output feature, w = q scale).
 
-They win for a few rows; from a few rows up the packed bfloat16 kernels (cpu_linear.py) run near
+They win for a few rows; from a few rows up the packed bfloat16 kernels (cpu/linear.py) run near
 the matmul peak instead, and the 4-bit ones do not. So a layer keeps both and picks by the step's
 row count: the quantized weight for at most ROWS_FOR_QUANTIZED rows (one request at a time, a few
 streams), the dense weight for more (docs/01_kv_cache_arithmetic.md, "What a weight costs", has

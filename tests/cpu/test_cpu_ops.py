@@ -1,4 +1,4 @@
-"""nanopaged's C++ CPU kernels (nanopaged/cpu/csrc/cpu_ops.cpp) against the torch ops they replace.
+"""nanopaged's C++ CPU kernels (nanopaged/cpu/csrc/) against the torch ops they replace.
 
 Each kernel rounds where its torch reference rounds, so in bfloat16 and float16 it gives the
 reference's values except where a float32 sum taken in another order, or the last bit of an exp,
@@ -352,26 +352,29 @@ def test_linear_quantized_refuses_a_weight_of_another_width(ops):
 
 
 def test_the_build_folder_is_named_by_the_source_not_its_path(tmp_path, monkeypatch):
-    """Two checkouts of the same source share one library; a changed source, other flags or
-    another torch install get their own folder, so no process rebuilds a library another has loaded."""
+    """Two checkouts of the same sources share one library; a changed source or header, other flags
+    or another torch install get their own folder, so no process rebuilds a library another has loaded."""
+    import shutil
     import torch.utils.cpp_extension
     import nanopaged.cpu.build as module
     monkeypatch.setattr(torch.utils.cpp_extension, "get_default_build_root", lambda: str(tmp_path / "builds"))
     here = module.build_folder("nanopaged_cpu_ops", ["-O3"])
     assert here.parent == tmp_path / "builds" / "nanopaged" and here.is_dir()
     assert module.build_folder("nanopaged_cpu_ops", ["-O3", "-mavx2"]) != here
-    clone = tmp_path / "checkout" / "cpu_ops.cpp"
-    clone.parent.mkdir()
-    clone.write_bytes(module.SOURCE.read_bytes())
-    monkeypatch.setattr(module, "SOURCE", clone)
+    clone = tmp_path / "checkout" / "csrc"
+    shutil.copytree(module.CSRC, clone)
+    monkeypatch.setattr(module, "SOURCES", sorted(clone.glob("*.cpp")))
+    monkeypatch.setattr(module, "HEADERS", sorted(clone.glob("*.h")))
     assert module.build_folder("nanopaged_cpu_ops", ["-O3"]) == here            # another checkout, same source
     monkeypatch.setattr(torch, "__file__", "/another/environment/torch/__init__.py")
     assert module.build_folder("nanopaged_cpu_ops", ["-O3"]) != here            # another torch install
     monkeypatch.undo()
     monkeypatch.setattr(torch.utils.cpp_extension, "get_default_build_root", lambda: str(tmp_path / "builds"))
-    monkeypatch.setattr(module, "SOURCE", clone)
-    clone.write_bytes(module.SOURCE.read_bytes() + b"\n// changed\n")
-    assert module.build_folder("nanopaged_cpu_ops", ["-O3"]) != here
+    monkeypatch.setattr(module, "SOURCES", sorted(clone.glob("*.cpp")))
+    monkeypatch.setattr(module, "HEADERS", sorted(clone.glob("*.h")))
+    header = clone / "vec16.h"
+    header.write_bytes(header.read_bytes() + b"\n// changed\n")
+    assert module.build_folder("nanopaged_cpu_ops", ["-O3"]) != here            # a changed header
 
 
 def test_the_library_is_compiled_from_a_copy_in_its_folder():
@@ -380,5 +383,6 @@ def test_the_library_is_compiled_from_a_copy_in_its_folder():
     import nanopaged.cpu.build as module
     cpu_ops()
     folders = [f for f in (Path(get_default_build_root()) / "nanopaged").iterdir()
-               if f.name.startswith("nanopaged_cpu_ops-") and (f / "cpu_ops.cpp").exists()]
-    assert any((f / "cpu_ops.cpp").read_bytes() == module.SOURCE.read_bytes() and list(f.glob("*.so")) for f in folders)
+               if f.name.startswith("nanopaged_cpu_ops-") and list(f.glob("*.so"))]
+    assert any(all((f / p.name).exists() and (f / p.name).read_bytes() == p.read_bytes()
+                   for p in module.SOURCES + module.HEADERS) for f in folders)

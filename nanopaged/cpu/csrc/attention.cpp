@@ -1,0 +1,327 @@
+// Paged attention: every row of a step attends straight from the pool of blocks, through its
+// request's block table (the paper's section 4.1; vLLM's unified paged attention), prompt chunks,
+// prefix-cache hits and decode rows in one loop. bfloat16 with a head size of 64, 128 or 256 runs
+// on VDPBF16PS; everything else on plain loops through the same block order (kv_layout.h).
+#include "ops.h"
+#include "kv_layout.h"
+#include "vec16.h"
+
+// ---- paged attention -------------------------------------------------------------------------
+// For each KV head of a row: the row's G query heads (the heads that share this KV head, GQA) over
+// the first n keys of its request, which the block table scatters over the pool. Three passes:
+// the scores q . k of every query head with every key, a softmax over each head's scores, then
+// the values weighted by it. The weights are rounded to T before they weigh the values, as SDPA's
+// CPU kernel (and so Hugging Face) rounds them in bfloat16; the sum is the float32 one, as there.
+
+// Softmax of n scores in place, 16 at a time: the weights rounded to T; returns 1 / their float32 sum.
+template <typename T>
+static inline float softmax_in_place(float* s, int64_t n) {
+  // the last n % 16 scores as one more register, padded with -inf: a score past n weighs nothing.
+  // (One exp_scalar per leftover score cost a prompt row of ~45 keys about as much as its dot
+  // products: an exp is a register's work whether it fills one lane or sixteen.)
+  const int64_t body = n - n % 16, tail = n - body;
+  alignas(64) float last[16];
+  for (int64_t i = 0; i < 16; ++i) last[i] = i < tail ? s[body + i] : -INFINITY;
+  Vec16 mv = Vec16::load(last);
+  for (int64_t t = 0; t < body; t += 16) mv = max(mv, Vec16::load(s + t));
+  const Vec16 mx = Vec16::fill(mv.max());
+  Vec16 sv = Vec16::fill(0.f);
+  for (int64_t t = 0; t < body; t += 16) {
+    const Vec16 e = exp(Vec16::load(s + t) - mx);
+    round_to<T>(e).store(s + t);
+    sv = sv + e;
+  }
+  if (tail) {
+    exp(Vec16::load(last) - mx).store(last);
+    for (int64_t i = tail; i < 16; ++i) last[i] = 0.f;     // exp clamps -inf to e^-87, not 0
+    const Vec16 e = Vec16::load(last);
+    sv = sv + e;
+    round_to<T>(e).store(last);
+    for (int64_t i = 0; i < tail; ++i) s[body + i] = last[i];
+  }
+  return 1.f / sv.sum();
+}
+
+// Any dtype, any head_dim, any even block size: plain loops through KvLayout.
+template <typename T>
+static void attend_one_head_any(const T* q, int64_t q_head, const T* kc, const T* vc, const KvLayout& L,
+                                const int64_t* table, int64_t n, int64_t h, int64_t G, float scale, T* out,
+                                float* scores) {
+  const int64_t D = L.D;
+  std::vector<float> acc(D);
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * n;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t block_id = table[t / L.block_size], j = t % L.block_size;
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += float(q[g * q_head + d]) * float(kc[L.k(block_id, j, h, d)]);
+      s[t] = dot * scale;
+    }
+    const float inv = softmax_in_place<T>(s, n);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t block_id = table[t / L.block_size], j = t % L.block_size;
+      for (int64_t d = 0; d < D; ++d) acc[d] += s[t] * float(vc[L.v(block_id, j, h, d)]);
+    }
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = T(acc[d] * inv);
+  }
+}
+
+#if defined(__AVX512BF16__)
+static inline uint32_t bf16_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u >> 16; }  // x already rounded
+
+// bfloat16 on VDPBF16PS, block_size a multiple of 16. A job is one row's query heads of KV heads
+// h0 .. h1, taken GC (at most 4) at a time, a "unit": their sums stay in registers only if the
+// compiler knows how many there are. Scores: for each 16 tokens, each pair of dims p is one
+// register of K (16 tokens x the pair) times q's pair p broadcast, summed into one register of 16
+// scores per query head: no sum across a register. Values: for each pair of tokens, each 16 dims
+// are one register of V (16 dims x the pair) times the two tokens' weights broadcast.
+// Both passes go block by block and, inside a block, head by head: a block holds its KV heads one
+// after another, so the job reads each block's K (and then V) as one run of memory, and a request
+// whose blocks lie in order as one long run, which the CPU's prefetcher streams from memory.
+// (Head by head over all blocks, the job read 1 / kv_heads of each block, a short run each time,
+// and a decode step's attention took longer: measured in docs/05, "What it took to be fast".)
+// `pairs` pairs of tokens of one block (V laid out at x: every dim's two values, pair after pair),
+// the first of them pair `first` of the request, weighed into GC x DIM / 16 sums. Its own function
+// with its own copy of the sums: the compiler then keeps them in registers through the loop.
+template <int DIM, int GC>
+static void __attribute__((noinline)) weigh_values(const bf16* x, int64_t first, int64_t pairs,
+                                                   const int32_t* const* weights, float* sums, __mmask32 keep) {
+  constexpr int V = DIM / 16;
+  __m512 acc[GC * V];
+  NP_UNROLL
+  for (int i = 0; i < GC * V; ++i) acc[i] = _mm512_loadu_ps(sums + 16 * i);
+  for (int64_t i = 0; i < pairs; ++i, x += 2 * DIM) {
+    __m512bh vals[V];
+    NP_UNROLL
+    for (int v = 0; v < V; ++v) vals[v] = (__m512bh)_mm512_maskz_loadu_epi16(keep, x + 32 * v);
+    NP_UNROLL
+    for (int g = 0; g < GC; ++g) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(weights[g][first + i]);
+      NP_UNROLL
+      for (int v = 0; v < V; ++v) acc[g * V + v] = _mm512_dpbf16_ps(acc[g * V + v], vals[v], w);
+    }
+  }
+  NP_UNROLL
+  for (int i = 0; i < GC * V; ++i) _mm512_storeu_ps(sums + 16 * i, acc[i]);
+}
+
+// The scores of one unit's GC query heads (q32[g]: head g's dims as pairs) with the tokens
+// t0 .. end of one block (block_k: its K of the unit's KV head), into scores[g * stride + t].
+template <int DIM, int GC>
+static inline void score_block(const int32_t* const* q32, const bf16* block_k, int64_t bs, int64_t b0, int64_t end,
+                               float scale, float* scores, int64_t stride) {
+  constexpr int P = DIM / 2;
+  for (int64_t t0 = b0; t0 < end; t0 += 16) {
+    const bf16* k = block_k + 2 * (t0 - b0);                        // pair p of these 16 tokens: k + 2 bs p
+    // two sums per query head, over even and odd pairs: consecutive instructions do not wait on
+    // each other's result (an instruction takes several cycles; the unit starts one each cycle)
+    __m512 acc[GC][2];
+    NP_UNROLL
+    for (int g = 0; g < GC; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    for (int p = 0; p < P; p += 2)
+      NP_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const __m512bh kp = (__m512bh)_mm512_loadu_si512(k + 2 * bs * (p + e));
+        NP_UNROLL
+        for (int g = 0; g < GC; ++g)
+          acc[g][e] = _mm512_dpbf16_ps(acc[g][e], kp, (__m512bh)_mm512_set1_epi32(q32[g][p + e]));
+      }
+    NP_UNROLL
+    for (int g = 0; g < GC; ++g)
+      _mm512_storeu_ps(scores + g * stride + t0, _mm512_mul_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_set1_ps(scale)));
+  }
+}
+
+static inline void prefetch_run(const bf16* p, int64_t elements) {     // into L1, a line (32 values) at a time
+  for (int64_t e = 0; e < elements; e += 32) _mm_prefetch(reinterpret_cast<const char*>(p + e), _MM_HINT_T0);
+}
+
+// One job: q points at the row's first query head of KV head h0, out at its output; G query heads
+// share a KV head (GC divides G). scores: (h1 - h0) G (n + 16) floats; sums: (h1 - h0) G (DIM + 1).
+template <int DIM, int GC>
+static void attend_heads_bf16(const bf16* q, int64_t q_head, const bf16* kc, const bf16* vc, const KvLayout& L,
+                              const int64_t* table, int64_t n, int64_t h0, int64_t h1, int64_t G, float scale,
+                              bf16* out, float* scores, float* sums) {
+  constexpr int V = DIM / 16;
+  const int64_t bs = L.block_size, stride = n + 16;                 // a query head's scores: stride floats
+  const int64_t per_kv = G / GC, units = (h1 - h0) * per_kv;       // unit u: query heads u GC .. u GC + GC
+  // Blocks are read two ahead of use where the CPU's own prefetcher cannot foresee them: it follows
+  // a run of memory into the next block when that block lies right after (the pool hands out
+  // blocks in order, so a request's mostly do), not a jump to another block, nor a job's short run
+  // of part of each block. (Asked for every block, a step's attention took longer when the blocks
+  // lay in order; asked for none, longer when they lay shuffled: docs/05, "What it took to be fast".)
+  const bool whole = h1 - h0 == L.kv_heads;
+  auto ahead = [&](int64_t b) { return b + 2 * bs < n && (!whole || table[b / bs + 2] != table[b / bs + 1] + 1); };
+  // the scores, block by block (no division per key)
+  for (int64_t b0 = 0; b0 < n; b0 += bs) {
+    const int64_t block = table[b0 / bs], end = std::min(n, b0 + bs);
+    const bool fetch = ahead(b0);
+    for (int64_t u = 0; u < units; ++u) {
+      if (fetch && u % per_kv == 0) prefetch_run(kc + L.k(table[b0 / bs + 2], 0, h0 + u / per_kv, 0), DIM * bs);
+      const int32_t* q32[GC];
+      NP_UNROLL
+      for (int g = 0; g < GC; ++g) q32[g] = reinterpret_cast<const int32_t*>(q + (u * GC + g) * q_head);
+      score_block<DIM, GC>(q32, kc + L.k(block, 0, h0 + u / per_kv, 0), bs, b0, end, scale,
+                           scores + u * GC * stride, stride);
+    }
+  }
+  // the weights, rounded to bfloat16 by the softmax, then kept as bfloat16 in place:
+  // pairs[t / 2] holds tokens t and t + 1 (an odd n's last pair weighs nothing past n)
+  const int64_t heads = units * GC;
+  float* inv = sums + heads * DIM;                                  // 1 / each head's sum
+  for (int64_t i = 0; i < heads; ++i) {
+    float* s = scores + i * stride;
+    inv[i] = softmax_in_place<bf16>(s, n);
+    s[n] = 0.f;
+    uint16_t* w = reinterpret_cast<uint16_t*>(s);                   // w[t] is written after s[t] is read
+    int64_t t = 0;
+    for (; t + 16 <= n + 1; t += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t)));
+    for (; t <= n; ++t) w[t] = uint16_t(bf16_bits(s[t]));
+  }
+  std::fill(sums, sums + heads * DIM, 0.f);
+  for (int64_t b0 = 0; b0 < n; b0 += bs) {                          // the values, block by block
+    const int64_t block = table[b0 / bs], pairs = (std::min(n, b0 + bs) - b0) / 2;
+    const bool fetch = ahead(b0);
+    for (int64_t u = 0; u < units; ++u) {
+      if (fetch && u % per_kv == 0) prefetch_run(vc + L.v(table[b0 / bs + 2], 0, h0 + u / per_kv, 0), DIM * bs);
+      const int32_t* weights[GC];                                   // weights[g][t / 2]: tokens t, t + 1
+      NP_UNROLL
+      for (int g = 0; g < GC; ++g) weights[g] = reinterpret_cast<const int32_t*>(scores + (u * GC + g) * stride);
+      weigh_values<DIM, GC>(vc + L.v(block, 0, h0 + u / per_kv, 0), b0 / 2, pairs, weights, sums + u * GC * DIM,
+                            0xFFFFFFFFu);
+      if (n % 2 && b0 + bs >= n)  // an odd n's last token: the slot past it is not the request's (it may hold anything)
+        weigh_values<DIM, GC>(vc + L.v(block, (n - 1) % bs, h0 + u / per_kv, 0), (n - 1) / 2, 1, weights,
+                              sums + u * GC * DIM, 0x55555555u);
+    }
+  }
+  for (int64_t i = 0; i < heads; ++i)
+    NP_UNROLL
+    for (int v = 0; v < V; ++v)
+      round_to<bf16>(Vec16{_mm512_mul_ps(_mm512_loadu_ps(sums + i * DIM + 16 * v), _mm512_set1_ps(inv[i]))})
+          .store(out + i * DIM + 16 * v);
+}
+
+// The job's query heads GC at a time: the largest GC of 4, 3, 2, 1 that divides G.
+template <int DIM>
+static void attend_job_bf16(const bf16* q, int64_t q_head, const bf16* kc, const bf16* vc, const KvLayout& L,
+                            const int64_t* table, int64_t n, int64_t h0, int64_t h1, int64_t G, float scale,
+                            bf16* out, float* scores, float* sums) {
+  if (G % 4 == 0) attend_heads_bf16<DIM, 4>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
+  else if (G % 3 == 0) attend_heads_bf16<DIM, 3>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
+  else if (G % 2 == 0) attend_heads_bf16<DIM, 2>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
+  else attend_heads_bf16<DIM, 1>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
+}
+#endif
+
+// A step's rows: row t belongs to request req[t] and sees the first n[t] keys of it. Request i's
+// q_len new rows are the last q_len of its seq_len tokens, so its row j sees seq_len - q_len + j
+// + 1 keys (causal): a decode row sees all seq_len, a prompt's rows one more key each.
+struct StepRows {
+  std::vector<int64_t> req, n;
+};
+
+static StepRows step_rows(const int64_t* seq_lens, const int64_t* query_start_loc, int64_t num_reqs) {
+  StepRows rows;
+  for (int64_t i = 0; i < num_reqs; ++i) {
+    const int64_t q_len = query_start_loc[i + 1] - query_start_loc[i];
+    for (int64_t j = 0; j < q_len; ++j) {
+      rows.req.push_back(i);
+      rows.n.push_back(seq_lens[i] - q_len + j + 1);
+    }
+  }
+  return rows;
+}
+
+// A job is one row's KV heads h0 .. h1: all of them when each thread has enough rows to share
+// (a job then reads its blocks whole), else one head each, so that a step of a few rows still
+// splits over the threads. The jobs are cut into one range per thread holding about the same
+// number of keys (a prompt's last rows see many more keys than its first, so equal counts of jobs
+// would leave one thread with most of the work).
+static constexpr int64_t kRowsPerThreadForWholeRows = 4;
+
+template <typename T>
+static void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                        const torch::Tensor& tables, const StepRows& rows, torch::Tensor& out, float scale) {
+  const KvLayout L = kv_layout(k_cache);
+  const int64_t num_rows = q.size(0), heads = q.size(1), D = q.size(2), kv_heads = L.kv_heads;
+  const int64_t G = heads / kv_heads, max_blocks = tables.size(1);
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+  const T *qp = q.data_ptr<T>(), *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t longest = num_rows ? *std::max_element(rows.n.begin(), rows.n.end()) : 0;
+#if defined(__AVX512BF16__)
+  const bool vector = std::is_same_v<T, bf16> && L.block_size % 16 == 0 && q_head % 2 == 0 &&
+                      q_row % 2 == 0 && reinterpret_cast<uintptr_t>(qp) % 4 == 0 && (D == 64 || D == 128 || D == 256);
+#endif
+  const int64_t max_threads = at::get_num_threads();
+  const int64_t per_row = num_rows >= kRowsPerThreadForWholeRows * max_threads ? 1 : kv_heads;   // jobs per row
+  const int64_t job_heads = kv_heads / per_row;
+  // cut[k]..cut[k+1]: thread k's jobs, by prefix sums of their keys (+ a job's fixed cost)
+  const int64_t jobs = num_rows * per_row, threads = std::max<int64_t>(1, std::min<int64_t>(max_threads, jobs));
+  std::vector<int64_t> cut(threads + 1, jobs);
+  cut[0] = 0;
+  int64_t total = 0;
+  for (int64_t t = 0; t < num_rows; ++t) total += (rows.n[t] + 16) * per_row;
+  for (int64_t job = 0, done = 0, k = 1; job < jobs && k < threads; ++job) {
+    done += rows.n[job / per_row] + 16;
+    while (k < threads && done * threads >= total * k) cut[k++] = job + 1;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(job_heads * G * (longest + 32)), sums(job_heads * G * (D + 1));
+    for (int64_t job = cut[begin]; job < cut[end]; ++job) {
+      const int64_t t = job / per_row, h0 = (job % per_row) * job_heads, h1 = h0 + job_heads;
+      const T* qt = qp + t * q_row + h0 * G * q_head;
+      const int64_t* table = tp + rows.req[t] * max_blocks;
+      T* o = op + (t * heads + h0 * G) * D;
+      const int64_t n = rows.n[t];
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (vector) {
+          auto job_fn = D == 64 ? attend_job_bf16<64> : D == 128 ? attend_job_bf16<128> : attend_job_bf16<256>;
+          job_fn(qt, q_head, kc, vc, L, table, n, h0, h1, G, scale, o, scores.data(), sums.data());
+          continue;
+        }
+      }
+#endif
+      for (int64_t h = h0; h < h1; ++h)
+        attend_one_head_any<T>(qt + (h - h0) * G * q_head, q_head, kc, vc, L, table, n, h, G, scale,
+                               o + (h - h0) * G * D, scores.data());
+    }
+  });
+}
+
+// The whole step's attention in one call, every row through its request's block table (the
+// K/V of the step's own tokens already stored): prompt chunks, prefix-cache hits and decode rows
+// alike, as vLLM's unified paged attention does.
+//   q (rows, heads, dim) with unit stride in dim; caches (blocks, block_size, kv_heads, dim) in
+//   the kernels' order (kv_layout.h)
+//   block_tables (reqs, max_blocks), seq_lens (reqs,), query_start_loc (reqs + 1,): int64
+// Returns out (rows, heads, dim).
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                              double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.size(2) == k_cache.size(3),
+              "paged_attention: q (rows, heads, head_dim) with unit stride in head_dim, as the caches' head_dim");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && v_cache.is_contiguous(), "paged_attention: K and V caches of one shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_attention: q and the caches in one dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_attention: heads must be a multiple of kv_heads");
+  auto tables = block_tables.contiguous(), lens = seq_lens.contiguous(), starts = query_start_loc.contiguous();
+  const int64_t num_reqs = lens.size(0);
+  TORCH_CHECK(tables.size(0) == num_reqs && starts.numel() == num_reqs + 1, "paged_attention: one table, one "
+              "length and one start per request");
+  const int64_t *lp = lens.data_ptr<int64_t>(), *sp = starts.data_ptr<int64_t>();
+  TORCH_CHECK(sp[0] == 0 && sp[num_reqs] == q.size(0), "paged_attention: query_start_loc must run from 0 to the rows");
+  for (int64_t i = 0; i < num_reqs; ++i)
+    TORCH_CHECK(sp[i + 1] >= sp[i] && lp[i] >= sp[i + 1] - sp[i] && lp[i] <= tables.size(1) * k_cache.size(1),
+                "paged_attention: request ", i, " has more rows than keys, or more keys than its block table holds");
+  const StepRows rows = step_rows(lp, sp, num_reqs);
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  DISPATCH_MODEL_DTYPES(q.scalar_type(), "paged_attention", [&] {
+    attend_rows<scalar_t>(q, k_cache, v_cache, tables, rows, out, float(scale));
+  });
+  return out;
+}

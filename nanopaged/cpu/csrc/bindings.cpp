@@ -1,0 +1,55 @@
+// The Python module: every kernel of ops.h by its own name, the decoder's description (decoder.h)
+// as classes Python fills in, and what the build has (has_avx512, has_avx512_bf16), which
+// nanopaged/cpu/choose.py and quantized_linear.py read to decide what runs.
+#include <pybind11/stl.h>
+#include "decoder.h"
+#include "ops.h"
+#include "vec16.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, as Hugging Face's LlamaRMSNorm");
+  m.def("add_rms_norm", &add_rms_norm, "x += y in place (the residual), then RMSNorm of x");
+  m.def("rotary_and_store", &rotary_and_store, "rotate q and k in place (Qwen3: norm each head first), store k and v");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
+  m.def("argmax_rows", &argmax_rows, "the index of each row's largest value, as torch.argmax(x, dim=-1)");
+  m.def("paged_attention", &paged_attention, "every row of a step attending through its block table, causally");
+  m.def("store_kv", &store_kv, "each token's K and V into its slot, in the kernels' order within a block");
+  m.def("pack_bf16_weight", &pack_bf16_weight, "a bfloat16 weight in the layout linear_bf16 reads");
+  m.def("linear_bf16_silu_mul", &linear_bf16_silu_mul, "SiLU(gate) * up of a packed gate_up projection, in one pass");
+  m.def("linear_bf16", &linear_bf16, "x W^T + b on AVX512-BF16's dot-product instruction");
+  m.attr("has_avx512_bf16") = bool(NP_HAS_AVX512_BF16);
+  m.def("pack_quantized", &pack_quantized, "4- or 8-bit codes with their block scales, in linear_quantized's layout");
+  m.def("linear_quantized", &linear_quantized, "x W^T for W in 4 or 8 bits, widened in registers");
+#if defined(__AVX512F__)
+  m.attr("has_avx512") = true;
+#else
+  m.attr("has_avx512") = false;
+#endif
+  namespace py = pybind11;
+  // module_local: the tests load a second build of these files (without AVX-512) beside the first
+  py::enum_<LinearKind>(m, "LinearKind", py::module_local())
+      .value("DPBF16", LinearKind::DPBF16, "nanopaged's bfloat16 kernel (linear_bf16)")
+      .value("QUANTIZED", LinearKind::QUANTIZED, "linear_quantized up to rows_max rows, `dense` for more")
+      .value("CALLBACK", LinearKind::CALLBACK, "`fn`, a Python callable, called back");
+  py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear", py::module_local())
+      .def(py::init<>())
+      .def_readwrite("kind", &Linear::kind).def_readwrite("out_features", &Linear::out_features)
+      .def_readwrite("packed", &Linear::packed).def_readwrite("bias", &Linear::bias)
+      .def_readwrite("group", &Linear::group).def_readwrite("bits", &Linear::bits)
+      .def_readwrite("rows_max", &Linear::rows_max).def_readwrite("dense", &Linear::dense)
+      .def_readwrite("fn", &Linear::fn)
+      .def("__call__", &Linear::operator());
+  py::class_<Layer>(m, "Layer", py::module_local())
+      .def(py::init<>())
+      .def_readwrite("input_norm", &Layer::input_norm).def_readwrite("post_norm", &Layer::post_norm)
+      .def_readwrite("q_norm", &Layer::q_norm).def_readwrite("k_norm", &Layer::k_norm)
+      .def_readwrite("qkv", &Layer::qkv).def_readwrite("o", &Layer::o)
+      .def_readwrite("gate_up", &Layer::gate_up).def_readwrite("down", &Layer::down);
+  py::class_<Decoder>(m, "Decoder", py::module_local())
+      .def(py::init<>())
+      .def_readwrite("layers", &Decoder::layers).def_readwrite("heads", &Decoder::heads)
+      .def_readwrite("kv_heads", &Decoder::kv_heads).def_readwrite("head_dim", &Decoder::head_dim)
+      .def_readwrite("eps", &Decoder::eps).def_readwrite("qk_eps", &Decoder::qk_eps)
+      .def_readwrite("scale", &Decoder::scale);
+  m.def("decoder_forward", &decoder_forward, "every decoder layer of one step, in C++");
+}
