@@ -1,6 +1,7 @@
 """Dependencies point one way: the block pool and the scheduler import no torch, the engine,
-the worker, the models and the attention backends import no extension and no entry point,
-and no two modules of the package import each other, directly or around a circle."""
+token selection, the worker, the CPU annex, the models and the attention backends import no
+extension and no entry point, the reference (models, attention) never imports the CPU annex that
+replaces it, and no two modules of the package import each other, directly or around a circle."""
 import ast
 from pathlib import Path
 
@@ -53,8 +54,8 @@ def test_scheduler_does_not_import_the_runner_or_models():
 
 def test_the_layers_below_llm_never_import_an_extension_or_an_entry_point():
     for module in MODULES:
-        if module.startswith(("nanopaged.core", "nanopaged.engine", "nanopaged.worker", "nanopaged.models",
-                              "nanopaged.attention")):
+        if module.startswith(("nanopaged.core", "nanopaged.engine", "nanopaged.sample", "nanopaged.worker",
+                              "nanopaged.cpu", "nanopaged.models", "nanopaged.attention")):
             bad = sorted(d for d in transitive_imports(module) if d.startswith(("nanopaged.extras", "nanopaged.entrypoints")))
             assert not bad, (module, bad)
 
@@ -79,3 +80,13 @@ def test_no_import_circles_among_the_package_modules():
         if m not in state:
             visit(m, [m])
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_the_reference_never_imports_the_cpu_annex_that_replaces_it():
+    """models/ and attention/ are what a reader studies; the annex (nanopaged/cpu/) sits above them and
+    swaps its layers in after loading. The one name the attention table gives the `cpu` backend is a
+    string, imported only when chosen."""
+    for module in MODULES:
+        if module.startswith(("nanopaged.models", "nanopaged.attention", "nanopaged.core")):
+            bad = sorted(d for d in transitive_imports(module) if d.startswith("nanopaged.cpu"))
+            assert not bad, (module, bad)

@@ -1,8 +1,7 @@
-"""The attention backends by name: which one `auto` means here, and loading the chosen one.
+"""The attention backends by name: the interface each implements, which one `auto` means here,
+and loading the chosen one.
 
-A backend is any object with `forward(q, k, v, k_cache, v_cache, meta, scale)` (one layer's
-store and attend) and `wrap_model(model, runner)` (how the whole model is launched). The
-table names each by "module:class" and a backend's module is imported only when it is
+The table names each by "module:class" and a backend's module is imported only when it is
 chosen, so nanopaged imports without triton or flash-attn installed
 (docs/05_model_runner_and_kernels.md, "Backends").
 """
@@ -11,8 +10,29 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from typing import TYPE_CHECKING, Protocol
 
 from nanopaged.validation import check_choice
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from nanopaged.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """What a backend does; torch_backend.py is the reference every other one is tested against."""
+    name: str
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """One layer's two jobs: store the step's K/V in their slots (meta.slot_mapping), then attend
+        each new row over its request's K/V through its block table. q: (tokens, heads, head_dim);
+        k, v: (tokens, kv_heads, head_dim); returns (tokens, heads, head_dim)."""
+
+    def wrap_model(self, model: nn.Module, runner) -> nn.Module:
+        """How the whole model is launched: the model itself, or a wrapper (CUDA graphs)."""
 
 ATTENTION_BACKENDS = {
     "torch": "nanopaged.attention.torch_backend:TorchAttentionBackend",
@@ -54,7 +74,7 @@ def resolve_attention_backend(name: str, device: str, dtype: str) -> str:
     return name
 
 
-def load_attention_backend(name: str):
+def load_attention_backend(name: str) -> AttentionBackend:
     """An instance of the backend class the table names (importing its module only now)."""
     module, cls = ATTENTION_BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)()

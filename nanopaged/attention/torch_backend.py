@@ -118,8 +118,7 @@ class TorchAttentionBackend:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """The second job alone, the new K/V already in the pool (the fused CPU layer stores them
-        in the same pass that rotates them: cpu/fused.py)."""
+        """The second job alone, the step's K/V already in the pool."""
         if meta.plan is None:
             meta.plan = plan_step(meta, q.dtype)
         plan = meta.plan

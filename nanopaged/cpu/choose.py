@@ -11,8 +11,8 @@ a ValueError that says why; only "auto" is decided here:
                  where the CPU has AMX, whose tiles oneDNN drives; dpbf16 (nanopaged's kernel) where
                  it has AVX512-BF16 without AMX and the kernels build; reference elsewhere
     cpu_kernels  auto: fused beside a packed linear (packed or dpbf16) when the attention backend is
-                 left to choose and the kernels build (the first time on a machine, a compile of
-                 about a minute); reference elsewhere, float32 included
+                 left to choose and the kernels build (the first time on a machine, they are
+                 compiled first); reference elsewhere, float32 included
     attention    auto: cpu beside the fused layers (they attend with its kernel), else what
                  attention/backends.py says for the device (torch on CPU)
 
