@@ -49,6 +49,25 @@ def test_fused_layers_give_the_references_tokens_in_float32(tiny_model_dirs, arc
 
 
 @needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_fused_layers_norm_with_the_models_own_epsilon(tiny_model_dirs, tmp_path, arch):
+    """The tiny models' hidden states have a mean square near 1, where rms_norm_eps (1e-5, 1e-6)
+    changes nothing; with eps = 0.5 every norm of every layer (and Qwen3's q/k norms) depends on it,
+    so a loop that took another epsilon, or none, than the model's answers otherwise."""
+    import json
+    import shutil
+    folder = tmp_path / arch
+    shutil.copytree(tiny_model_dirs[arch], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5}))
+    prompts = make_prompts(512, n=3, seed=5, min_len=5, max_len=30)
+    results = {kernels: greedy_with_logprobs(LLM(str(folder), dtype="float32", cpu_kernels=kernels), prompts)
+               for kernels in ("reference", "fused")}
+    assert results["fused"][0] == results["reference"][0]
+    torch.testing.assert_close(results["fused"][1], results["reference"][1], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
 @pytest.mark.skipif(not choose_module.bf16_matrix_units(), reason="this CPU has no bfloat16 matrix units")
 @pytest.mark.parametrize("linear", ["auto", "packed"])
 def test_fused_layers_answer_as_the_reference_in_bfloat16(demo_model_dir, linear):
@@ -72,7 +91,8 @@ def test_the_swap_keeps_the_weights_it_found(tiny_model_dirs):
     layer, described = model.model.layers[1], model.model.decoder.layers[1]
     assert described.input_norm.data_ptr() == layer.input_layernorm.weight.data_ptr()
     assert described.q_norm.data_ptr() == layer.self_attn.q_norm.weight.data_ptr()
-    assert described.qkv.kind == 2 and described.qkv.fn is layer.self_attn.qkv_proj
+    kinds = cpu_ops_module.cpu_ops().LinearKind
+    assert described.qkv.kind == kinds.CALLBACK and described.qkv.fn is layer.self_attn.qkv_proj
     assert llm.get_stats()["cpu_kernels"] == "fused" and llm.get_stats()["attention_backend"] == "cpu"
 
 
