@@ -1,10 +1,13 @@
-"""Print the reading path's line counts, or write them into README.md and docs/00_how_to_read.md.
+"""Print both reading paths' line counts, or write them into README.md and docs/00_how_to_read.md.
 
-    python scripts/reading_path.py           # the counts, file by file, and the totals
-    python scripts/reading_path.py --write   # update the two tables and their totals in place
+    python scripts/reading_path.py           # both paths, file by file, and their totals
+    python scripts/reading_path.py --write   # update the two documents' tables and totals in place
 
-The list of files and the budgets are tests/test_reading_path.py's; that test fails when a
-table's counts are not the files' own.
+The reference path is what `LLM.generate` runs on the reference kernels (torch everywhere); the
+default path is what it runs with default settings on a CPU with bfloat16 matrix units: the
+reference path, the CPU annex's fast layers, and the C++ they compile. The lists and the budgets
+are tests/test_reading_path.py's; that test fails when a table's counts are not the files' own,
+and checks which path `auto` picks on the host it runs on.
 """
 import re
 import sys
@@ -12,30 +15,37 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from test_reading_path import READING_PATH, THREE_PARTS, lines  # noqa: E402
+from test_reading_path import DEFAULT_PATH, READING_PATH, REPLACED, TABLES, THREE_PARTS, lines, total  # noqa: E402
 
 DOCS = [ROOT / "README.md", ROOT / "docs" / "00_how_to_read.md"]
 
 
-def write(doc: Path, total: int, parts: int) -> None:
+def write(doc: Path) -> None:
     text = doc.read_text()
-    for path in READING_PATH:
+    for path in TABLES:
         text = re.sub(rf"^(\|\s*\d+\s*\|\s*`{re.escape(path)}`\s*\|\s*)\d+", rf"\g<1>{lines(path)}", text,
                       flags=re.MULTILINE)
-    text = re.sub(r"[\d,]+ lines in \d+ files", f"{total:,} lines in {len(READING_PATH)} files", text)
+    for name, paths in (("reference", READING_PATH), ("default", DEFAULT_PATH)):
+        text = re.sub(rf"{name} path: [\d,]+ lines in \d+ files", f"{name} path: {total(paths):,} lines in "
+                      f"{len(paths)} files", text)
+    parts = sum(lines(p) for files in THREE_PARTS.values() for p in files)
     text = re.sub(r"the three parts: [\d,]+ lines", f"the three parts: {parts:,} lines", text)
     doc.write_text(text)
 
 
 def main() -> None:
+    print("reference path:")
     for path in READING_PATH:
         print(f"{lines(path):5d}  {path}")
-    total = sum(lines(p) for p in READING_PATH)
+    print(f"default path: the reference path's files but {', '.join(REPLACED)}, and")
+    for path in TABLES[len(READING_PATH):]:
+        print(f"{lines(path):5d}  {path}")
     parts = sum(lines(p) for files in THREE_PARTS.values() for p in files)
-    print(f"{total:,} lines in {len(READING_PATH)} files; the three parts {parts:,} lines")
+    print(f"reference path: {total(READING_PATH):,} lines in {len(READING_PATH)} files; the three parts {parts:,} lines")
+    print(f"default path: {total(DEFAULT_PATH):,} lines in {len(DEFAULT_PATH)} files (C++ included)")
     if "--write" in sys.argv[1:]:
         for doc in DOCS:
-            write(doc, total, parts)
+            write(doc)
 
 
 if __name__ == "__main__":

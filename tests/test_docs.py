@@ -8,7 +8,8 @@ the chapters say "MODEL: any model folder, e.g. nanopaged.DEMO_MODEL". Blocks ma
 and check it at once.
 
 Three more checks keep the pointers honest: every `nanopaged/<file>.py: Name` a chapter cites
-names a class or function defined in that file, every relative link points at a file, and
+names a class or function defined in that file (and every `nanopaged/.../<file>.cpp: name` a C++
+function or struct defined there), every relative link points at a file, and
 every `nanopaged/...` (or `tests/`, `benchmarks/`, `scripts/`, `docs/`) path the text names exists.
 """
 import ast
@@ -25,6 +26,7 @@ CHAPTERS = sorted(p for p in DOCS.glob("*.md") if p.name not in NOT_RUN)
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 CITATION = re.compile(r"`(nanopaged/[\w/]+\.py): ([\w.]+)`")
+CPP_CITATION = re.compile(r"`(nanopaged/[\w/]+\.(?:cpp|h)): (\w+)`")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
@@ -78,6 +80,21 @@ def test_cited_functions_exist(path):
         if not source.is_file() or name not in defined_names(source):
             missing.append(f"{file}: {name}")
     assert not missing, f"{path.name} cites names that do not exist: {missing}"
+
+
+def defined_in_cpp(source: Path, name: str) -> bool:
+    """A struct, class or enum of that name, or a function defined (not only declared) at the top of
+    a line: `torch::Tensor name(...` with no `;` after it on that line."""
+    text = source.read_text()
+    return bool(re.search(rf"\b(?:struct|class|enum class)\s+{name}\b", text)
+                or re.search(rf"^[\w:<>,*& ]*\b{name}\s*\([^;]*$", text, re.MULTILINE))
+
+
+@pytest.mark.parametrize("path", CHAPTERS + [ROOT / "README.md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_cited_cpp_functions_exist(path):
+    missing = [f"{file}: {name}" for file, name in CPP_CITATION.findall(path.read_text())
+               if not (ROOT / file).is_file() or not defined_in_cpp(ROOT / file, name)]
+    assert not missing, f"{path.name} cites C++ names that are not defined there: {missing}"
 
 
 @pytest.mark.parametrize("path", CHAPTERS + [ROOT / "README.md"], ids=lambda p: str(p.relative_to(ROOT)))

@@ -1,14 +1,17 @@
-"""The reading path is what `LLM.generate` runs, counted honestly, file by file.
+"""The reading path is what `LLM.generate` runs, counted honestly, file by file, twice.
 
-A student follows one request from `LLM.generate` down to the attention that reads K/V
-through a block table, on the reference kernels (the torch attention backend, the model's own
-torch ops, nn.Linear: `cpu_kernels="reference"`, `cpu_linear="reference"`); the fast paths beside
-them are imported only when chosen. These tests load a model and generate in a fresh interpreter, list
-every nanopaged module that call imported, and hold that list to the one the README and
-docs/00_how_to_read.md print, in reading order, with each file's line count (comments and
-docstrings included). Code `generate` never runs (beam search, tensor parallelism, the
+A student first follows one request from `LLM.generate` down to the attention that reads K/V
+through a block table on the reference kernels (torch everywhere: the torch attention backend,
+the model's own torch ops, nn.Linear): the reference path. On a CPU with bfloat16 matrix units
+(every host this project runs on) `LLM()` with default settings runs another path: the CPU
+annex's fast layers (nanopaged/cpu/) replace the decoder layers, the linears and the attention,
+and the C++ kernels they call are compiled and loaded: the default path. These tests generate
+in a fresh interpreter both ways, list every nanopaged module each call imported, and hold the
+lists to the ones the README and docs/00_how_to_read.md print, in reading order, with each
+file's line count (comments and docstrings included; the C++ files the build compiles are
+counted on the default path). Code `generate` never runs (beam search, tensor parallelism, the
 server, the demo model's converter, the Triton and flash backends) is not imported and not
-counted. A change that adds a file to the path, or lines to it, updates the two tables.
+counted. `python scripts/reading_path.py --write` rewrites the tables' counts.
 """
 import ast
 import json
@@ -16,6 +19,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,17 +30,33 @@ READING_PATH = [
     "nanopaged/core/block_pool.py", "nanopaged/core/request.py", "nanopaged/core/scheduler.py",
     "nanopaged/worker/model_runner.py", "nanopaged/attention/metadata.py", "nanopaged/attention/torch_backend.py",
     "nanopaged/models/llama.py", "nanopaged/engine/llm_engine.py", "nanopaged/llm.py",
-    "nanopaged/config.py", "nanopaged/validation.py", "nanopaged/cpu/features.py", "nanopaged/attention/backends.py",
-    "nanopaged/models/config.py", "nanopaged/models/loader.py", "nanopaged/cpu/linear.py",
-    "nanopaged/sampling_params.py",
-    "nanopaged/engine/input_processor.py", "nanopaged/sample/sampler.py", "nanopaged/sample/parallel_sampling.py",
+    "nanopaged/config.py", "nanopaged/validation.py", "nanopaged/cpu/features.py", "nanopaged/cpu/choose.py",
+    "nanopaged/attention/backends.py", "nanopaged/models/config.py", "nanopaged/models/loader.py",
+    "nanopaged/sampling_params.py", "nanopaged/engine/input_processor.py",
+    "nanopaged/sample/sampler.py", "nanopaged/sample/logits_processors.py", "nanopaged/sample/parallel_sampling.py",
     "nanopaged/engine/output_processor.py", "nanopaged/engine/detokenizer.py", "nanopaged/outputs.py",
     "nanopaged/engine/stats.py", "nanopaged/cpu/thread_governor.py", "nanopaged/logger.py",
     "nanopaged/__init__.py", "nanopaged/core/__init__.py", "nanopaged/engine/__init__.py",
     "nanopaged/worker/__init__.py", "nanopaged/attention/__init__.py", "nanopaged/models/__init__.py",
-    "nanopaged/extras/__init__.py",
+    "nanopaged/sample/__init__.py", "nanopaged/cpu/__init__.py",
 ]
-LINE_BUDGET = 3700  # 3,400 until quantization, the structured-output hooks, decode grouping (issues 28, 27, 23); 3,500 until speculative decoding (26); 3,600 until the CPU fast paths' choice (cpu_kernels, cpu_linear="dpbf16": 23)
+# What the default path adds on a CPU with bfloat16 matrix units, in reading order: the fused
+# layer loop, the packed linears, the `cpu` attention backend, the build; then the C++ it loads.
+FAST_PATH = ["nanopaged/cpu/fused.py", "nanopaged/cpu/linear.py", "nanopaged/cpu/attention.py",
+             "nanopaged/cpu/build.py"]
+CPP_SOURCES = ["nanopaged/cpu/csrc/" + f for f in (
+    "ops.h", "vec16.h", "row_kernels.h", "kv_layout.h", "norms.cpp", "rotary_kv.cpp", "attention.cpp",
+    "linear_bf16.cpp", "linear_quantized.cpp", "activations.cpp", "argmax.cpp", "decoder.h", "decoder.cpp",
+    "bindings.cpp")]        # csrc/ops.h's order: what the kernels share, then a layer's kernels in turn
+# The reference files the default path does not even import: their fast twins replace them whole.
+REPLACED = ["nanopaged/attention/torch_backend.py"]        # by nanopaged/cpu/attention.py
+DEFAULT_PATH = [p for p in READING_PATH if p not in REPLACED] + FAST_PATH + CPP_SOURCES
+TABLES = READING_PATH + FAST_PATH + CPP_SOURCES        # the two tables the documents print, in order
+# 3,400 until quantization, the structured-output hooks, decode grouping (issues 28, 27, 23); 3,500 until
+# speculative decoding (26); 3,600 until the CPU fast paths' choice (23); 3,700 until the CPU annex's
+# choose module and the token-selection room (35)
+LINE_BUDGET = 3800
+DEFAULT_LINE_BUDGET = 5800
 # The design card's three parts: the block manager, the scheduler, the model runner with the
 # torch attention it calls (the metadata it builds, the reference backend).
 THREE_PARTS = {
@@ -45,18 +66,29 @@ THREE_PARTS = {
                                        "nanopaged/attention/torch_backend.py"],
 }
 THREE_PARTS_BUDGET = 1000
-# Names that would mean an extension's logic lives in the block pool, the scheduler or the engine step.
-EXTENSION_WORDS = ("beam", "graph", "stats", "statistic", "bench", "triton", "flash", "demo")
+# Words of every extension: a name holding one in the block pool, the scheduler, the runner or the
+# engine step means an extension's logic lives there instead of behind a hook.
+EXTENSION_WORDS = ("beam", "graph", "stats", "statistic", "bench", "triton", "flash", "demo", "fuse", "quant",
+                   "pack", "spec", "draft", "lora", "grammar", "structured", "governor", "tensor_parallel", "rank",
+                   "dpbf16", "amx", "onednn", "mkldnn", "kernel", "expert", "moe")
+# The core's own names that hold such a word, each with the reason it is the core's.
+CORE_VOCABULARY = {
+    "spec_token_ids": "drafts are new tokens to the core: the one list the scheduler computes beside the real ones "
+                      "(vLLM's Request.spec_token_ids)",
+    "num_tokens_with_spec": "the target num_computed_tokens chases when a request has drafts (vLLM's name)",
+}
 CORE_STEP = ["nanopaged/core/block_pool.py", "nanopaged/core/request.py", "nanopaged/core/scheduler.py",
              "nanopaged/engine/llm_engine.py", "nanopaged/worker/model_runner.py"]
 
+REFERENCE_SETTINGS = 'attention_backend="torch", cpu_kernels="reference", cpu_linear="reference",'
 PROGRAM = """
 import json, sys
 from nanopaged import LLM, SamplingParams
-llm = LLM(sys.argv[1], device="cpu", attention_backend="torch", cpu_kernels="reference", cpu_linear="reference",
-          num_kv_blocks=16)
-llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3), use_tqdm=False)
-print(json.dumps(sorted(m.__file__ for name, m in sys.modules.items() if name.split(".")[0] == "nanopaged")))
+llm = LLM(sys.argv[1], device="cpu", {settings} num_kv_blocks=16)
+llm.generate(["Hello", {{"prompt_token_ids": [1, 2, 3]}}], SamplingParams(max_tokens=3), use_tqdm=False)
+fast = llm.llm_engine.runner.fast_path
+print(json.dumps({{"files": sorted(m.__file__ for name, m in sys.modules.items() if name.split(".")[0] == "nanopaged"),
+                  "fast_path": [fast.linear, fast.layers, fast.attention_backend]}}))
 """
 
 
@@ -64,26 +96,55 @@ def lines(path: str) -> int:
     return len((ROOT / path).read_text().splitlines())
 
 
-def imported_by_generate(model_dir: str) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", PROGRAM, model_dir], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+def total(paths: list[str]) -> int:
+    return sum(lines(p) for p in paths)
+
+
+def run_generate(model_dir: str, settings: str) -> dict:
+    """The nanopaged files a generate call imports in a fresh interpreter, and the fast path it ran."""
+    done = subprocess.run([sys.executable, "-c", PROGRAM.format(settings=settings), model_dir], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    files = json.loads(done.stdout.splitlines()[-1])
-    return sorted(str(Path(f).resolve().relative_to(ROOT)) for f in files)
+    result = json.loads(done.stdout.splitlines()[-1])
+    result["files"] = sorted(str(Path(f).resolve().relative_to(ROOT)) for f in result["files"])
+    return result
 
 
-def expected_table() -> str:
-    rows = [f"| {i} | `{p}` | {lines(p)} |" for i, p in enumerate(READING_PATH, 1)]
-    return "\n".join(rows) + f"\ntotal {sum(lines(p) for p in READING_PATH)}"
+def test_the_reading_path_is_exactly_what_generate_imports_on_the_reference_kernels(tiny_model_dirs):
+    result = run_generate(tiny_model_dirs["llama"], REFERENCE_SETTINGS)
+    assert result["fast_path"] == ["reference", "reference", "torch"]
+    assert result["files"] == sorted(READING_PATH)
 
 
-def test_the_reading_path_is_exactly_what_generate_imports(tiny_model_dirs):
-    assert imported_by_generate(tiny_model_dirs["llama"]) == sorted(READING_PATH)
+def test_the_default_path_is_what_generate_imports_with_the_default_settings(tiny_model_dirs):
+    """On a CPU with bfloat16 units where the kernels build (AMX: oneDNN's packed linear; AVX512-BF16
+    alone: nanopaged's dpbf16; both in cpu/linear.py): the fused path, and the C++ it builds.
+    Elsewhere `auto` runs the reference path, which this test then holds it to."""
+    result = run_generate(tiny_model_dirs["llama"], "")
+    linear, layers, attention = result["fast_path"]
+    if layers == "fused" and linear != "reference":
+        assert result["files"] == sorted(p for p in DEFAULT_PATH if p.endswith(".py"))
+    elif linear == "reference":
+        assert (layers, result["files"]) == ("reference", sorted(READING_PATH))
+        pytest.skip("this host's default is the reference path (no bfloat16 units, or no compiler)")
+    else:
+        pytest.skip(f"packed linears without the C++ kernels here: {result['fast_path']}")
 
 
-def test_the_reading_path_holds_at_most_its_budget():
+def test_the_default_path_counts_every_cpp_file_the_build_compiles():
+    """The build compiles every .cpp of csrc/ into the one module it loads (the headers they
+    include copied beside them), so the default path counts every file there: the 4- and 8-bit
+    linears too, which run only with quantization=."""
+    from nanopaged.cpu import build
+    built = sorted(str(Path(p).relative_to(ROOT)) for p in build.SOURCES + build.HEADERS)
+    assert built == sorted(CPP_SOURCES)
+    assert built == sorted(str(p.relative_to(ROOT)) for p in (ROOT / "nanopaged/cpu/csrc").iterdir())
+
+
+def test_the_paths_hold_at_most_their_budgets():
     counts = {p: lines(p) for p in READING_PATH}
     assert sum(counts.values()) <= LINE_BUDGET, f"the reading path holds {sum(counts.values())} lines: {counts}"
+    assert total(DEFAULT_PATH) <= DEFAULT_LINE_BUDGET, f"the default path holds {total(DEFAULT_PATH)} lines"
 
 
 def test_the_three_parts_hold_about_1000_lines():
@@ -92,22 +153,26 @@ def test_the_three_parts_hold_about_1000_lines():
 
 
 def table_rows(text: str) -> list[tuple[str, int]]:
-    """The rows `| n | `nanopaged/...py` | lines | ...` of a document's reading-path table."""
+    """The rows `| n | `nanopaged/...` | lines | ...` of a document's reading-path tables, in order."""
     return [(m.group(1), int(m.group(2)))
-            for m in re.finditer(r"^\|\s*\d+\s*\|\s*`(nanopaged/[\w/]+\.py)`\s*\|\s*(\d+)\s*\|", text, re.MULTILINE)]
+            for m in re.finditer(r"^\|\s*\d+\s*\|\s*`(nanopaged/[\w/]+\.(?:py|cpp|h))`\s*\|\s*(\d+)\s*\|", text,
+                                 re.MULTILINE)]
 
 
-def test_readme_and_chapter_0_print_the_path_with_each_files_count():
-    want = [(p, lines(p)) for p in READING_PATH]
-    total = sum(n for _, n in want)
-    for doc in (ROOT / "README.md", ROOT / "docs" / "00_how_to_read.md"):
-        text = doc.read_text()
-        assert table_rows(text) == want, (f"{doc.name}: the reading-path table should read (python "
-                                          f"scripts/reading_path.py --write updates it)\n{expected_table()}")
-        assert f"{total:,} lines" in text, f"{doc.name} should state the total, {total:,} lines"
-        assert f"{len(READING_PATH)} files" in text, f"{doc.name} should state the file count, {len(READING_PATH)}"
-        parts = sum(lines(p) for files in THREE_PARTS.values() for p in files)
-        assert f"the three parts: {parts:,} lines" in text, f"{doc.name} should say: the three parts: {parts:,} lines"
+def expected_tables() -> str:
+    rows = [f"| {i} | `{p}` | {lines(p)} |" for i, p in enumerate(TABLES, 1)]
+    return "\n".join(rows) + f"\nreference {total(READING_PATH)}, default {total(DEFAULT_PATH)}"
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/00_how_to_read.md"])
+def test_readme_and_chapter_0_print_both_paths_with_each_files_count(doc):
+    text = (ROOT / doc).read_text()
+    hint = f"{doc}: the reading-path tables should read (python scripts/reading_path.py --write)\n{expected_tables()}"
+    assert table_rows(text) == [(p, lines(p)) for p in TABLES], hint
+    assert f"reference path: {total(READING_PATH):,} lines in {len(READING_PATH)} files" in text, hint
+    assert f"default path: {total(DEFAULT_PATH):,} lines in {len(DEFAULT_PATH)} files" in text, hint
+    parts = sum(lines(p) for files in THREE_PARTS.values() for p in files)
+    assert f"the three parts: {parts:,} lines" in text, f"{doc} should say: the three parts: {parts:,} lines"
 
 
 def identifiers(path: Path) -> set[str]:
@@ -129,10 +194,26 @@ def identifiers(path: Path) -> set[str]:
     return names
 
 
+def extension_names(path: Path) -> list[str]:
+    return sorted(n for n in identifiers(path) - set(CORE_VOCABULARY)
+                  if any(w in n.lower() for w in EXTENSION_WORDS))
+
+
 def test_no_extension_logic_in_the_core_step():
-    found = {}
-    for path in CORE_STEP:
-        bad = sorted(n for n in identifiers(ROOT / path) if any(w in n.lower() for w in EXTENSION_WORDS))
-        if bad:
-            found[path] = bad
+    found = {path: bad for path in CORE_STEP if (bad := extension_names(ROOT / path))}
     assert not found, f"extension code in the core step: {found}"
+
+
+def test_the_extension_check_sees_what_it_looks_for(tmp_path):
+    """The check is not blind: a fast-path branch or an adapter slot in a core file is caught."""
+    planted = tmp_path / "runner.py"
+    planted.write_text("def load_model(self):\n    if self.config.cpu_kernels == 'fused':\n"
+                       "        fuse_layers(self.model)\n    self.lora_slots = quantize_linears(self.model)\n")
+    assert extension_names(planted) == ["fuse_layers", "lora_slots", "quantize_linears"]
+
+
+def test_every_cpp_file_holds_one_concern_in_a_few_hundred_lines():
+    """The C++ is split by concern (csrc/ops.h lists the files): a file past ~450 lines holds more
+    than one idea a reader can name."""
+    long = {p: lines(p) for p in CPP_SOURCES if lines(p) > 450}
+    assert not long, f"split these by concern: {long}"

@@ -47,7 +47,7 @@ GROUPS = {
     "sampling": ("aten::argmax", "aten::_log_softmax", "aten::log_softmax", "aten::softmax", "aten::multinomial"),
 }
 # mkldnn::_linear_pointwise: oneDNN's packed bfloat16 linears; nanopaged::: the C++ CPU kernels
-# (nanopaged/cpu/csrc/cpu_ops.cpp), plain functions the profiler sees only through `labelled_kernels`
+# (nanopaged/cpu/csrc/), plain functions the profiler sees only through `labelled_kernels`
 OP_PREFIXES = ("aten::", "mkldnn::", "nanopaged::")
 
 

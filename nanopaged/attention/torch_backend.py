@@ -22,9 +22,9 @@ from nanopaged.attention.metadata import AttentionMetadata
 from nanopaged.core.block_pool import cdiv
 
 
-# A decode group of rows costs a fixed ~30 us per layer (two gathers and one SDPA call) plus
-# ~1 us per (row, block) of padded K/V: padding a group's rows to a longer one's blocks pays only
-# while it adds fewer (row, block) pairs than another group would cost (measured on CPU, bf16).
+# A decode group of rows costs a fixed time per layer (two gathers and one SDPA call) plus a time
+# per (row, block) of padded K/V: padding a group's rows to a longer one's blocks pays only while it
+# adds fewer (row, block) pairs than another group would cost, this many (docs/05, "torch").
 GROUP_COST_IN_BLOCKS = 30
 
 

@@ -2,10 +2,9 @@
 
 On CPU, torch splits each op across its threads and waits for the last one. When another
 process keeps one core busy, the thread that shares that core gets a fraction of it, and
-every one of the hundreds of ops in a step waits for it: measured on a 2-core machine
-(docs/benchmarks.md, "Noise"), two threads beside a busy core kept 12% of their quiet
-throughput while one thread kept 104%. Two threads are still 1.8x faster on a quiet machine,
-so no fixed count is right for both.
+every one of the hundreds of ops in a step waits for it: beside a busy core one thread runs
+faster than two, on a quiet machine two run faster than one (docs/benchmarks.md, "Noise", has the
+figures), so no fixed count is right for both.
 
 The governor is a step observer (the engine's `observers` hook). About twice a second it
 reads how busy the machine's cores were, minus this process's own share (Linux: /proc/stat

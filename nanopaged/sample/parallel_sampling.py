@@ -42,7 +42,7 @@ class ParallelSampler:
             return {}
         logits = runner_output.logits
         if len(rows) > len(runner_output.requests):   # a forking row, repeated for each sample
-            logits = logits[rows]                     # (a copy: 0.5 ms for 32 rows of a 49k vocabulary)
+            logits = logits[rows]                     # (a copy of every row: only when one forks)
         out = self.sampler(logits, requests)
         return {seq: [SampledToken(token, logprob, top, parent)] for seq, token, logprob, top, parent
                 in zip(requests, out.token_ids, out.logprobs, out.top_logprobs, parents)}
