@@ -304,3 +304,18 @@ def hf_greedy():
         return outputs
 
     return run
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def ops(request):
+    """nanopaged's C++ kernels (tests/cpu/) built for this CPU, then an AVX2-only copy: the loops an
+    AVX2 host runs (Vec16 as an array the compiler splits), checked on any host that has AVX2."""
+    from nanopaged.cpu.build import available, build, cpu_ops
+    from nanopaged.cpu.features import cpu_flags
+    if available() is not None:
+        pytest.skip(available())
+    if request.param == "native":
+        return cpu_ops()
+    if "avx2" not in cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    return build("nanopaged_cpu_ops_avx2", ["avx2", "fma", "f16c"])

@@ -1,6 +1,6 @@
 """The CPU fast path, in one annex beside the readable reference (docs/05, docs/00 "The fast path
-beside the reference"). Nothing here is needed to follow the reference; `choose.py` decides what
-of it runs, and the runner calls it once.
+beside the reference"). The reference path reads three of its files (the flags, the choice, the
+thread governor); `choose.py` decides what else of it runs, once, for the runner.
 
     features.py          the CPU's flags: whether its matrix units multiply bfloat16 (dtype="auto")
     choose.py            the settings and the flags -> FastPath: which kernels replace which reference

@@ -13,22 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from nanopaged.attention.torch_backend import store_kvcache
-from nanopaged.cpu.features import cpu_flags
-from nanopaged.cpu.build import available, build, cpu_ops, from_kernel_layout, to_kernel_layout
+from nanopaged.cpu.build import available, cpu_ops, from_kernel_layout, to_kernel_layout
 from nanopaged.models.llama import RMSNorm, apply_rotary
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"{available()}")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(scope="module", params=["native", "avx2"])
-def ops(request):
-    if request.param == "native":
-        return cpu_ops()
-    if "avx2" not in cpu_flags():
-        pytest.skip("this CPU has no AVX2")
-    return build("nanopaged_cpu_ops_avx2", ["avx2", "fma", "f16c"])
 
 
 def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, min_exact: float = 0.98) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 import nanopaged.config as config_module
 import nanopaged.cpu.choose as choose_module
 from conftest import check_logprobs_close, make_prompts, nanopaged_greedy
-from nanopaged import LLM, EngineConfig, SamplingParams
+from nanopaged import LLM, EngineConfig
 from nanopaged.cpu.build import available, cpu_ops
 from nanopaged.cpu.choose import choose
 from nanopaged.cpu.features import auto_cpu_dtype

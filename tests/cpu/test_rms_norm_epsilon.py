@@ -11,8 +11,7 @@ nanopaged/models/llama.py: RMSNorm, on this CPU's build and on the AVX2-only one
 import pytest
 import torch
 
-from nanopaged.cpu.build import available, build, cpu_ops, from_kernel_layout
-from nanopaged.cpu.features import cpu_flags
+from nanopaged.cpu.build import available, from_kernel_layout
 from nanopaged.models.llama import RMSNorm
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"{available()}")
@@ -20,15 +19,6 @@ pytestmark = pytest.mark.skipif(available() is not None, reason=f"{available()}"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPSILONS = [1e-5, 1e-6]
 ROW_MEAN_SQUARES = [0.1, 1.0, 10.0, 0.0]         # times eps, one row each
-
-
-@pytest.fixture(scope="module", params=["native", "avx2"])
-def ops(request):
-    if request.param == "native":
-        return cpu_ops()
-    if "avx2" not in cpu_flags():
-        pytest.skip("this CPU has no AVX2")
-    return build("nanopaged_cpu_ops_avx2", ["avx2", "fma", "f16c"])
 
 
 def small_rows(dim: int, eps: float, seed: int) -> torch.Tensor:
