@@ -40,8 +40,15 @@ class FastPath:
     quantization: str | None = None     # gguf | int4 | int8 (cpu/quantized_linear.py)
     quantization_group_size: int = 32
     gguf_file: str | None = None
-    argmax: Callable | None = None      # the sampler's argmax, where a kernel replaces torch's
     quantized: dict | None = None       # what quantizing did (get_stats, the load log)
+
+    @property
+    def argmax(self) -> Callable | None:
+        """The sampler's argmax where a kernel replaces torch's: the fused path's, else None."""
+        if self.layers != "fused":
+            return None
+        from nanopaged.cpu.fused import argmax_rows
+        return argmax_rows
 
     def apply(self, model: nn.Module) -> None:
         """Swap the chosen layers into a loaded model, in the one order that works: quantize (each
@@ -54,23 +61,20 @@ class FastPath:
             from nanopaged.cpu.linear import pack_linears
             pack_linears(model, self.linear)
         if self.layers == "fused":
-            from nanopaged.cpu.fused import argmax_rows, fuse_layers
+            from nanopaged.cpu.fused import fuse_layers
             fuse_layers(model)
-            self.argmax = argmax_rows
 
 
 def choose(config) -> FastPath:
     """The fast path for an EngineConfig (config.py), or a ValueError naming the setting that
     cannot run here and why. Nothing is built unless a fast path is a candidate."""
-    quantization = {"quantization": config.quantization, "quantization_group_size": config.quantization_group_size,
-                    "gguf_file": config.gguf_file}
     linear = choose_linear(config.cpu_linear, config.device, config.dtype)
     layers = choose_layers(config.cpu_kernels, config.device, linear, config.attention_backend, config.block_size)
     attention = "cpu" if layers == "fused" else config.attention_backend
     attention = resolve_attention_backend(attention, config.device, config.dtype)
     if attention == "cpu":
         check_cpu_attention(config.block_size)
-    return FastPath(linear, layers, attention, **quantization)
+    return FastPath(linear, layers, attention, config.quantization, config.quantization_group_size, config.gguf_file)
 
 
 def choose_linear(name: str, device: str, dtype: str) -> str:
