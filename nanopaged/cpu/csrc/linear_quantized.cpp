@@ -212,26 +212,31 @@ static void quantized_tile_any(const float* x, int64_t x_row, const float* sx, c
 }
 
 // x (M, K) in the model's dtype, unit stride in K; packed from pack_quantized: y (M, N), float32
-// sums rounded once to x's dtype. Rows go 4 at a time; each tile streams its weights once. One
-// step calls this 120 times for weights of a few hundred kilobytes, so nothing is allocated but y.
+// sums rounded once to x's dtype. Rows go up to kQRows at a time, each tile's codes unpacked once
+// for all of them; each tile streams its weights once. A row's sums run in the same order whatever
+// the tile of rows it shares (the batch-invariant path runs this at every row count). One step
+// calls this 120 times for weights of a few hundred kilobytes, so nothing is allocated but y.
+static constexpr int64_t kQRows = 6;      // 6 x 2 sums and 6 x 2 block parts + 4 operands: 28 of 32 registers
 template <typename T>
 static void quantized_rows(const T* x, int64_t x_row, int64_t M, int64_t K, const uint8_t* wp, int64_t N, int64_t G,
                            int bits, T* y) {
   const int64_t blocks = K / G, Tw = q_tile(bits), tiles = (N + Tw - 1) / Tw, bb = q_block_bytes(G, bits);
   std::vector<float> xf(M * K), sx(M * blocks, 0.f);          // the rows in float32; their sums per block
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t i = 0; i < K; ++i) {
-      xf[r * K + i] = float(x[r * x_row + i]);
-      sx[r * blocks + i / G] += xf[r * K + i];
-    }
+  at::parallel_for(0, M, grain(K), [&](int64_t rb, int64_t re) {     // a prompt's rows: on every thread
+    for (int64_t r = rb; r < re; ++r)
+      for (int64_t i = 0; i < K; ++i) {
+        xf[r * K + i] = float(x[r * x_row + i]);
+        sx[r * blocks + i / G] += xf[r * K + i];
+      }
+  });
   // a thread takes at least ~32 KB of weights: smaller shares cost more to hand out than to read
   at::parallel_for(0, tiles, std::max<int64_t>(1, 32 * 1024 / (blocks * bb)), [&](int64_t tb, int64_t te) {
-    float out[4 * kQ4Tile];
+    float out[kQRows * kQ4Tile];
     for (int64_t t = tb; t < te; ++t) {
       const uint8_t* tile = wp + t * blocks * bb;
       const int64_t width = std::min(Tw, N - t * Tw);
-      for (int64_t r = 0; r < M; r += 4) {
-        const int64_t rows = std::min<int64_t>(4, M - r);
+      for (int64_t r = 0; r < M; r += kQRows) {
+        const int64_t rows = std::min<int64_t>(kQRows, M - r);
         const float *xr = xf.data() + r * K, *sr = sx.data() + r * blocks;
 #if defined(__AVX512F__)
         constexpr bool pairs = std::is_same_v<T, bf16> && NP_HAS_AVX512_BF16;
@@ -239,7 +244,14 @@ static void quantized_rows(const T* x, int64_t x_row, int64_t M, int64_t K, cons
         const int64_t row4 = pairs ? x_row / 2 : K;
 #define NP_QTILE(MT) (bits == 4 ? q4_tile<MT, pairs>(x4, row4, sr, tile, K, G, out, Tw) \
                                : q8_tile<MT>(xr, K, tile, K, G, out, Tw))
-        if (rows == 4) NP_QTILE(4); else if (rows == 3) NP_QTILE(3); else if (rows == 2) NP_QTILE(2); else NP_QTILE(1);
+        switch (rows) {
+          case 6: NP_QTILE(6); break;
+          case 5: NP_QTILE(5); break;
+          case 4: NP_QTILE(4); break;
+          case 3: NP_QTILE(3); break;
+          case 2: NP_QTILE(2); break;
+          default: NP_QTILE(1);
+        }
 #undef NP_QTILE
 #else
         quantized_tile_any(xr, K, sr, tile, K, G, bits, rows, out, Tw);
