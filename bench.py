@@ -28,7 +28,7 @@ from benchmarks.figures import PUBLISHED, overhead_figures, ratios, target_figur
 from benchmarks.machine import machine_info, versions
 from benchmarks.memory import memory_figures
 from benchmarks.models import RANDOM_CONFIGS, resolve_model, vocab_limit
-from benchmarks.nanopaged_run import quantized_vs_dense, resolved_settings, run_nanopaged
+from benchmarks.nanopaged_run import batch_invariance_cost, quantized_vs_dense, resolved_settings, run_nanopaged
 from benchmarks.noise import noise_figures
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
 from benchmarks.report import (plot, print_shared_prefix, print_sharing, print_spec, print_structured,
@@ -114,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-kernels", choices=["auto", "fused", "reference"],
                    help="nanopaged's CPU layer kernels: fused (C++ norms, rotary + K/V store, SiLU, decode "
                         "attention), reference (torch ops); auto (the engine's default): fused with packed linears")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="nanopaged's batch_invariant (default: the engine's, on where its kernels hold it); the "
+                        "run times the trace without it too where that changes the kernels")
     p.add_argument("--quantization", choices=["gguf", "int4", "int8"],
                    help="nanopaged's weight-only quantization of the decoder layers (default: none); gguf runs "
                         "the GGUF file's own 4-bit blocks (the demo model's Q4_1)")
@@ -178,7 +181,7 @@ def engine_settings(args) -> dict:
     """The engine settings given on the command line (the rest keep nanopaged's defaults)."""
     names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
              "max_model_len", "dtype", "device", "cpu_threads", "cpu_linear", "cpu_kernels", "tensor_parallel_size",
-             "quantization")
+             "quantization", "batch_invariant")
     settings = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if settings.get("cpu_threads") == "none":
         settings["cpu_threads"] = None
@@ -194,6 +197,7 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
 
     run, stats, samples, config = run_nanopaged(model_dir, trace, settings)
     dense = quantized_vs_dense(model_dir, trace, settings, run) if settings.get("quantization") else None
+    invariance = batch_invariance_cost(model_dir, trace, settings, run)
     device, dtype = hf_device_dtype(config)
     peak_after_engine = measure_matmul_flops(device, dtype)   # the roofline's ceiling, timed twice
     resolved = resolved_settings(config, stats)
@@ -231,6 +235,7 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
         result["quality"] = quality_figures(model_dir, settings, quality_ids, peers.get("llama.cpp"))
     if dense:
         result["dense"] = dense
+    result["batch_invariance"] = invariance
     if args.noise:
         result["noise"] = noise_figures(model_dir, trace, settings, config, engine, peers.get("hf"))
     result["kv_utilization"], result["memory"] = memory_figures(

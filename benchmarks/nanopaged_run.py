@@ -1,11 +1,14 @@
-"""nanopaged's timed run of the trace, with a look at its KV memory after every step."""
+"""nanopaged's timed run of the trace, with a look at its KV memory after every step; and the same
+trace again with one setting changed, alternating (quantization, batch invariance)."""
 from __future__ import annotations
 
 import time
 
+from benchmarks.decode_speed import decode_tokens_per_s
 from benchmarks.memory import kv_sample
 from benchmarks.trace import WARMUP_PROMPT, Run, StepTiming, Trace
 from nanopaged import LLM, EngineConfig, SamplingParams
+from nanopaged.cpu.choose import choose
 from nanopaged.engine.llm_engine import StepRecord
 
 
@@ -67,18 +70,61 @@ def resolved_settings(config: EngineConfig, stats: dict) -> dict:
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "max_model_len": config.max_model_len, "num_kv_blocks": stats["num_kv_blocks"],
             "dtype": config.dtype, "cpu_linear": stats["cpu_linear"], "cpu_kernels": stats["cpu_kernels"],
-            "attention_backend": stats["attention_backend"], "quantization": config.quantization}
+            "attention_backend": stats["attention_backend"], "batch_invariant": stats["batch_invariant"],
+            "quantization": config.quantization}
+
+
+def alternating(model_dir: str, trace: Trace, settings: dict, first: Run, other: dict) -> tuple[list, list]:
+    """The out tok/s of the trace with `settings` (the first run, then one more) and with `other`
+    changed (two runs), in the same run, alternating (other, these, other after the first run).
+    Runs minutes apart differ by a few percent on a shared host, so one run of each would decide nothing."""
+    these, others = [first.figures()["output_tokens_per_s"]], []
+    for changed in (other, {}, other):
+        run = run_nanopaged(model_dir, trace, {**settings, **changed})[0]
+        (others if changed else these).append(run.figures()["output_tokens_per_s"])
+    return these, others
 
 
 def quantized_vs_dense(model_dir: str, trace: Trace, settings: dict, first: Run) -> dict:
-    """Issue 28's "no slower with quantization": the same trace without it, in the same run,
-    alternating with it (dense, quantized, dense after the first, quantized, run), the best of
-    two of each. Runs minutes apart differ by a few percent on a shared host, so one run
-    of each would decide nothing."""
-    runs = {"quantized": [first.figures()["output_tokens_per_s"]], "dense": []}
-    for quantization in (None, settings["quantization"], None):
-        run = run_nanopaged(model_dir, trace, {**settings, "quantization": quantization})[0]
-        runs["dense" if quantization is None else "quantized"].append(run.figures()["output_tokens_per_s"])
-    best_q, best_d = max(runs["quantized"]), max(runs["dense"])
-    return {"output_tokens_per_s": best_d, "quantized_output_tokens_per_s": best_q, "runs": runs,
-            "ratio": best_q / best_d}
+    """Issue 28's "no slower with quantization": the same trace without it, alternating, the best
+    of two of each."""
+    quantized, dense = alternating(model_dir, trace, settings, first, {"quantization": None})
+    return {"output_tokens_per_s": max(dense), "quantized_output_tokens_per_s": max(quantized),
+            "runs": {"quantized": quantized, "dense": dense}, "ratio": max(quantized) / max(dense)}
+
+
+def kernels(settings: dict, model_dir: str) -> tuple:
+    """What the engine would run with these settings (nanopaged/cpu/choose.py), without loading it."""
+    path = choose(EngineConfig(model_dir, **settings))
+    return path.linear, path.layers, path.attention_backend, path.batch_invariant
+
+
+def batch_invariance_cost(model_dir: str, trace: Trace, settings: dict, first: Run) -> dict:
+    """Issue 36: what batch invariance costs. The same trace with batch_invariant=False, alternating,
+    best of two each, and one request at a time both ways. Where both choose the same kernels (a
+    CPU without AMX, dense weights) nothing differs and nothing runs again."""
+    off_settings = {**settings, "batch_invariant": False}
+    on, off = kernels(settings, model_dir), kernels(off_settings, model_dir)
+    if not on[3]:
+        return {"batch_invariant": False}
+    if on[:3] == off[:3] and not settings.get("quantization"):
+        return {"batch_invariant": True, "same_kernels": True, "kernels": list(on[:3]), "ratio": 1.0,
+                "single_stream_ratio": 1.0}
+    invariant, not_invariant = alternating(model_dir, trace, settings, first, {"batch_invariant": False})
+    engines = [LLM(model_dir, **{**s, "enable_prefix_caching": False}) for s in (settings, off_settings)]
+    prompt, n = trace.prompts[0], max(2, max(trace.output_lens))
+    one = decode_tokens_per_s([one_request(llm, prompt) for llm in engines], n)
+    return {"batch_invariant": True, "same_kernels": False, "kernels": list(on[:3]), "kernels_off": list(off[:3]),
+            "invariant_output_tokens_per_s": max(invariant), "output_tokens_per_s": max(not_invariant),
+            "runs": {"invariant": invariant, "not_invariant": not_invariant},
+            "ratio": max(invariant) / max(not_invariant),
+            "single_stream_decode_tokens_per_s": {"invariant": one[0], "not_invariant": one[1]},
+            "single_stream_ratio": one[0] / one[1]}
+
+
+def one_request(llm: LLM, prompt: list[int]):
+    """`generate(tokens)` for decode_tokens_per_s: the prompt, greedy, exactly `tokens` tokens."""
+    def generate(tokens: int) -> None:
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
+                     use_tqdm=False)
+    return generate

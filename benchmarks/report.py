@@ -16,7 +16,8 @@ def print_table(r: dict) -> None:
           f"{s['threads']} torch threads)")
     mach = r["machine"]
     print(f"{s['dtype']}, cpu_linear {s['cpu_linear']}, cpu_kernels {s.get('cpu_kernels')}, attention "
-          f"{s.get('attention_backend')}, quantization {s.get('quantization')}; CPU flags {' '.join(mach['matrix_flags']) or 'none'} "
+          f"{s.get('attention_backend')}, batch-invariant {s.get('batch_invariant')}, quantization "
+          f"{s.get('quantization')}; CPU flags {' '.join(mach['matrix_flags']) or 'none'} "
           f"(bfloat16 matrix units: {', '.join(mach['bf16_matrix_units']) or 'none'})")
     print(f"\n{'engine (measured, this run)':30} {'out tok/s':>10} {'total tok/s':>12} {'req/s':>7} "
           f"{'wall s':>8} {'vs nanopaged':>13}")
@@ -33,6 +34,14 @@ def print_table(r: dict) -> None:
         print(f"  nanopaged with and without quantization, alternating on the same trace, best of "
               f"{len(d['runs']['quantized'])} and {len(d['runs']['dense'])}: {d['quantized_output_tokens_per_s']:.1f} and "
               f"{d['output_tokens_per_s']:.1f} out tok/s (quantized / dense {d['ratio']:.2f}x)")
+    b = r.get("batch_invariance", {})
+    if b.get("same_kernels"):
+        print(f"  batch-invariant: the same kernels with and without it here ({', '.join(b['kernels'])}): no cost")
+    elif b.get("batch_invariant"):
+        print(f"  batch-invariant ({', '.join(b['kernels'])}) and not ({', '.join(b['kernels_off'])}), alternating on "
+              f"the same trace, best of 2 each: {b['invariant_output_tokens_per_s']:.1f} and "
+              f"{b['output_tokens_per_s']:.1f} out tok/s ({b['ratio']:.2f}x); one request at a time "
+              f"{b['single_stream_ratio']:.2f}x")
     if "one_request_at_a_time" in r["peers"].get("llama.cpp", {}):
         print(f"  llama.cpp {r['peers']['llama.cpp']['version']} on {r['peers']['llama.cpp']['gguf']}, one request at a "
               "time (its Python API serves no batches)")

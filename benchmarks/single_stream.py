@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 
 from benchmarks.decode_speed import decode_tokens_per_s
+from benchmarks.nanopaged_run import one_request
 from benchmarks.peers import load_hf
 from benchmarks.trace import Trace
-from nanopaged import LLM, EngineConfig, SamplingParams
+from nanopaged import LLM, EngineConfig
 
 
 def single_stream_length(trace: Trace) -> int:
@@ -23,11 +24,7 @@ def single_stream_figures(model_dir: str, trace: Trace, settings: dict, config: 
     """`peers`: the peers' figures; vLLM's and llama.cpp's `decode_tokens_per_s` were timed the same
     way on the same prompt in their own processes (not alternating with these rounds: before them)."""
     prompt, n = trace.prompts[0], single_stream_length(trace)
-    llm = LLM(model_dir, **{**settings, "enable_prefix_caching": False})
-
-    def nanopaged(tokens: int) -> None:
-        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-        llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    nanopaged = one_request(LLM(model_dir, **{**settings, "enable_prefix_caching": False}), prompt)
 
     model = load_hf(model_dir, config)
     ids = torch.tensor([prompt], device=model.device)

@@ -3,7 +3,7 @@
 A wrong value is a ValueError that names the setting, the value and what is allowed,
 raised before a model is loaded or a byte of KV cache is allocated. The device, the dtype and
 the sizes are resolved here, in `__post_init__`; the kernels are not: `cpu_linear`,
-`cpu_kernels` and `attention_backend` stay as the user named them, and the runner asks
+`cpu_kernels`, `attention_backend` and `batch_invariant` stay as the user named them, and the runner asks
 `nanopaged/cpu/choose.py: choose` what they mean on this machine (which may compile C++, which
 a settings check never does). Each table of choices lives with its users: the dtypes and devices here, the
 prefix-cache hash functions with the block pool (`nanopaged/core/block_pool.py: HASH_FUNCTIONS`),
@@ -66,6 +66,7 @@ class EngineConfig:
     speculative_config: dict | None = None  # ngram or draft_model drafts, verified in one pass (spec_decode/)
     quantization: str | None = None         # CPU weight-only: gguf | int4 | int8 (cpu/quantized_linear.py); None: off
     quantization_group_size: int = 32       # int4: input features per scale and zero (gguf: the file's 32)
+    batch_invariant: bool | None = None     # a request's tokens never depend on its batch; None: where the kernels hold it
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
     gguf_file: str | None = field(init=False, default=None)     # quantization="gguf": the file's path
 
@@ -91,6 +92,8 @@ class EngineConfig:
         check_range("tensor_parallel_size", self.tensor_parallel_size, 1, integer=True)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("quantization_group_size", self.quantization_group_size, (32, 64, 128, 256))
+        if self.batch_invariant is not None:
+            check_bool("batch_invariant", self.batch_invariant)
         self.tokenizer = check_model_folder(self.model, self.tokenizer)
         self.model_config = ModelConfig.from_folder(self.model)
         self._resolve_defaults()

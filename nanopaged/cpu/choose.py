@@ -7,9 +7,14 @@ backend and the sampler's argmax. `FastPath.apply` then swaps the chosen layers 
 model in one call (ModelRunner.load_model). A setting the user named is honoured or refused with
 a ValueError that says why; only "auto" is decided here:
 
-    cpu_linear   auto, for a bfloat16 model on a CPU with bfloat16 matrix units: packed (oneDNN)
-                 where the CPU has AMX, whose tiles oneDNN drives; dpbf16 (nanopaged's kernel) where
-                 it has AVX512-BF16 without AMX and the kernels build; reference elsewhere
+    batch_invariant  auto (or vLLM's VLLM_BATCH_INVARIANT=1/0 where the setting is not given): on
+                 where the chosen path computes each row in an order that depends on that row
+                 alone (dpbf16 linears, the fused layers, the cpu attention: a CPU with AVX512-BF16
+                 where the kernels build), off elsewhere, with the reason in the log
+    cpu_linear   auto, for a bfloat16 model on a CPU with bfloat16 matrix units: dpbf16 (nanopaged's
+                 kernel) where the CPU has AVX512-BF16 and the kernels build; packed (oneDNN) where
+                 batch invariance is off and the CPU has AMX, whose tiles oneDNN drives, or where
+                 dpbf16 cannot run; reference elsewhere
     cpu_kernels  auto: fused beside a packed linear (packed or dpbf16) when the attention backend is
                  left to choose and the kernels build (the first time on a machine, they are
                  compiled first); reference elsewhere, float32 included
@@ -21,6 +26,7 @@ docs/00_how_to_read.md, "The fast path beside the reference".
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +46,7 @@ class FastPath:
     quantization: str | None = None     # gguf | int4 | int8 (cpu/quantized_linear.py)
     quantization_group_size: int = 32
     gguf_file: str | None = None
+    batch_invariant: bool = False       # every row computed alone: the same tokens in any batch
     quantized: dict | None = None       # what quantizing did (get_stats, the load log)
 
     @property
@@ -56,7 +63,8 @@ class FastPath:
         twins included), then describe every layer to the fused loop."""
         if self.quantization:
             from nanopaged.cpu.quantized_linear import quantize_linears
-            self.quantized = quantize_linears(model, self.quantization, self.quantization_group_size, self.gguf_file)
+            self.quantized = quantize_linears(model, self.quantization, self.quantization_group_size, self.gguf_file,
+                                              self.batch_invariant)
         if self.linear != "reference":
             from nanopaged.cpu.linear import pack_linears
             pack_linears(model, self.linear)
@@ -68,22 +76,56 @@ class FastPath:
 def choose(config) -> FastPath:
     """The fast path for an EngineConfig (config.py), or a ValueError naming the setting that
     cannot run here and why. Nothing is built unless a fast path is a candidate."""
-    linear = choose_linear(config.cpu_linear, config.device, config.dtype)
+    asked = asked_batch_invariance(config.batch_invariant)
+    linear = choose_linear(config.cpu_linear, config.device, config.dtype, invariant=asked is not False)
     layers = choose_layers(config.cpu_kernels, config.device, linear, config.attention_backend, config.block_size)
     attention = "cpu" if layers == "fused" else config.attention_backend
     attention = resolve_attention_backend(attention, config.device, config.dtype)
     if attention == "cpu":
         check_cpu_attention(config.block_size)
-    return FastPath(linear, layers, attention, config.quantization, config.quantization_group_size, config.gguf_file)
+    why_not = not_batch_invariant(config.device, config.tensor_parallel_size, linear, layers, attention)
+    if asked and why_not:
+        raise ValueError(f"batch_invariant=True cannot hold here: {why_not}")
+    return FastPath(linear, layers, attention, config.quantization, config.quantization_group_size, config.gguf_file,
+                    batch_invariant=asked is not False and why_not is None)
 
 
-def choose_linear(name: str, device: str, dtype: str) -> str:
+def asked_batch_invariance(setting: bool | None) -> bool | None:
+    """The setting; where it is not given, vLLM's switch VLLM_BATCH_INVARIANT (1 or 0); else None: auto."""
+    if setting is not None:
+        return setting
+    flag = os.environ.get("VLLM_BATCH_INVARIANT", "").strip()
+    return {"1": True, "0": False}.get(flag)
+
+
+def not_batch_invariant(device: str, tensor_parallel_size: int, linear: str, layers: str, attention: str) -> str | None:
+    """Why a row's result could depend on the rest of its step on this path, or None where every
+    kernel computes a row in an order that depends on that row alone (tests/engine/test_batch_invariance.py)."""
+    if device != "cpu":
+        return ("on CUDA nanopaged has no batch-invariant kernels: cuBLAS picks its GEMM, and a split over K, "
+                "by the step's row count, and flash-attn splits the keys by the batch's size")
+    if tensor_parallel_size > 1:
+        return ("with tensor_parallel_size > 1 the ranks run the reference layers, through collectives no "
+                "test holds to it")
+    if linear != "dpbf16":
+        return (f"the linear kernel is {linear!r}, whose blocking (oneDNN's, or MKL's sgemm in float32) depends on the "
+                "step's row count; nanopaged's dpbf16 kernel, which computes each row alone, needs a bfloat16 model "
+                "on a CPU with AVX512-BF16 (cpu_linear='dpbf16')")
+    if layers != "fused" or attention != "cpu":
+        return ("the torch reference layers and attention (cpu_kernels='reference', attention_backend="
+                f"{attention!r}) are not held to it: the torch backend pads decode rows into groups by length")
+    return None
+
+
+def choose_linear(name: str, device: str, dtype: str, invariant: bool = False) -> str:
+    """auto: nanopaged's dpbf16 where it runs, except on AMX without batch invariance, where oneDNN
+    drives the tiles; oneDNN's packed kernel where dpbf16 cannot run; the reference elsewhere."""
     units = bf16_matrix_units()
     can_pack = device == "cpu" and dtype == "bfloat16" and bool(units)
     if name == "auto":
         if not can_pack:
             return "reference"
-        if "amx_bf16" not in units and dpbf16_builds():
+        if ("amx_bf16" not in units or invariant) and dpbf16_builds():
             return "dpbf16"
         return "packed"
     if name in ("packed", "dpbf16") and not can_pack:

@@ -44,6 +44,7 @@ from nanopaged.cpu.build import cpu_ops
 from nanopaged.models.llama import LlamaModel, RMSNorm
 
 NO_WEIGHT = torch.empty(0)      # an absent norm or bias
+EVERY_STEP = 2**62              # a quantized layer's row limit when it has no dense twin
 
 
 class FusedRMSNorm(nn.Module):
@@ -67,10 +68,12 @@ def describe(layer: nn.Module):
     if kernel == "dpbf16":
         lin.kind, lin.packed, lin.bias = ops.LinearKind.DPBF16, layer.packed_weight, layer.bias
     elif kernel == "quantized" and layer.ops is not None:
-        lin.kind, lin.packed, lin.group = ops.LinearKind.QUANTIZED, layer.packed, layer.group_size
-        lin.bits, lin.rows_max = layer.bits, layer.rows_for_quantized
+        lin.kind, lin.packed, lin.group, lin.bits = ops.LinearKind.QUANTIZED, layer.packed, layer.group_size, layer.bits
         lin.bias = NO_WEIGHT if layer.bias is None else layer.bias
-        lin.dense = describe(layer.dense)
+        if layer.dense is not None:           # not batch-invariant: the dense twin for steps of more rows
+            lin.rows_max, lin.dense = layer.rows_for_quantized, describe(layer.dense)
+        else:
+            lin.rows_max = EVERY_STEP
     else:
         lin.kind, lin.fn = ops.LinearKind.CALLBACK, layer
     return lin

@@ -12,10 +12,13 @@ A decode step streams every weight once, so on a CPU its matmuls cost what their
     (one scale per output feature, w = q scale).
 
 They win for a few rows; from a few rows up the packed bfloat16 kernels (cpu/linear.py) run near
-the matmul peak instead, and the 4-bit ones do not. So a layer keeps both and picks by the step's
-row count: the quantized weight for at most ROWS_FOR_QUANTIZED rows (one request at a time, a few
-streams), the dense weight for more (docs/01_kv_cache_arithmetic.md, "What a weight costs", has
-the figures and the memory each choice holds).
+the matmul peak instead, and the 4-bit ones do not. Batch-invariant (the default where the fast path
+holds it: cpu/choose.py), a layer runs its quantized weight at every row count, so a request is
+computed with the same numbers whatever runs beside it, and keeps no dense twin. Without it, a
+layer keeps both and picks by the step's row count: the quantized weight for at most
+ROWS_FOR_QUANTIZED rows (one request at a time, a few streams), the dense weight for more; a
+request's answer then depends on how many others share its steps
+(docs/01_kv_cache_arithmetic.md, "What a weight costs", has the figures and the memory each holds).
 
     gguf   the GGUF file's own blocks as they ship (models/gguf.py): Q4_0/Q4_1 and Q8_0 decoder
            layers (Q8_0 on nanopaged's kernel only), and the output matrix where it ships as Q8_0
@@ -55,20 +58,21 @@ def nanopaged_kernels():
 
 # ---- the layers ------------------------------------------------------------------------
 class QuantizedLinear(nn.Module):
-    """A quantized weight, and the layer it replaced (`dense`) for steps of many rows."""
+    """A quantized weight; unless batch-invariant, also the layer it replaced (`dense`), for steps
+    of more than `rows_for_quantized` rows."""
     cpp_kernel = "quantized"    # with nanopaged's kernels (`ops`), the fused layer loop runs it in C++ (fused.py)
-    rows_for_quantized = ROWS_FOR_QUANTIZED
     ops = None
 
-    def __init__(self, dense: nn.Linear) -> None:
+    def __init__(self, dense: nn.Linear, keep_dense: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = dense.in_features, dense.out_features
         self.shard_sizes = getattr(dense, "shard_sizes", None)
         self.bias = None if dense.bias is None else dense.bias.detach()
-        self.dense = dense
+        self.dense = dense if keep_dense else None
+        self.rows_for_quantized = ROWS_FOR_QUANTIZED if keep_dense else None     # None: every step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: (tokens, in_features)
-        if x.shape[0] > ROWS_FOR_QUANTIZED:
+        if self.dense is not None and x.shape[0] > self.rows_for_quantized:
             return self.dense(x)
         y = self.quantized_matmul(x)
         return y if self.bias is None else y + self.bias
@@ -78,9 +82,9 @@ class Int4Linear(QuantizedLinear):
     bits = 4
 
     def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 group_size: int) -> None:
+                 group_size: int, keep_dense: bool = True) -> None:
         """codes (out, in) in 0..15; scale and zero (out, in / group_size): w = (q - 8) scale + zero."""
-        super().__init__(dense)
+        super().__init__(dense, keep_dense)
         self.group_size = group_size
         self.ops = nanopaged_kernels()
         if self.ops is not None:      # w = q d + m: d = scale, m = zero - 8 scale (GGUF's Q4_1 d and m, exactly)
@@ -106,8 +110,9 @@ class Q8Linear(QuantizedLinear):
     ships): nanopaged's kernel only."""
     bits = 8
 
-    def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
-        super().__init__(dense)
+    def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, group_size: int,
+                 keep_dense: bool = True) -> None:
+        super().__init__(dense, keep_dense)
         self.group_size = group_size
         self.ops = nanopaged_kernels()
         self.packed = self.ops.pack_quantized(codes, scale, torch.empty(0), group_size, 8)
@@ -121,9 +126,9 @@ class Q8Linear(QuantizedLinear):
 
 
 class Int8Linear(QuantizedLinear):
-    def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, keep_dense: bool = True) -> None:
         """codes (out, in) in -128..127; scale (out,): w = q scale."""
-        super().__init__(dense)
+        super().__init__(dense, keep_dense)
         self.codes = codes.to(torch.int8).contiguous()
         self.scale = scale.to(dense.weight.dtype)
 
@@ -158,16 +163,18 @@ def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 NO_Q8_KERNEL = "Q8_0: nanopaged's kernels did not build with AVX-512 here"     # 8-bit blocks run on them only
 
 
-def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: str | None) -> dict:
+def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: str | None,
+                     batch_invariant: bool = False) -> dict:
     """Swap the decoder layers' linears for quantized ones, in place (before the dense weights are
-    packed: the packing then reaches the `dense` inside each). Returns what the load log and
-    get_stats report: the method, how many layers, their bytes, the linears left dense, and the
-    most rows a step may have to run the quantized kernel."""
+    packed: the packing then reaches the `dense` inside each, where one is kept). Returns what the
+    load log and get_stats report: the method, how many layers, their bytes, the linears left dense,
+    and the most rows a step may have to run the quantized kernel (None: every step, batch-invariant)."""
     if not quantized_ops_available():
         logger.warning("quantization=%r: this torch has no weight-only int4/int8 CPU kernels; "
                        "running the dense weights", method)
         return {"quantization": None, "quantized_linears": 0, "quantized_bytes": 0, "left_dense": [],
                 "rows_for_quantized": 0}
+    keep = not batch_invariant
     found, left_dense = {}, []
     if method == "gguf":
         from nanopaged.models.gguf import BLOCK, load_gguf_linears
@@ -176,7 +183,7 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
         group_size = BLOCK
     swapped = []
     if "lm_head" in found and nanopaged_kernels() is not None:     # the file's 8-bit output matrix
-        model.lm_head = Q8Linear(model.lm_head, *found["lm_head"], BLOCK)
+        model.lm_head = Q8Linear(model.lm_head, *found["lm_head"], BLOCK, keep_dense=keep)
         swapped.append(model.lm_head)
     elif "lm_head" in found:
         left_dense.append(f"lm_head ({NO_Q8_KERNEL})")
@@ -191,14 +198,14 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
                 if q8 and nanopaged_kernels() is None:
                     left_dense.append(f"{full} ({NO_Q8_KERNEL})")
                     continue
-                new = (Q8Linear if q8 else Int4Linear)(dense, *found[full], group_size)
+                new = (Q8Linear if q8 else Int4Linear)(dense, *found[full], group_size, keep_dense=keep)
             elif method == "int4":
-                new = Int4Linear(dense, *int4_codes(dense.weight.detach(), group_size), group_size)
+                new = Int4Linear(dense, *int4_codes(dense.weight.detach(), group_size), group_size, keep_dense=keep)
             else:
-                new = Int8Linear(dense, *int8_codes(dense.weight.detach()))
+                new = Int8Linear(dense, *int8_codes(dense.weight.detach()), keep_dense=keep)
             owner, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(owner), attr, new)
             swapped.append(new)
     return {"quantization": method, "quantized_linears": len(swapped),
             "quantized_bytes": sum(m.quantized_bytes for m in swapped), "left_dense": left_dense,
-            "rows_for_quantized": ROWS_FOR_QUANTIZED}
+            "rows_for_quantized": ROWS_FOR_QUANTIZED if keep else None}

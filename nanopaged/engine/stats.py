@@ -83,6 +83,7 @@ class EngineStats:
             "cpu_linear": fast.linear,                            # the linear kernel (cpu/linear.py)
             "cpu_kernels": fast.layers,                           # the decoder layers: fused C++ or torch (cpu/fused.py)
             "attention_backend": fast.attention_backend,
+            "batch_invariant": fast.batch_invariant,              # a request's tokens independent of its batch
             "cpu_bf16_matrix_units": bf16_matrix_units(),         # what dtype="auto" read (cpu/features.py)
             "quantization": fast.quantized,                       # quantization=: what and how much
             "kv_cache_usage": pool.usage(),

@@ -102,7 +102,7 @@ def add_setting(group, name: str, type_name: str, default) -> None:
     """One EngineConfig field as a flag; unset flags keep the engine's own default."""
     flag = "--" + name.replace("_", "-")
     kw = dict(dest=name, default=argparse.SUPPRESS, help=f"default: {default}")
-    if type_name == "bool":
+    if type_name in ("bool", "bool | None"):         # --batch-invariant / --no-batch-invariant; unset: auto
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
     elif name in SETTINGS_OFF_IS_NONE:
         group.add_argument(flag, type=_auto_or_none, metavar="{auto,none}", **kw)

@@ -48,7 +48,8 @@ class DraftModelProposer:
             max_num_batched_tokens=target.max_num_batched_tokens,
             num_kv_blocks=self.num_blocks + target.max_num_seqs * self.scratch_per_request,
             attention_backend=target.attention_backend, enforce_eager=True, cpu_threads=None,
-            cpu_linear=target.cpu_linear, cpu_kernels=target.cpu_kernels, seed=target.seed)
+            cpu_linear=target.cpu_linear, cpu_kernels=target.cpu_kernels, batch_invariant=target.batch_invariant,
+            seed=target.seed)
         self.runner = ModelRunner(config)
         self.computed: dict[Request, tuple[int, int]] = {}   # request -> (positions, its preemptions then)
         self.q: dict[Request, torch.Tensor] = {}             # sampled requests: the drafts' distributions

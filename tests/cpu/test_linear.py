@@ -100,17 +100,20 @@ def test_pack_linears_swaps_plain_linears_only(kernel, cls):
 
 
 def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch, tiny_model_dirs):
-    """AMX: oneDNN's kernel, which drives its tiles; AVX512-BF16 alone (AMD Zen 4): nanopaged's
-    dpbf16, where it builds (else oneDNN's); neither: float32 and F.linear."""
+    """AVX512-BF16 (AMD Zen 4, and the AMX Xeons too): nanopaged's dpbf16, which computes each row
+    alone, where it builds (else oneDNN's); AMX without batch invariance: oneDNN's kernel, which
+    drives its tiles; neither: float32 and F.linear."""
     def dtype_and_linear(**settings):
         cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", **settings)
         return cfg.dtype, choose(cfg).linear
     monkeypatch.setattr(choose_module, "dpbf16_builds", lambda: True)
     monkeypatch.setattr(config_module, "auto_cpu_dtype", lambda: "bfloat16")
     monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["amx_bf16", "avx512_bf16"])
-    assert dtype_and_linear() == ("bfloat16", "packed")
+    assert dtype_and_linear() == ("bfloat16", "dpbf16")
+    assert dtype_and_linear(batch_invariant=False) == ("bfloat16", "packed")
     monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["avx512_bf16"])
     assert dtype_and_linear() == ("bfloat16", "dpbf16")
+    assert dtype_and_linear(batch_invariant=False) == ("bfloat16", "dpbf16")
     monkeypatch.setattr(choose_module, "dpbf16_builds", lambda: False)
     assert dtype_and_linear() == ("bfloat16", "packed")
     monkeypatch.setattr(config_module, "auto_cpu_dtype", lambda: "float32")

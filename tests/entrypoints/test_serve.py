@@ -393,6 +393,13 @@ def test_every_engine_setting_is_a_kebab_case_flag():
         parse_args(["--no-such-setting", "1"])
 
 
+def test_batch_invariance_is_a_flag_that_is_auto_when_not_given():
+    from nanopaged.entrypoints.serve import engine_settings, parse_args
+    assert "batch_invariant" not in engine_settings(parse_args(["serve"]))
+    assert engine_settings(parse_args(["serve", "--batch-invariant"]))["batch_invariant"] is True
+    assert engine_settings(parse_args(["serve", "--no-batch-invariant"]))["batch_invariant"] is False
+
+
 def test_nanopaged_imports_without_the_serve_extra():
     """The core needs no web framework: importing nanopaged (and the CLI module) pulls none in."""
     import subprocess

@@ -8,7 +8,8 @@
 #include <vector>
 
 // A linear is one of: nanopaged's bfloat16 kernel (DPBF16); a quantized weight for steps of at
-// most `rows_max` rows beside a dense layer for more (QUANTIZED); anything else, a Python callable
+// most `rows_max` rows, beside a dense layer for more unless batch-invariant (QUANTIZED: `dense`
+// empty, `rows_max` past any step); anything else, a Python callable
 // (CALLBACK: oneDNN's packed linear, nn.Linear, torch's int4 kernel), called back with the GIL the
 // caller holds.
 enum class LinearKind { DPBF16, QUANTIZED, CALLBACK };
