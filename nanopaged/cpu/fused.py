@@ -44,7 +44,6 @@ from nanopaged.cpu.build import cpu_ops
 from nanopaged.models.llama import LlamaModel, RMSNorm
 
 NO_WEIGHT = torch.empty(0)      # an absent norm or bias
-EVERY_STEP = 2**62              # a quantized layer's row limit when it has no dense twin
 
 
 class FusedRMSNorm(nn.Module):
@@ -72,8 +71,6 @@ def describe(layer: nn.Module):
         lin.bias = NO_WEIGHT if layer.bias is None else layer.bias
         if layer.dense is not None:           # not batch-invariant: the dense twin for steps of more rows
             lin.rows_max, lin.dense = layer.rows_for_quantized, describe(layer.dense)
-        else:
-            lin.rows_max = EVERY_STEP
     else:
         lin.kind, lin.fn = ops.LinearKind.CALLBACK, layer
     return lin

@@ -7,9 +7,9 @@
 #include <memory>
 #include <vector>
 
-// A linear is one of: nanopaged's bfloat16 kernel (DPBF16); a quantized weight for steps of at
-// most `rows_max` rows, beside a dense layer for more unless batch-invariant (QUANTIZED: `dense`
-// empty, `rows_max` past any step); anything else, a Python callable
+// A linear is one of: nanopaged's bfloat16 kernel (DPBF16); a quantized weight, beside a dense
+// layer for steps of more than `rows_max` rows unless batch-invariant (QUANTIZED; without `dense`,
+// every step runs the quantized weight); anything else, a Python callable
 // (CALLBACK: oneDNN's packed linear, nn.Linear, torch's int4 kernel), called back with the GIL the
 // caller holds.
 enum class LinearKind { DPBF16, QUANTIZED, CALLBACK };
