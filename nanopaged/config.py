@@ -3,11 +3,12 @@
 A wrong value is a ValueError that names the setting, the value and what is allowed,
 raised before a model is loaded or a byte of KV cache is allocated. The device, the dtype and
 the sizes are resolved here, in `__post_init__`; the kernels are not: `cpu_linear`,
-`cpu_kernels`, `attention_backend` and `batch_invariant` stay as the user named them, and the runner asks
-`nanopaged/cpu/choose.py: choose` what they mean on this machine (which may compile C++, which
-a settings check never does). Each table of choices lives with its users: the dtypes and devices here, the
-prefix-cache hash functions with the block pool (`nanopaged/core/block_pool.py: HASH_FUNCTIONS`),
-the attention backends beside them (`nanopaged/attention/backends.py: ATTENTION_BACKENDS`);
+`cpu_kernels`, `attention_backend` and `batch_invariant` stay as the user named them, and the
+runner asks `nanopaged/cpu/choose.py: choose` what they mean on this machine (which may compile
+C++, which a settings check never does). Each table of choices lives with its users: the dtypes
+and devices here, the prefix-cache hash functions with the block pool
+(`nanopaged/core/block_pool.py: HASH_FUNCTIONS`), the attention backends beside them
+(`nanopaged/attention/backends.py: ATTENTION_BACKENDS`);
 the checks are `nanopaged/validation.py`'s. The README's settings table says what each means.
 vLLM's engine arguments that are not settings here are read by `nanopaged/vllm_compat.py`.
 """

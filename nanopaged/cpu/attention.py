@@ -14,7 +14,7 @@ their own (csrc/kv_layout.h: KvLayout; vLLM's CPU and CUDA kernels do too), so t
 theirs as well (`store_kv`, csrc/rotary_kv.cpp; the fused layers store in their rotary pass
 instead), and the torch backend cannot read a cache this one wrote: one engine, one backend.
 tests/cpu/test_cpu_ops.py holds the kernel to the reference; without a compiler,
-`resolve_attention_backend` says so and `auto` runs the torch backend.
+`nanopaged/cpu/choose.py` says so and `auto` runs the torch backend.
 docs/05_model_runner_and_kernels.md, "Backends".
 """
 from __future__ import annotations

@@ -30,11 +30,11 @@ from nanopaged.config import EngineConfig, check_memory_fits
 from nanopaged.core.block_pool import cdiv
 from nanopaged.core.request import Request
 from nanopaged.core.scheduler import SchedulerOutput
+from nanopaged.cpu.choose import FastPath, choose
 from nanopaged.models.config import ModelConfig
 from nanopaged.models.llama import LlamaForCausalLM
 from nanopaged.models.loader import load_weights
 from nanopaged.sampling_params import SamplingParams
-from nanopaged.cpu.choose import FastPath, choose
 
 
 @dataclass
