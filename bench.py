@@ -8,7 +8,7 @@
 Throughput follows nano-vllm's bench.py: seeded random token-id prompts, input and output
 lengths uniform in a range, `ignore_eos=True`, one warm-up, then output tokens / wall time
 of the timed generation. Every peer runs on the same prompts and lengths: the Hugging Face
-peers in this process, vLLM and llama.cpp each in its own environment. Memory efficiency follows the paper (Fig. 2, section 6): the share of the KV slots
+peers in this process, vLLM, llama.cpp and CTranslate2 each in its own environment. Memory efficiency follows the paper (Fig. 2, section 6): the share of the KV slots
 held that store a real token, for PagedAttention and for the reservation allocators it
 replaced, on the same running set. docs/07_benchmarks.md explains every number.
 
@@ -117,6 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="nanopaged's batch_invariant (default: the engine's, on where its kernels hold it); the "
                         "run times the trace without it too where that changes the kernels")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
+                   help="nanopaged's kv_cache_dtype: auto (the model's dtype, the engine's default) or a byte per value")
     p.add_argument("--quantization", choices=["gguf", "int4", "int8"],
                    help="nanopaged's weight-only quantization of the decoder layers (default: none); gguf runs "
                         "the GGUF file's own 4-bit blocks (the demo model's Q4_1)")
@@ -126,6 +128,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-python", metavar="PATH",
                    help="the python of vLLM's side environment (default: $NANOPAGED_VLLM_PYTHON, else the one "
                         "scripts/setup_vllm_peer.sh builds)")
+    p.add_argument("--ctranslate2-python", metavar="PATH",
+                   help="the python of CTranslate2's side environment (default: $NANOPAGED_CTRANSLATE2_PYTHON, else "
+                        "the one scripts/setup_ctranslate2_peer.sh builds)")
+    p.add_argument("--ctranslate2-compute-type", default="auto",
+                   help="the ctranslate2 peer's compute types, comma-separated, e.g. auto,float32; it is reported at "
+                        "its fastest (default auto: the best the CPU supports, int8 weights first)")
     p.add_argument("--cpu-threads", choices=["auto", "none"],
                    help="nanopaged's CPU threads: auto (the engine's default) follows the free cores; "
                         "none keeps torch's count fixed")
@@ -181,7 +189,7 @@ def engine_settings(args) -> dict:
     """The engine settings given on the command line (the rest keep nanopaged's defaults)."""
     names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
              "max_model_len", "dtype", "device", "cpu_threads", "cpu_linear", "cpu_kernels", "tensor_parallel_size",
-             "quantization", "batch_invariant")
+             "quantization", "batch_invariant", "kv_cache_dtype")
     settings = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if settings.get("cpu_threads") == "none":
         settings["cpu_threads"] = None

@@ -5,7 +5,8 @@
     trace.py           the trace every engine runs, its warm-up prompt, and Run (one timed generation)
     nanopaged_run.py   nanopaged stepped through the trace, with a look at KV memory every step
     memory.py          KV slots held: paged blocks vs the reservation allocators and HF's padded cache
-    peers.py           the engines beside it: HF static batching, transformers' paged CB, vLLM and llama.cpp
+    peers.py           the engines beside it: HF static batching, transformers' paged CB, vLLM, llama.cpp
+                       and CTranslate2
     roofline.py        the matmul FLOP/s ceiling and the FLOPs the trace needs
     single_stream.py   one request at a time: decode tokens/s against HF generate
     decode_speed.py    the rule every engine's single-stream decode tokens/s is timed by
@@ -18,9 +19,9 @@
     spec.py            --workload spec: speculative decoding where the answer repeats its prompt, and on random tokens
     spec_prompts.py    the spec workload's prompts: passages to repeat, or to fix typos in
     quality.py         perplexity of a fixed English text: quantized weights against float32 and llama.cpp
-    vllm_peer.py, llamacpp_peer.py   the scripts vLLM and llama.cpp run in their own environments (peers.py
-                       starts them); besides their engine they import only the standard library,
-                       decode_speed.py and trace.py
+    vllm_peer.py, llamacpp_peer.py, ctranslate2_peer.py   the scripts vLLM, llama.cpp and CTranslate2 run in
+                       their own environments (peers.py starts them); besides their engine they import
+                       only the standard library, decode_speed.py and trace.py
     machine.py         the machine and the library versions a result was measured with
     report.py          the tables printed and the plot drawn
     tokenizer.py       a tiny tokenizer trained in-process, for the random-weight models (and the tests' tiny ones)

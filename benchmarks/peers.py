@@ -1,6 +1,6 @@
 """The peers, each on the same trace: Hugging Face static batching and transformers' own
-continuous batching over a paged cache in this process; vLLM's CPU engine and llama.cpp each in
-its own environment (scripts/setup_*_peer.sh), in a subprocess (run_side)."""
+continuous batching over a paged cache in this process; vLLM's CPU engine, llama.cpp and CTranslate2
+each in its own environment (scripts/setup_*_peer.sh), in a subprocess (run_side)."""
 from __future__ import annotations
 
 import json
@@ -12,18 +12,19 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import llamacpp_peer, vllm_peer
+from benchmarks import ctranslate2_peer, llamacpp_peer, vllm_peer
 from benchmarks.memory import hf_static_kv_utilization
 from benchmarks.trace import WARMUP_PROMPT, Run, Trace
 from nanopaged import EngineConfig
 from nanopaged.models.config import ModelConfig
+from nanopaged.models.demo_model import cache_dir
 
-PEERS = ("hf", "hf-paged", "vllm", "llama.cpp")
+PEERS = ("hf", "hf-paged", "vllm", "llama.cpp", "ctranslate2")
 ROOT = Path(__file__).resolve().parent.parent
 SIDE_TIMEOUT_S = 1800     # vLLM compiles for about two minutes before its first step
 # The peers that run in an environment of their own, and its name: scripts/setup_{name}_peer.sh builds
 # it, --{name}-python names its python.
-SIDE = {"vllm": "vllm", "llama.cpp": "llamacpp"}
+SIDE = {"vllm": "vllm", "llama.cpp": "llamacpp", "ctranslate2": "ctranslate2"}
 
 
 def run_peer(name: str, model_dir: str, trace: Trace, args, settings: dict, config: EngineConfig,
@@ -45,6 +46,8 @@ def run_peer(name: str, model_dir: str, trace: Trace, args, settings: dict, conf
             return run_hf_paged(model_dir, trace, config, resolved).figures()
         if name == "llama.cpp":
             return run_llamacpp(model_dir, trace, config, python, single_stream, perplexity_ids)
+        if name == "ctranslate2":
+            return run_ctranslate2(model_dir, trace, resolved, python, args.ctranslate2_compute_type.split(","))
         return run_vllm(model_dir, trace, config, resolved, python, single_stream)
     except Exception as e:                   # a peer failing is a result to report, not a crash
         return {"skipped": f"{type(e).__name__}: {e}"}
@@ -153,7 +156,7 @@ def cb_generate(manager, prompts, output_lens) -> list:
     return [results[i] for i in ids]
 
 
-# ---- the side environments (vLLM, llama.cpp) ----------------------------------------------
+# ---- the side environments (vLLM, llama.cpp, CTranslate2) ----------------------------------------------
 
 def side_python(args, peer: str) -> Path | None:
     """The python of a peer's environment (scripts/setup_{name}_peer.sh): --{name}-python, else
@@ -235,3 +238,21 @@ def run_llamacpp(model_dir: str, trace: Trace, config: EngineConfig, python: Pat
               {"version": out["version"], "one_request_at_a_time": True, "gguf": Path(gguf).name})
     return {**run.figures(), "decode_tokens_per_s": out["decode_tokens_per_s"],
             **({"perplexity": out["perplexity"]} if "perplexity" in out else {})}
+
+
+# ---- CTranslate2 --------------------------------------------------------------------------
+
+def run_ctranslate2(model_dir: str, trace: Trace, resolved: dict, python: Path, compute_types: list[str]) -> dict:
+    """CTranslate2's Generator on the same trace (benchmarks/ctranslate2_peer.py, in its own environment), at
+    each compute type asked ("auto": the best the CPU supports), in generate_batch calls of at most
+    nanopaged's max_num_seqs requests; its figures are those of the fastest (`sweep` keeps all)."""
+    job = {"model": model_dir, "cache_dir": str(cache_dir() / "bench" / "ctranslate2"),
+           "compute_types": [c.strip() for c in compute_types if c.strip()], "threads": torch.get_num_threads(),
+           "max_batch_size": resolved["max_num_seqs"], "prompts": trace.prompts, "output_lens": trace.output_lens}
+    out = run_side(python, ctranslate2_peer, job)
+    runs = [Run("ctranslate2", r["wall_s"], r["output_tokens"], trace.num_prompt_tokens, len(trace.prompts),
+                {"version": out["version"], "compute_type": r["compute_type"], "num_calls": r["num_calls"],
+                 "max_batch_size": job["max_batch_size"], "load_s": r["load_s"]}).figures() for r in out["runs"]]
+    best = max(runs, key=lambda f: f["output_tokens_per_s"])
+    return {**best, "supported_compute_types": out["supported"],
+            "sweep": {f["compute_type"]: f["output_tokens_per_s"] for f in runs}}

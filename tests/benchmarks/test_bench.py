@@ -267,7 +267,8 @@ def test_benchmarks_holds_what_bench_py_uses_and_research_the_rest():
     assert "research" not in seen
 
 
-@pytest.mark.parametrize("script, engine", [("vllm_peer", "vllm"), ("llamacpp_peer", "llama_cpp")])
+@pytest.mark.parametrize("script, engine", [("vllm_peer", "vllm"), ("llamacpp_peer", "llama_cpp"),
+                                            ("ctranslate2_peer", "ctranslate2")])
 def test_the_side_scripts_import_only_the_standard_library_and_their_engine(script, engine):
     """The peers' scripts run in the peers' own environments, which have none of nanopaged's
     dependencies: they, and the modules of benchmarks/ they import, need only the standard library
