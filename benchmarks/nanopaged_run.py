@@ -71,7 +71,7 @@ def resolved_settings(config: EngineConfig, stats: dict) -> dict:
             "max_model_len": config.max_model_len, "num_kv_blocks": stats["num_kv_blocks"],
             "dtype": config.dtype, "cpu_linear": stats["cpu_linear"], "cpu_kernels": stats["cpu_kernels"],
             "attention_backend": stats["attention_backend"], "batch_invariant": stats["batch_invariant"],
-            "quantization": config.quantization}
+            "quantization": config.quantization, "kv_cache_dtype": stats["kv_cache_dtype"]}
 
 
 def alternating(model_dir: str, trace: Trace, settings: dict, first: Run, other: dict) -> tuple[list, list]:

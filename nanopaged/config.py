@@ -28,6 +28,9 @@ from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_ran
 DTYPES = {"float32": ("float32", 4), "float": ("float32", 4), "bfloat16": ("bfloat16", 2),
           "float16": ("float16", 2), "half": ("float16", 2)}
 DEVICES = ("auto", "cpu", "cuda")
+# kv_cache_dtype (vLLM's names, and int8) -> the cache's torch dtype; auto: the model's (docs/01, "An 8-bit KV cache")
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+                   "int8": "int8"}
 # CPU linear kernels (cpu/linear.py): packed = oneDNN's bfloat16 kernel on weights reordered
 # once at load, dpbf16 = nanopaged's on AVX512-BF16's dot product, reference = F.linear as loaded.
 CPU_LINEARS = ("auto", "packed", "dpbf16", "reference")
@@ -52,6 +55,7 @@ class EngineConfig:
     max_num_seqs: int = 256                 # running sequences per step, at most
     max_num_batched_tokens: int | None = None  # token budget per step; default 2048 CPU / 8192 CUDA
     kv_cache_memory_bytes: int | None = None   # KV budget; default 1 GiB on CPU, measured on CUDA
+    kv_cache_dtype: str = "auto"            # auto: the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2, int8: 1 byte a value
     num_kv_blocks: int | None = None        # exact block count; overrides the memory budget
     gpu_memory_utilization: float = 0.9     # CUDA: share of GPU memory the engine may use
     enable_prefix_caching: bool = True
@@ -74,6 +78,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))
         check_choice("device", self.device, DEVICES)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
         check_range("block_size", self.block_size, 1, 1024, integer=True)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

@@ -55,15 +55,15 @@ class LLM:
             self.llm_engine.observers.append(governor)
         fast = self.llm_engine.runner.fast_path
         logger.info("%s: %s on %s, linear kernels %s, layer kernels %s, attention %s, batch-invariant %s (CPU "
-                    "bfloat16 matrix units: %s); %d KV blocks of %d tokens", cfg.model_config.architecture, cfg.dtype,
-                    cfg.device, fast.linear, fast.layers, fast.attention_backend, fast.batch_invariant,
-                    ", ".join(bf16_matrix_units()) or "none", self.llm_engine.runner.num_kv_blocks, cfg.block_size)
+                    "bfloat16 matrix units: %s); %d KV blocks of %d tokens, in %s", cfg.model_config.architecture,
+                    cfg.dtype, cfg.device, fast.linear, fast.layers, fast.attention_backend, fast.batch_invariant,
+                    ", ".join(bf16_matrix_units()) or "none", self.llm_engine.runner.num_kv_blocks, cfg.block_size,
+                    str(self.llm_engine.runner.kv_cache_dtype).removeprefix("torch."))
         quantized = fast.quantized
         if quantized:
-            rows = quantized["rows_for_quantized"]
-            logger.info("quantization=%s: %d linears hold %.1f MB of quantized weights (%s)%s",
+            logger.info("quantization=%s: %d linears hold %.1f MB of quantized weights (kernel: %s)%s",
                         quantized["quantization"], quantized["quantized_linears"], quantized["quantized_bytes"] / 1e6,
-                        "every step uses them" if rows is None else f"steps of at most {rows} rows use them",
+                        quantized.get("kernel", "none"),
                         f"; left dense: {', '.join(quantized['left_dense'])}" if quantized["left_dense"] else "")
 
     def make_runner(self, config: EngineConfig) -> ModelRunner:

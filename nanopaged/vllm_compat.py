@@ -10,7 +10,7 @@ so none is silently dropped:
     no effect   any value is accepted, since none can change what nanopaged computes (a
                 permission, a log switch, the size of something nanopaged does not have)
     off only    the off or default value is accepted; any other asks for something nanopaged
-                does not do, and is a ValueError that says so ("kv_cache_dtype='fp8' is not supported")
+                does not do, and is a ValueError that says so ("load_format='pt' is not supported")
     unknown     a name vLLM does not have either: a ValueError listing the known ones
 
 SamplingParams' fields that vLLM has and nanopaged does not implement are checked the same way
@@ -28,8 +28,7 @@ ANY = None   # in NOT_IMPLEMENTED: any value is accepted
 # (vLLM's names, the values accepted (ANY: all), why: what nanopaged does instead)
 NOT_IMPLEMENTED = [
     # ---- the model and its files
-    (("kv_cache_dtype",), ("auto",), "keeps the KV cache in the model's dtype"),
-    (("calculate_kv_scales",), (False,), "has no fp8 KV cache to scale"),
+    (("calculate_kv_scales",), (False,), "keeps k_scale = v_scale = 1.0 in an fp8 KV cache (kv_cache_dtype)"),
     (("load_format",), ("auto", "safetensors"), "loads *.safetensors weights only"),
     (("config_format",), ("auto", "hf"), "reads a Hugging Face config.json"),
     (("tokenizer_mode",), ("auto", "hf"), "loads the tokenizer with transformers' AutoTokenizer"),

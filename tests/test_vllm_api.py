@@ -53,7 +53,9 @@ def test_every_off_value_of_every_vllm_argument_is_accepted(tiny_model_dirs):
     ({"enable_lora": True}, r"enable_lora=True is not supported: nanopaged has no LoRA adapters; leave it at False"),
     ({"revision": "main"}, r"revision='main' is not supported: .* never reaches a model hub"),
     ({"tokenizer_mode": "mistral"}, r"tokenizer_mode='mistral' is not supported"),
-    ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype='fp8' is not supported: nanopaged keeps the KV cache in the model's"),
+    ({"kv_cache_dtype": "fp16"}, r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'int8'\], "
+                                 r"got 'fp16'"),
+    ({"calculate_kv_scales": True}, r"calculate_kv_scales=True is not supported: nanopaged keeps k_scale = v_scale = 1.0"),
     ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2 is not supported: .*tensor parallelism only"),
     ({"speculative_config": {"method": "ngram"}}, r"speculative_config num_speculative_tokens must be an integer, got None"),
     ({"speculative_model": "[ngram]"}, r"speculative_model='\[ngram\]' is not supported: .*speculative_config=\{...\}"),
@@ -66,7 +68,7 @@ def test_every_off_value_of_every_vllm_argument_is_accepted(tiny_model_dirs):
     ({"prefix_caching_hash_algo": "xxhash", "prefix_hash": "sha256"}, r"give prefix_hash or vLLM's prefix_caching"),
     ({"max_logprobs": 21}, r"max_logprobs must be in \[0, 20\], got 21"),
     ({"max_num_seqz": 4}, r"unknown engine setting\(s\) \['max_num_seqz'\] \(did you mean \['max_num_seqs'\]\?\); "
-                          r"known: \[.*'tokenizer'.*\], and vLLM's \[.*'kv_cache_dtype'.*\]"),
+                          r"known: \[.*'kv_cache_dtype'.*\], and vLLM's \[.*'calculate_kv_scales'.*\]"),
 ])
 def test_a_vllm_argument_that_asks_for_what_nanopaged_does_not_do_is_refused_by_name(tiny_model_dirs, kwargs, match):
     with pytest.raises(ValueError, match=match):

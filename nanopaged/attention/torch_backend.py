@@ -89,9 +89,27 @@ def _decode_group(meta: AttentionMetadata, requests: list[int], dtype: torch.dty
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """k, v: (num_tokens, kv_heads, head_dim); caches: (num_blocks, block_size, kv_heads, head_dim)."""
-    kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = to_cache_dtype(k, k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = to_cache_dtype(v, v_cache.dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as an 8-bit cache keeps it (docs/01, "An 8-bit KV cache"): fp8 saturated at its largest finite value
+    (k_scale = 1, as vLLM), rounded to nearest even; int8 codes round(x / s), s = absmax / 127, then s's 4 bytes."""
+    if x.dtype == dtype:
+        return x
+    if dtype != torch.int8:
+        return x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
+    s = x.float().abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(s > 0, x.float() / s, 0).round().to(torch.int8)
+    return torch.cat([codes, s.view(torch.int8)], dim=-1)
+
+
+def from_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What to_cache_dtype stored, as `dtype`."""
+    if x.dtype != torch.int8:
+        return x.to(dtype)
+    return (x[..., :-4] * x[..., -4:].contiguous().view(torch.float32)).to(dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -127,11 +145,11 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         for i, start, q_len, seq_len in plan.prefills:
             rows = slice(start, start + q_len)
-            if seq_len == q_len:        # nothing earlier in the cache: its own new K/V is all of it
+            if seq_len == q_len and k_cache.dtype == k.dtype:   # nothing earlier: its own new K/V is all of it
                 kk, vv = k[rows], v[rows]
-            else:                       # a later chunk, or a prefix-cache hit: read the blocks
-                kk = gather_kv(k_cache, meta.block_tables[i], seq_len)
-                vv = gather_kv(v_cache, meta.block_tables[i], seq_len)
+            else:                       # a later chunk, a prefix-cache hit, or 8-bit K/V: read the blocks
+                kk = from_cache_dtype(gather_kv(k_cache, meta.block_tables[i], seq_len), q.dtype)
+                vv = from_cache_dtype(gather_kv(v_cache, meta.block_tables[i], seq_len), q.dtype)
             out[rows] = _attend(q[rows], kk, vv, seq_len - q_len, scale)
         for group in plan.decodes:
             out[group.rows] = self._decode(q[group.rows], k_cache, v_cache, group, scale)
@@ -143,8 +161,8 @@ class TorchAttentionBackend:
         mask = group.mask
         # index_select on the block axis: several times faster on CPU than cache[tables]
         shape = (q.shape[0], mask.shape[-1]) + k_cache.shape[2:]
-        kk = k_cache.index_select(0, group.blocks).view(shape)   # (B, max_blocks * block_size, kv_heads, D)
-        vv = v_cache.index_select(0, group.blocks).view(shape)
+        kk = from_cache_dtype(k_cache.index_select(0, group.blocks).view(shape), q.dtype)   # (B, L, kv_heads, D)
+        vv = from_cache_dtype(v_cache.index_select(0, group.blocks).view(shape), q.dtype)
         # GQA: the query heads that share a KV head become that head's queries, (B, kv_heads,
         # group, D), so K/V are read as they are, never repeated per query head.
         qq = q.view(q.shape[0], kk.shape[2], -1, q.shape[-1])

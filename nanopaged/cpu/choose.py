@@ -58,13 +58,11 @@ class FastPath:
         return argmax_rows
 
     def apply(self, model: nn.Module) -> None:
-        """Swap the chosen layers into a loaded model, in the one order that works: quantize (each
-        quantized layer keeps its dense twin for steps of many rows), pack the dense linears (the
-        twins included), then describe every layer to the fused loop."""
+        """Swap the chosen layers into a loaded model, in the one order that works: quantize, pack the
+        linears left dense, then describe every layer to the fused loop."""
         if self.quantization:
             from nanopaged.cpu.quantized_linear import quantize_linears
-            self.quantized = quantize_linears(model, self.quantization, self.quantization_group_size, self.gguf_file,
-                                              self.batch_invariant)
+            self.quantized = quantize_linears(model, self.quantization, self.quantization_group_size, self.gguf_file)
         if self.linear != "reference":
             from nanopaged.cpu.linear import pack_linears
             pack_linears(model, self.linear)
@@ -83,6 +81,9 @@ def choose(config) -> FastPath:
     attention = resolve_attention_backend(attention, config.device, config.dtype)
     if attention == "cpu":
         check_cpu_attention(config.block_size)
+    if config.kv_cache_dtype != "auto" and attention not in ("torch", "cpu"):
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} runs on the torch and cpu attention backends, "
+                         f"not {attention!r} (attention_backend='torch' reads it on any device)")
     why_not = not_batch_invariant(config.device, config.tensor_parallel_size, linear, layers, attention)
     if asked and why_not:
         raise ValueError(f"batch_invariant=True cannot hold here: {why_not}")

@@ -79,6 +79,7 @@ class EngineStats:
             "num_steps": steps,
             "num_preemptions": self.num_preemptions,
             "dtype": self.engine.config.dtype,
+            "kv_cache_dtype": str(self.engine.runner.kv_cache_dtype).removeprefix("torch."),
             # what runs in place of the reference (cpu/choose.py: FastPath)
             "cpu_linear": fast.linear,                            # the linear kernel (cpu/linear.py)
             "cpu_kernels": fast.layers,                           # the decoder layers: fused C++ or torch (cpu/fused.py)

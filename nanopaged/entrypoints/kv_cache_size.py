@@ -7,8 +7,9 @@ Every token keeps a key and a value vector per kv head in every layer, so
     bytes per token = 2 (K and V) x layers x kv heads x head dim x bytes per value
 
 (`ModelConfig.kv_bytes_per_token`, the same number the model runner divides the memory
-budget by). Only the kv heads count: with grouped-query attention several query heads read
-one kv head, which is why Qwen2.5-72B stores 8 heads per layer, not 64.
+budget by; with kv_cache_dtype="int8" each row of K and V adds its 4-byte scale). Only the kv
+heads count: with grouped-query attention several query heads read one kv head, which is why
+Qwen2.5-72B stores 8 heads per layer, not 64.
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from nanopaged.attention.backends import load_attention_backend
 from nanopaged.attention.metadata import AttentionMetadata
-from nanopaged.config import EngineConfig, check_memory_fits
+from nanopaged.config import KV_CACHE_DTYPES, EngineConfig, check_memory_fits
 from nanopaged.core.block_pool import cdiv
 from nanopaged.core.request import Request
 from nanopaged.core.scheduler import SchedulerOutput
@@ -66,6 +66,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = device or torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
+        self.kv_cache_dtype = getattr(torch, KV_CACHE_DTYPES[config.kv_cache_dtype] or config.dtype)
         # What runs in place of the reference: the kernels this machine and the settings choose
         self.fast_path: FastPath = choose(config)
         self.backend = load_attention_backend(self.fast_path.attention_backend)
@@ -97,17 +98,23 @@ class ModelRunner:
         Zeroed, not empty: padded decode batches read slots past a request's end (masked
         to probability 0), and 0 * NaN from uninitialised memory would still be NaN.
         """
+        shape = self.kv_cache_shape(num_blocks)
+        check_memory_fits(math.prod(shape) * self.kv_cache_dtype.itemsize, self.device.type,
+                          f"a KV cache of {num_blocks} blocks")
+        return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """An int8 cache's rows hold head_dim codes and their float32 scale's 4 bytes (attention/torch_backend.py)."""
         m = self.model_config
-        shape = (m.num_hidden_layers, 2, num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
-        check_memory_fits(math.prod(shape) * self.dtype.itemsize, self.device.type, f"a KV cache of {num_blocks} blocks")
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        row = m.head_dim + 4 * (self.kv_cache_dtype == torch.int8)
+        return (m.num_hidden_layers, 2, num_blocks, self.block_size, m.num_key_value_heads, row)
 
     def determine_num_kv_blocks(self) -> int:
-        """The memory budget (docs/01_kv_cache_arithmetic.md) cut into blocks."""
+        """The memory budget (docs/01_kv_cache_arithmetic.md) cut into blocks; 8-bit entries: about twice as many."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
+        bytes_per_block = math.prod(self.kv_cache_shape(1)) * self.kv_cache_dtype.itemsize
         budget = cfg.kv_cache_memory_bytes
         if budget is None:
             budget = self._free_gpu_memory()
@@ -209,12 +216,12 @@ class ModelRunner:
                            prompt_rows)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block src's K/V, every layer, into block dst."""
+        """Copy-on-write: block src's K/V, every layer, into block dst (CPU index_copy_ has no float8)."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
 
 def per_request(logits: torch.Tensor, prompt_rows) -> list[tuple[Request, int, torch.Tensor]]:

@@ -1,7 +1,8 @@
 // Paged attention: every row of a step attends straight from the pool of blocks, through its
 // request's block table (the paper's section 4.1; vLLM's unified paged attention), prompt chunks,
 // prefix-cache hits and decode rows in one loop. bfloat16 with a head size of 64, 128 or 256 runs
-// on VDPBF16PS; everything else on plain loops through the same block order (kv_layout.h).
+// on VDPBF16PS; everything else on plain loops through the same block order (kv_layout.h). The cache
+// holds the model's dtype or 8-bit entries (kv_layout.h: to_cache), read as the numbers they stand for.
 #include "ops.h"
 #include "kv_layout.h"
 #include "vec16.h"
@@ -42,9 +43,18 @@ static inline float softmax_in_place(float* s, int64_t n) {
   return 1.f / sv.sum();
 }
 
+// int8: each token's score (or weight) times the scale its K (or V) row carries, so that the passes
+// over the cache multiply its codes alone; the other entries carry none.
+template <typename C>
+static inline void times_row_scales(float* x, const C* cache, const KvLayout& L, const int64_t* table, int64_t n,
+                                    int64_t h) {
+  if constexpr (std::is_same_v<C, int8_t>)
+    for (int64_t t = 0; t < n; ++t) x[t] *= stored_scale(cache, L, table[t / L.block_size], t % L.block_size, h);
+}
+
 // Any dtype, any head_dim, any even block size: plain loops through KvLayout.
-template <typename T>
-static void attend_one_head_any(const T* q, int64_t q_head, const T* kc, const T* vc, const KvLayout& L,
+template <typename T, typename C>
+static void attend_one_head_any(const T* q, int64_t q_head, const C* kc, const C* vc, const KvLayout& L,
                                 const int64_t* table, int64_t n, int64_t h, int64_t G, float scale, T* out,
                                 float* scores) {
   const int64_t D = L.D;
@@ -57,7 +67,9 @@ static void attend_one_head_any(const T* q, int64_t q_head, const T* kc, const T
       for (int64_t d = 0; d < D; ++d) dot += float(q[g * q_head + d]) * float(kc[L.k(block_id, j, h, d)]);
       s[t] = dot * scale;
     }
+    times_row_scales(s, kc, L, table, n, h);
     const float inv = softmax_in_place<T>(s, n);
+    times_row_scales(s, vc, L, table, n, h);
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t block_id = table[t / L.block_size], j = t % L.block_size;
@@ -69,6 +81,33 @@ static void attend_one_head_any(const T* q, int64_t q_head, const T* kc, const T
 
 #if defined(__AVX512BF16__)
 static inline uint32_t bf16_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u >> 16; }  // x already rounded
+
+// 32 entries of the cache (16 tokens x a pair of dims of K, or 16 dims x a pair of tokens of V) as
+// 32 bfloat16 numbers, those outside `keep` zero: what VDPBF16PS multiplies.
+static inline __m512bh load_pairs(const bf16* p, __mmask32 keep) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(keep, p);
+}
+// An fp8 entry is a bfloat16 number too, widened here in registers: e5m2 is the top byte of a
+// float16; e4m3's byte, moved one bit lower (its sign back on top), is a float16 2^8 times too small.
+// float16 -> float32 (x 2^8) -> bfloat16 is then exact. (e4m3 has no infinity; its NaN, which only a
+// NaN stores, reads as a finite number.)
+template <typename C>
+static inline __m512bh load_pairs(const C* p, __mmask32 keep) {
+  const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(keep, p));
+  constexpr bool e5m2 = std::is_same_v<C, c10::Float8_e5m2>;
+  const __m512i sign = _mm512_and_si512(bytes, _mm512_set1_epi16(0x80));     // e4m3: added, it moves to bit 8
+  const __m512i half = e5m2 ? _mm512_slli_epi16(bytes, 8) : _mm512_slli_epi16(_mm512_add_epi16(bytes, sign), 7);
+  const __m512 scale = _mm512_set1_ps(e5m2 ? 1.f : 256.f);
+  const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(half)), scale);
+  const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1)), scale);
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+static inline __m512bh load_pairs(const int8_t* p, __mmask32 keep) {    // int8's codes, exact in bfloat16
+  const __m256i bytes = _mm256_maskz_loadu_epi8(keep, p);
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
 
 // bfloat16 on VDPBF16PS, block_size a multiple of 16. A job is one row's query heads of KV heads
 // h0 .. h1, taken GC (at most 4) at a time, a "unit": their sums stay in registers only if the
@@ -84,8 +123,8 @@ static inline uint32_t bf16_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); 
 // `pairs` pairs of tokens of one block (V laid out at x: every dim's two values, pair after pair),
 // the first of them pair `first` of the request, weighed into GC x DIM / 16 sums. Its own function
 // with its own copy of the sums: the compiler then keeps them in registers through the loop.
-template <int DIM, int GC>
-static void __attribute__((noinline)) weigh_values(const bf16* x, int64_t first, int64_t pairs,
+template <int DIM, int GC, typename C>
+static void __attribute__((noinline)) weigh_values(const C* x, int64_t first, int64_t pairs,
                                                    const int32_t* const* weights, float* sums, __mmask32 keep) {
   constexpr int V = DIM / 16;
   __m512 acc[GC * V];
@@ -94,7 +133,7 @@ static void __attribute__((noinline)) weigh_values(const bf16* x, int64_t first,
   for (int64_t i = 0; i < pairs; ++i, x += 2 * DIM) {
     __m512bh vals[V];
     NP_UNROLL
-    for (int v = 0; v < V; ++v) vals[v] = (__m512bh)_mm512_maskz_loadu_epi16(keep, x + 32 * v);
+    for (int v = 0; v < V; ++v) vals[v] = load_pairs(x + 32 * v, keep);
     NP_UNROLL
     for (int g = 0; g < GC; ++g) {
       const __m512bh w = (__m512bh)_mm512_set1_epi32(weights[g][first + i]);
@@ -108,12 +147,12 @@ static void __attribute__((noinline)) weigh_values(const bf16* x, int64_t first,
 
 // The scores of one unit's GC query heads (q32[g]: head g's dims as pairs) with the tokens
 // t0 .. end of one block (block_k: its K of the unit's KV head), into scores[g * stride + t].
-template <int DIM, int GC>
-static inline void score_block(const int32_t* const* q32, const bf16* block_k, int64_t bs, int64_t b0, int64_t end,
+template <int DIM, int GC, typename C>
+static inline void score_block(const int32_t* const* q32, const C* block_k, int64_t bs, int64_t b0, int64_t end,
                                float scale, float* scores, int64_t stride) {
   constexpr int P = DIM / 2;
   for (int64_t t0 = b0; t0 < end; t0 += 16) {
-    const bf16* k = block_k + 2 * (t0 - b0);                        // pair p of these 16 tokens: k + 2 bs p
+    const C* k = block_k + 2 * (t0 - b0);                           // pair p of these 16 tokens: k + 2 bs p
     // two sums per query head, over even and odd pairs: consecutive instructions do not wait on
     // each other's result (an instruction takes several cycles; the unit starts one each cycle)
     __m512 acc[GC][2];
@@ -122,7 +161,7 @@ static inline void score_block(const int32_t* const* q32, const bf16* block_k, i
     for (int p = 0; p < P; p += 2)
       NP_UNROLL
       for (int e = 0; e < 2; ++e) {
-        const __m512bh kp = (__m512bh)_mm512_loadu_si512(k + 2 * bs * (p + e));
+        const __m512bh kp = load_pairs(k + 2 * bs * (p + e), 0xFFFFFFFFu);
         NP_UNROLL
         for (int g = 0; g < GC; ++g)
           acc[g][e] = _mm512_dpbf16_ps(acc[g][e], kp, (__m512bh)_mm512_set1_epi32(q32[g][p + e]));
@@ -133,14 +172,14 @@ static inline void score_block(const int32_t* const* q32, const bf16* block_k, i
   }
 }
 
-static inline void prefetch_run(const bf16* p, int64_t elements) {     // into L1, a line (32 values) at a time
-  for (int64_t e = 0; e < elements; e += 32) _mm_prefetch(reinterpret_cast<const char*>(p + e), _MM_HINT_T0);
+static inline void prefetch_run(const void* p, int64_t bytes) {     // into L1, a line (64 bytes) at a time
+  for (int64_t e = 0; e < bytes; e += 64) _mm_prefetch(static_cast<const char*>(p) + e, _MM_HINT_T0);
 }
 
 // One job: q points at the row's first query head of KV head h0, out at its output; G query heads
 // share a KV head (GC divides G). scores: (h1 - h0) G (n + 16) floats; sums: (h1 - h0) G (DIM + 1).
-template <int DIM, int GC>
-static void attend_heads_bf16(const bf16* q, int64_t q_head, const bf16* kc, const bf16* vc, const KvLayout& L,
+template <int DIM, int GC, typename C>
+static void attend_heads_bf16(const bf16* q, int64_t q_head, const C* kc, const C* vc, const KvLayout& L,
                               const int64_t* table, int64_t n, int64_t h0, int64_t h1, int64_t G, float scale,
                               bf16* out, float* scores, float* sums) {
   constexpr int V = DIM / 16;
@@ -158,12 +197,13 @@ static void attend_heads_bf16(const bf16* q, int64_t q_head, const bf16* kc, con
     const int64_t block = table[b0 / bs], end = std::min(n, b0 + bs);
     const bool fetch = ahead(b0);
     for (int64_t u = 0; u < units; ++u) {
-      if (fetch && u % per_kv == 0) prefetch_run(kc + L.k(table[b0 / bs + 2], 0, h0 + u / per_kv, 0), DIM * bs);
+      if (fetch && u % per_kv == 0)
+        prefetch_run(kc + L.k(table[b0 / bs + 2], 0, h0 + u / per_kv, 0), DIM * bs * sizeof(C));
       const int32_t* q32[GC];
       NP_UNROLL
       for (int g = 0; g < GC; ++g) q32[g] = reinterpret_cast<const int32_t*>(q + (u * GC + g) * q_head);
-      score_block<DIM, GC>(q32, kc + L.k(block, 0, h0 + u / per_kv, 0), bs, b0, end, scale,
-                           scores + u * GC * stride, stride);
+      score_block<DIM, GC, C>(q32, kc + L.k(block, 0, h0 + u / per_kv, 0), bs, b0, end, scale,
+                              scores + u * GC * stride, stride);
     }
   }
   // the weights, rounded to bfloat16 by the softmax, then kept as bfloat16 in place:
@@ -172,7 +212,9 @@ static void attend_heads_bf16(const bf16* q, int64_t q_head, const bf16* kc, con
   float* inv = sums + heads * DIM;                                  // 1 / each head's sum
   for (int64_t i = 0; i < heads; ++i) {
     float* s = scores + i * stride;
+    times_row_scales(s, kc, L, table, n, h0 + i / G);
     inv[i] = softmax_in_place<bf16>(s, n);
+    times_row_scales(s, vc, L, table, n, h0 + i / G);
     s[n] = 0.f;
     uint16_t* w = reinterpret_cast<uint16_t*>(s);                   // w[t] is written after s[t] is read
     int64_t t = 0;
@@ -185,15 +227,16 @@ static void attend_heads_bf16(const bf16* q, int64_t q_head, const bf16* kc, con
     const int64_t block = table[b0 / bs], pairs = (std::min(n, b0 + bs) - b0) / 2;
     const bool fetch = ahead(b0);
     for (int64_t u = 0; u < units; ++u) {
-      if (fetch && u % per_kv == 0) prefetch_run(vc + L.v(table[b0 / bs + 2], 0, h0 + u / per_kv, 0), DIM * bs);
+      if (fetch && u % per_kv == 0)
+        prefetch_run(vc + L.v(table[b0 / bs + 2], 0, h0 + u / per_kv, 0), DIM * bs * sizeof(C));
       const int32_t* weights[GC];                                   // weights[g][t / 2]: tokens t, t + 1
       NP_UNROLL
       for (int g = 0; g < GC; ++g) weights[g] = reinterpret_cast<const int32_t*>(scores + (u * GC + g) * stride);
-      weigh_values<DIM, GC>(vc + L.v(block, 0, h0 + u / per_kv, 0), b0 / 2, pairs, weights, sums + u * GC * DIM,
-                            0xFFFFFFFFu);
+      weigh_values<DIM, GC, C>(vc + L.v(block, 0, h0 + u / per_kv, 0), b0 / 2, pairs, weights, sums + u * GC * DIM,
+                               0xFFFFFFFFu);
       if (n % 2 && b0 + bs >= n)  // an odd n's last token: the slot past it is not the request's (it may hold anything)
-        weigh_values<DIM, GC>(vc + L.v(block, (n - 1) % bs, h0 + u / per_kv, 0), (n - 1) / 2, 1, weights,
-                              sums + u * GC * DIM, 0x55555555u);
+        weigh_values<DIM, GC, C>(vc + L.v(block, (n - 1) % bs, h0 + u / per_kv, 0), (n - 1) / 2, 1, weights,
+                                 sums + u * GC * DIM, 0x55555555u);
     }
   }
   for (int64_t i = 0; i < heads; ++i)
@@ -204,14 +247,14 @@ static void attend_heads_bf16(const bf16* q, int64_t q_head, const bf16* kc, con
 }
 
 // The job's query heads GC at a time: the largest GC of 4, 3, 2, 1 that divides G.
-template <int DIM>
-static void attend_job_bf16(const bf16* q, int64_t q_head, const bf16* kc, const bf16* vc, const KvLayout& L,
+template <int DIM, typename C>
+static void attend_job_bf16(const bf16* q, int64_t q_head, const C* kc, const C* vc, const KvLayout& L,
                             const int64_t* table, int64_t n, int64_t h0, int64_t h1, int64_t G, float scale,
                             bf16* out, float* scores, float* sums) {
-  if (G % 4 == 0) attend_heads_bf16<DIM, 4>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
-  else if (G % 3 == 0) attend_heads_bf16<DIM, 3>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
-  else if (G % 2 == 0) attend_heads_bf16<DIM, 2>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
-  else attend_heads_bf16<DIM, 1>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
+  if (G % 4 == 0) attend_heads_bf16<DIM, 4, C>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
+  else if (G % 3 == 0) attend_heads_bf16<DIM, 3, C>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
+  else if (G % 2 == 0) attend_heads_bf16<DIM, 2, C>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
+  else attend_heads_bf16<DIM, 1, C>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
 }
 #endif
 
@@ -241,14 +284,15 @@ static StepRows step_rows(const int64_t* seq_lens, const int64_t* query_start_lo
 // would leave one thread with most of the work).
 static constexpr int64_t kRowsPerThreadForWholeRows = 4;
 
-template <typename T>
+template <typename T, typename C>
 static void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                         const torch::Tensor& tables, const StepRows& rows, torch::Tensor& out, float scale) {
   const KvLayout L = kv_layout(k_cache);
   const int64_t num_rows = q.size(0), heads = q.size(1), D = q.size(2), kv_heads = L.kv_heads;
   const int64_t G = heads / kv_heads, max_blocks = tables.size(1);
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
-  const T *qp = q.data_ptr<T>(), *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
+  const T* qp = q.data_ptr<T>();
+  const C *kc = k_cache.data_ptr<C>(), *vc = v_cache.data_ptr<C>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t longest = num_rows ? *std::max_element(rows.n.begin(), rows.n.end()) : 0;
@@ -280,15 +324,15 @@ static void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, co
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, bf16>) {
         if (vector) {
-          auto job_fn = D == 64 ? attend_job_bf16<64> : D == 128 ? attend_job_bf16<128> : attend_job_bf16<256>;
+          auto job_fn = D == 64 ? attend_job_bf16<64, C> : D == 128 ? attend_job_bf16<128, C> : attend_job_bf16<256, C>;
           job_fn(qt, q_head, kc, vc, L, table, n, h0, h1, G, scale, o, scores.data(), sums.data());
           continue;
         }
       }
 #endif
       for (int64_t h = h0; h < h1; ++h)
-        attend_one_head_any<T>(qt + (h - h0) * G * q_head, q_head, kc, vc, L, table, n, h, G, scale,
-                               o + (h - h0) * G * D, scores.data());
+        attend_one_head_any<T, C>(qt + (h - h0) * G * q_head, q_head, kc, vc, L, table, n, h, G, scale,
+                                  o + (h - h0) * G * D, scores.data());
     }
   });
 }
@@ -296,18 +340,17 @@ static void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, co
 // The whole step's attention in one call, every row through its request's block table (the
 // K/V of the step's own tokens already stored): prompt chunks, prefix-cache hits and decode rows
 // alike, as vLLM's unified paged attention does.
-//   q (rows, heads, dim) with unit stride in dim; caches (blocks, block_size, kv_heads, dim) in
-//   the kernels' order (kv_layout.h)
+//   q (rows, heads, dim) with unit stride in dim; caches (blocks, block_size, kv_heads, dim; int8's
+//   rows dim + 4) in the kernels' order, of q's dtype or 8-bit entries (kv_layout.h)
 //   block_tables (reqs, max_blocks), seq_lens (reqs,), query_start_loc (reqs + 1,): int64
 // Returns out (rows, heads, dim).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                               double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.size(2) == k_cache.size(3),
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.size(2) == kv_layout(k_cache).D,
               "paged_attention: q (rows, heads, head_dim) with unit stride in head_dim, as the caches' head_dim");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && v_cache.is_contiguous(), "paged_attention: K and V caches of one shape");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "paged_attention: q and the caches in one dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: K and V caches of one dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_attention: heads must be a multiple of kv_heads");
   auto tables = block_tables.contiguous(), lens = seq_lens.contiguous(), starts = query_start_loc.contiguous();
   const int64_t num_reqs = lens.size(0);
@@ -321,7 +364,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const StepRows rows = step_rows(lp, sp, num_reqs);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   DISPATCH_MODEL_DTYPES(q.scalar_type(), "paged_attention", [&] {
-    attend_rows<scalar_t>(q, k_cache, v_cache, tables, rows, out, float(scale));
+    dispatch_cache_entry<scalar_t>(k_cache, [&](auto entry) {       // q's dtype, or 8-bit entries
+      attend_rows<scalar_t, decltype(entry)>(q, k_cache, v_cache, tables, rows, out, float(scale));
+    });
   });
   return out;
 }

@@ -1,21 +1,28 @@
 // Where the step's new tokens enter the cache: rotary embedding on q and k, then each token's K
 // and V into its slot of the pool, in the kernels' order inside a block (kv_layout.h). store_kv is
 // the store alone (the `cpu` attention backend's, beside the reference's projections);
-// rotary_and_store is the fused layers' pass over the q/k/v projection's output.
+// rotary_and_store is the fused layers' pass over the q/k/v projection's output. The cache holds
+// the model's dtype or 8-bit entries (kv_layout.h: to_cache).
 #include "ops.h"
 #include "kv_layout.h"
 #include "row_kernels.h"
 
 // One token's K and V heads (kv_heads x D each) into slot s.
-template <typename T>
-static inline void store_token(const KvLayout& L, T* kc, T* vc, int64_t s, const T* k, const T* v, int64_t k_head,
+template <typename C, typename T>
+static inline void store_token(const KvLayout& L, C* kc, C* vc, int64_t s, const T* k, const T* v, int64_t k_head,
                                int64_t v_head) {
   const int64_t block_id = s / L.block_size, t = s % L.block_size;
-  for (int64_t h = 0; h < L.kv_heads; ++h)
+  for (int64_t h = 0; h < L.kv_heads; ++h) {
+    const float k_scale = row_scale<C>(k + h * k_head, L.D), v_scale = row_scale<C>(v + h * v_head, L.D);
     for (int64_t d = 0; d < L.D; ++d) {
-      kc[L.k(block_id, t, h, d)] = k[h * k_head + d];
-      vc[L.v(block_id, t, h, d)] = v[h * v_head + d];
+      kc[L.k(block_id, t, h, d)] = to_cache<C>(k[h * k_head + d], k_scale);
+      vc[L.v(block_id, t, h, d)] = to_cache<C>(v[h * v_head + d], v_scale);
     }
+    if constexpr (std::is_same_v<C, int8_t>) {      // the row's scale, after the head's codes
+      std::memcpy(kc + L.scale(block_id, t, h), &k_scale, sizeof(k_scale));
+      std::memcpy(vc + L.scale(block_id, t, h), &v_scale, sizeof(v_scale));
+    }
+  }
 }
 
 // k, v (tokens, kv_heads, head_dim) with unit stride in head_dim: each token's K and V into its slot.
@@ -27,11 +34,14 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
               "store_kv: k and v (tokens, kv_heads, head_dim) matching the caches, int64 slots (tokens,)");
   auto sl = slots.contiguous();
   DISPATCH_MODEL_DTYPES(k.scalar_type(), "store_kv", [&] {
-    const scalar_t *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
-    scalar_t *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
-    const int64_t* sp = sl.data_ptr<int64_t>();
-    for (int64_t t = 0; t < k.size(0); ++t)
-      store_token(L, kc, vc, sp[t], kp + t * k.stride(0), vp + t * v.stride(0), k.stride(1), v.stride(1));
+    dispatch_cache_entry<scalar_t>(k_cache, [&](auto entry) {
+      using C = decltype(entry);
+      const scalar_t *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
+      C *kc = k_cache.data_ptr<C>(), *vc = v_cache.data_ptr<C>();
+      const int64_t* sp = sl.data_ptr<int64_t>();
+      for (int64_t t = 0; t < k.size(0); ++t)
+        store_token(L, kc, vc, sp[t], kp + t * k.stride(0), vp + t * v.stride(0), k.stride(1), v.stride(1));
+    });
   });
 }
 
@@ -76,12 +86,12 @@ static constexpr int64_t kRotaryCostPerValue = 8;
 void rotary_and_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor q_norm,
                       torch::Tensor k_norm, double eps, int64_t heads, int64_t kv_heads, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor slot_mapping) {
-  const int64_t n = qkv.size(0), D = k_cache.size(3), block_size = k_cache.size(1);
+  const KvLayout L = kv_layout(k_cache);
+  const int64_t n = qkv.size(0), D = L.D;
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (heads + 2 * kv_heads) * D,
               "rotary_and_store: qkv must be (tokens, (heads + 2 kv_heads) head_dim) with unit stride");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * D && sin.numel() == n * D,
               "rotary_and_store: cos and sin must be contiguous (tokens, head_dim)");
-  const KvLayout L = kv_layout(k_cache);
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() && k_cache.size(2) == kv_heads,
               "rotary_and_store: caches must be (blocks, block_size, kv_heads, head_dim), one shape");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == n, "slot_mapping: int64 (tokens,)");
@@ -92,22 +102,25 @@ void rotary_and_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
   const int64_t row = qkv.stride(0);
   DISPATCH_MODEL_DTYPES(qkv.scalar_type(), "rotary_and_store", [&] {
     using T = scalar_t;
-    T* base = qkv.data_ptr<T>();
-    const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
-    const T* qn = norm ? q_norm.data_ptr<T>() : nullptr;
-    const T* kn = norm ? k_norm.data_ptr<T>() : nullptr;
-    T *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
-    const int64_t* sl = slots.data_ptr<int64_t>();
-    at::parallel_for(0, n, grain(kRotaryCostPerValue * (heads + 2 * kv_heads) * D), [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        T* x = base + t * row;
-        for (int64_t h = 0; h < heads + kv_heads; ++h) {   // q's heads, then k's
-          T* head = x + h * D;
-          if (norm) rms_norm_row(head, h < heads ? qn : kn, head, D, float(eps));
-          rotate_head(head, cp + t * D, sp + t * D, D);
+    dispatch_cache_entry<T>(k_cache, [&](auto entry) {
+      using C = decltype(entry);
+      T* base = qkv.data_ptr<T>();
+      const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+      const T* qn = norm ? q_norm.data_ptr<T>() : nullptr;
+      const T* kn = norm ? k_norm.data_ptr<T>() : nullptr;
+      C *kc = k_cache.data_ptr<C>(), *vc = v_cache.data_ptr<C>();
+      const int64_t* sl = slots.data_ptr<int64_t>();
+      at::parallel_for(0, n, grain(kRotaryCostPerValue * (heads + 2 * kv_heads) * D), [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+          T* x = base + t * row;
+          for (int64_t h = 0; h < heads + kv_heads; ++h) {   // q's heads, then k's
+            T* head = x + h * D;
+            if (norm) rms_norm_row(head, h < heads ? qn : kn, head, D, float(eps));
+            rotate_head(head, cp + t * D, sp + t * D, D);
+          }
+          store_token(L, kc, vc, sl[t], x + heads * D, x + (heads + kv_heads) * D, D, D);
         }
-        store_token(L, kc, vc, sl[t], x + heads * D, x + (heads + kv_heads) * D, D, D);
-      }
+      });
     });
   });
 }
