@@ -102,12 +102,13 @@ def kernels(settings: dict, model_dir: str) -> tuple:
 def batch_invariance_cost(model_dir: str, trace: Trace, settings: dict, first: Run) -> dict:
     """Issue 36: what batch invariance costs. The same trace with batch_invariant=False, alternating,
     best of two each, and one request at a time both ways. Where both choose the same kernels (a
-    CPU without AMX, dense weights) nothing differs and nothing runs again."""
+    CPU without AMX; quantized layers run their quantized weights either way) nothing differs and
+    nothing runs again."""
     off_settings = {**settings, "batch_invariant": False}
     on, off = kernels(settings, model_dir), kernels(off_settings, model_dir)
     if not on[3]:
         return {"batch_invariant": False}
-    if on[:3] == off[:3] and not settings.get("quantization"):
+    if on[:3] == off[:3]:
         return {"batch_invariant": True, "same_kernels": True, "kernels": list(on[:3]), "ratio": 1.0,
                 "single_stream_ratio": 1.0}
     invariant, not_invariant = alternating(model_dir, trace, settings, first, {"batch_invariant": False})

@@ -3,11 +3,10 @@ benchmarks/data/english.txt (the spec workload's passages too) then english_more
 the demo model's tokenizer.
 
 Perplexity = exp(mean negative logprob of each token given those before it), from the logits of the
-prompt (prompt_logprobs). With `quantization`, a step of more than ROWS_FOR_QUANTIZED rows runs the
-dense weights, so the text is fed ROWS_FOR_QUANTIZED tokens a step (max_num_batched_tokens): every
-logit then comes from the quantized kernel, as it would one request at a time. The same weights
-dequantized to float32 (the model folder as converted) are the reference; llama.cpp on the same file
-is the other (its figure comes with its peer row).
+prompt (prompt_logprobs), in chunks of the engine's max_num_batched_tokens (a quantized layer runs
+its quantized weight at every row count). The same weights dequantized to float32 (the model folder
+as converted) are the reference; llama.cpp on the same file is the other (its figure comes with its
+peer row).
 """
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import math
 from pathlib import Path
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.cpu.quantized_linear import ROWS_FOR_QUANTIZED
 
 DATA = Path(__file__).resolve().parent / "data"
 TEXTS = (DATA / "english.txt", DATA / "english_more.txt")
@@ -32,10 +30,9 @@ def perplexity(llm: LLM, ids: list[int]) -> float:
 
 
 def quality_figures(model_dir: str, settings: dict, ids: list[int], llamacpp: dict | None = None) -> dict:
-    one_at_a_time = {**settings, "max_num_batched_tokens": ROWS_FOR_QUANTIZED, "enable_prefix_caching": False}
-    ours = perplexity(LLM(model_dir, **one_at_a_time), ids)
+    ours = perplexity(LLM(model_dir, **{**settings, "enable_prefix_caching": False}), ids)
     reference = perplexity(LLM(model_dir, **{**settings, "dtype": "float32", "quantization": None}), ids)
-    out = {"text_tokens": len(ids), "rows_per_step": ROWS_FOR_QUANTIZED,
+    out = {"text_tokens": len(ids),
            "perplexity": {"nanopaged": ours, "dequantized_float32": reference},
            "vs_float32": abs(ours / reference - 1)}
     if llamacpp and "perplexity" in llamacpp:

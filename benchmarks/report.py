@@ -45,6 +45,12 @@ def print_table(r: dict) -> None:
     if "one_request_at_a_time" in r["peers"].get("llama.cpp", {}):
         print(f"  llama.cpp {r['peers']['llama.cpp']['version']} on {r['peers']['llama.cpp']['gguf']}, one request at a "
               "time (its Python API serves no batches)")
+    c = r["peers"].get("ctranslate2", {})
+    if "compute_type" in c:
+        sweep = ", ".join(f"{t}: {v:.1f}" for t, v in c["sweep"].items())
+        print(f"  ctranslate2 {c['version']} at compute type {c['compute_type']} (out tok/s by type: {sweep}; the CPU "
+              f"supports {', '.join(c['supported_compute_types'])}), {c['num_calls']} generate_batch call(s) of at "
+              f"most {c['max_batch_size']} requests, each row ended at its own length")
     v = r["peers"].get("vllm", {})
     if "identical_outputs" in v:
         print(f"  vllm {v['version']} in its own environment (loaded in {v['load_s']:.0f} s, the same KV bytes); "
@@ -103,7 +109,7 @@ def print_table(r: dict) -> None:
                     for name, key in (("vllm", "vllm"), ("llama.cpp", "llamacpp")) if f"{key}_decode_tokens_per_s" in ss))
     if "quality" in r:
         q = r["quality"]
-        print(f"perplexity of {q['text_tokens']} tokens of English ({q['rows_per_step']} a step): "
+        print(f"perplexity of {q['text_tokens']} tokens of English: "
               + ", ".join(f"{k} {v:.3f}" for k, v in q["perplexity"].items()))
     if "noise" in r:
         n = r["noise"]

@@ -70,7 +70,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
     speculative_config: dict | None = None  # ngram or draft_model drafts, verified in one pass (spec_decode/)
     quantization: str | None = None         # CPU weight-only: gguf | int4 | int8 (cpu/quantized_linear.py); None: off
-    quantization_group_size: int = 32       # int4: input features per scale and zero (gguf: the file's 32)
+    quantization_group_size: int = 32       # int4 / int8: input features per scale (gguf: the file's 32)
     batch_invariant: bool | None = None     # a request's tokens never depend on its batch; None: where the kernels hold it
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
     gguf_file: str | None = field(init=False, default=None)     # quantization="gguf": the file's path

@@ -7,7 +7,7 @@ thread governor); `choose.py` decides what else of it runs, once, for the runner
     build.py             the C++ in csrc/ compiled on first use, for this CPU (cpu_ops: what it binds)
     csrc/                the kernels, one file per concern (csrc/ops.h lists them)
     linear.py            bfloat16 linears on weights packed once: oneDNN's (packed), nanopaged's (dpbf16)
-    quantized_linear.py  4- and 8-bit weight-only linears (quantization=)
+    quantized_linear.py  4- and 8-bit linears (quantization=)
     fused.py             the decoder layer loop in C++, over the model's own weights
     attention.py         the `cpu` attention backend: every row of a step through the block tables
     thread_governor.py   torch's threads follow the cores other processes leave free (cpu_threads="auto")

@@ -69,8 +69,6 @@ def describe(layer: nn.Module):
     elif kernel == "quantized" and layer.ops is not None:
         lin.kind, lin.packed, lin.group, lin.bits = ops.LinearKind.QUANTIZED, layer.packed, layer.group_size, layer.bits
         lin.bias = NO_WEIGHT if layer.bias is None else layer.bias
-        if layer.dense is not None:           # not batch-invariant: the dense twin for steps of more rows
-            lin.rows_max, lin.dense = layer.rows_for_quantized, describe(layer.dense)
     else:
         lin.kind, lin.fn = ops.LinearKind.CALLBACK, layer
     return lin

@@ -1,34 +1,31 @@
-"""Weight-only quantized linear layers on CPU: 4-bit and 8-bit weights (`quantization=`).
+"""Quantized linear layers on CPU: 4-bit and 8-bit weights (`quantization=`), at every row count.
 
 A decode step streams every weight once, so on a CPU its matmuls cost what their bytes cost:
-4-bit weights are a quarter of bfloat16's. Two kernels unpack such weights inside the multiply:
+8-bit weights are half of bfloat16's, 4-bit ones a quarter. Two kernels run such weights:
 
-  nanopaged's (nanopaged/cpu/csrc/linear_quantized.cpp: linear_quantized), on a CPU with AVX-512:
-    blocks of `group_size` inputs with a float16 scale d and minimum m each, w = q d + m (GGUF's
-    Q4_1 as it ships; Q4_0 and int4-at-load map onto it), and 8-bit blocks w = q d (GGUF's Q8_0);
-    the codes are widened in registers, on VDPBF16PS for bfloat16 rows where the CPU has AVX512-BF16.
-  torch's, elsewhere: `aten::_weight_int4pack_mm_for_cpu` (groups of `group_size`, w = (q - 8)
-    scale + zero, scales in the activations' dtype) and, for int8, `aten::_weight_int8pack_mm`
-    (one scale per output feature, w = q scale).
+  nanopaged's (nanopaged/cpu/csrc/linear_quantized.cpp: linear_quantized), on a CPU with
+    AVX512-VNNI: blocks of `group_size` inputs with a float16 scale d (and, 4-bit, a minimum m)
+    each: w = q d + m (GGUF's Q4_1 as it ships; Q4_0 and int4-at-load map onto it) and w = q d
+    (GGUF's Q8_0, and int8-at-load). Each row is quantized too, per block of inputs, to 8 bits
+    (`quantize_activations` is the reference), so a block's products are exact integer sums, 64
+    per instruction: llama.cpp's Q8 dot products, vLLM's CPU int8 (W8A8) kernels.
+  torch's, elsewhere: weight-only, widened in registers: `aten::_weight_int4pack_mm_for_cpu`
+    (groups of `group_size`, w = (q - 8) scale + zero, scales in the activations' dtype) and
+    `aten::_weight_int8pack_mm` (one scale per output feature, w = q scale).
 
-They win for a few rows; from a few rows up the packed bfloat16 kernels (cpu/linear.py) run near
-the matmul peak instead, and the 4-bit ones do not. Batch-invariant (the default where the fast path
-holds it: cpu/choose.py), a layer runs its quantized weight at every row count, so a request is
-computed with the same numbers whatever runs beside it, and keeps no dense twin. Without it, a
-layer keeps both and picks by the step's row count: the quantized weight for at most
-ROWS_FOR_QUANTIZED rows (one request at a time, a few streams), the dense weight for more; a
-request's answer then depends on how many others share its steps
-(docs/01_kv_cache_arithmetic.md, "What a weight costs", has the figures and the memory each holds).
+Either runs at every row count, so a request sees the same weights whatever runs beside it (batch
+invariance needs exactly that), and the dense weights are not kept: what stays in the model's
+dtype are the embeddings (a step reads one row of them per token), the norms, and the lm_head
+"unless the file says otherwise" (a GGUF's own 8-bit output matrix is the file's choice); so does
+the KV cache unless kv_cache_dtype says otherwise. docs/01_kv_cache_arithmetic.md, "What a weight
+costs", has the bytes and what they cost in quality.
 
     gguf   the GGUF file's own blocks as they ship (models/gguf.py): Q4_0/Q4_1 and Q8_0 decoder
            layers (Q8_0 on nanopaged's kernel only), and the output matrix where it ships as Q8_0
            (the demo model's, tied to its embeddings)
     int4   the checkpoint quantized at load: min/max per group of `quantization_group_size`
-    int8   the checkpoint quantized at load: absmax per output feature
-
-Otherwise the embeddings, the lm_head, the norms and the sampler keep the model's dtype ("unless
-the file says otherwise": a GGUF's own 8-bit output matrix is the file's choice), and so does the
-KV cache.
+    int8   the checkpoint quantized at load: absmax per group of `quantization_group_size` (torch's
+           kernel: per output feature)
 """
 from __future__ import annotations
 
@@ -39,7 +36,6 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-ROWS_FOR_QUANTIZED = 6     # at most this many rows: the quantized kernel; more: the dense one (measured: docs/01)
 LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -50,30 +46,30 @@ def quantized_ops_available() -> bool:
 
 
 def nanopaged_kernels():
-    """nanopaged's compiled kernels where they built with AVX-512, else None (torch's int4 kernel
-    then: the plain loops of a build without AVX-512 are slower than it)."""
+    """nanopaged's compiled kernels where they built with AVX512-VNNI, else None (torch's weight-only
+    kernels then: the plain loops of a build without VNNI are slower than they are)."""
     from nanopaged.cpu.build import available, cpu_ops
-    return cpu_ops() if available() is None and cpu_ops().has_avx512 else None
+    return cpu_ops() if available() is None and cpu_ops().has_avx512_vnni else None
+
+
+def kernel_name() -> str:
+    return ("nanopaged's, rows quantized to 8 bits per block (AVX512-VNNI)" if nanopaged_kernels() is not None
+            else "torch's weight-only")
 
 
 # ---- the layers ------------------------------------------------------------------------
 class QuantizedLinear(nn.Module):
-    """A quantized weight; unless batch-invariant, also the layer it replaced (`dense`), for steps
-    of more than `rows_for_quantized` rows."""
+    """A quantized weight in place of a dense layer, run at every row count."""
     cpp_kernel = "quantized"    # with nanopaged's kernels (`ops`), the fused layer loop runs it in C++ (fused.py)
     ops = None
 
-    def __init__(self, dense: nn.Linear, keep_dense: bool = True) -> None:
+    def __init__(self, dense: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = dense.in_features, dense.out_features
         self.shard_sizes = getattr(dense, "shard_sizes", None)
         self.bias = None if dense.bias is None else dense.bias.detach()
-        self.dense = dense if keep_dense else None
-        self.rows_for_quantized = ROWS_FOR_QUANTIZED if keep_dense else None     # None: every step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: (tokens, in_features)
-        if self.dense is not None and x.shape[0] > self.rows_for_quantized:
-            return self.dense(x)
         y = self.quantized_matmul(x)
         return y if self.bias is None else y + self.bias
 
@@ -82,9 +78,9 @@ class Int4Linear(QuantizedLinear):
     bits = 4
 
     def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 group_size: int, keep_dense: bool = True) -> None:
+                 group_size: int) -> None:
         """codes (out, in) in 0..15; scale and zero (out, in / group_size): w = (q - 8) scale + zero."""
-        super().__init__(dense, keep_dense)
+        super().__init__(dense)
         self.group_size = group_size
         self.ops = nanopaged_kernels()
         if self.ops is not None:      # w = q d + m: d = scale, m = zero - 8 scale (GGUF's Q4_1 d and m, exactly)
@@ -107,12 +103,11 @@ class Int4Linear(QuantizedLinear):
 
 class Q8Linear(QuantizedLinear):
     """8-bit codes in blocks of `group_size` inputs with a float16 scale each (GGUF's Q8_0, as it
-    ships): nanopaged's kernel only."""
+    ships; int8 at load): nanopaged's kernel only."""
     bits = 8
 
-    def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, group_size: int,
-                 keep_dense: bool = True) -> None:
-        super().__init__(dense, keep_dense)
+    def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
+        super().__init__(dense)
         self.group_size = group_size
         self.ops = nanopaged_kernels()
         self.packed = self.ops.pack_quantized(codes, scale, torch.empty(0), group_size, 8)
@@ -126,11 +121,13 @@ class Q8Linear(QuantizedLinear):
 
 
 class Int8Linear(QuantizedLinear):
-    def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, keep_dense: bool = True) -> None:
-        """codes (out, in) in -128..127; scale (out,): w = q scale."""
-        super().__init__(dense, keep_dense)
+    """torch's weight-only int8 kernel, where nanopaged's did not build with VNNI."""
+
+    def __init__(self, dense: nn.Linear, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        """codes (out, in) in -128..127; scale (out,) or (out, 1): w = q scale."""
+        super().__init__(dense)
         self.codes = codes.to(torch.int8).contiguous()
-        self.scale = scale.to(dense.weight.dtype)
+        self.scale = scale.reshape(-1).to(dense.weight.dtype)
 
     def quantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
@@ -152,60 +149,73 @@ def int4_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     return codes.reshape(out_f, in_f), scale, lo + 8 * scale
 
 
-def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric 8-bit codes per output feature: (codes, scale), the absmax mapped to 127."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
-    return (w / scale[:, None]).round().clamp(-128, 127), scale
+def int8_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric 8-bit codes per group of `group_size` inputs: (codes, scale (out, in / group_size)),
+    each group's absmax mapped to 127 (group_size = in_features: one scale per output feature)."""
+    out_f, in_f = weight.shape
+    w = weight.float().reshape(out_f, in_f // group_size, group_size)
+    scale = (w.abs().amax(dim=-1) / 127).clamp(min=1e-10)
+    return (w / scale[..., None]).round().clamp(-128, 127).reshape(out_f, in_f), scale
+
+
+def quantize_activations(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What nanopaged's kernel does to the rows it multiplies: per block of `group_size` inputs,
+    codes in -127..127 (the block's largest |x| mapped to 127, rounded half to even) and their
+    scale; x ~ codes * scale. The reference the tests hold the kernel to."""
+    rows, in_f = x.shape
+    blocks = x.float().reshape(rows, in_f // group_size, group_size)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127).div(amax), 0)     # `127 / amax` would multiply by 1 / amax
+    return (blocks * inv).round().reshape(rows, in_f), (amax / 127).squeeze(-1)
 
 
 # ---- the model --------------------------------------------------------------------------
-NO_Q8_KERNEL = "Q8_0: nanopaged's kernels did not build with AVX-512 here"     # 8-bit blocks run on them only
+NO_Q8_KERNEL = "Q8_0: nanopaged's kernels did not build with AVX512-VNNI here"     # 8-bit blocks run on them only
 
 
-def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: str | None,
-                     batch_invariant: bool = False) -> dict:
+def quantized_linear(method: str, dense: nn.Linear, group_size: int, shipped: tuple | None) -> QuantizedLinear:
+    """The quantized layer for one dense one: the file's blocks (`shipped`), or its weight quantized."""
+    if method == "gguf":
+        q8 = len(shipped) == 2                           # Q8_0: (codes, scale); Q4: (codes, scale, zero)
+        return (Q8Linear if q8 else Int4Linear)(dense, *shipped, group_size)
+    weight = dense.weight.detach()
+    if method == "int4":
+        return Int4Linear(dense, *int4_codes(weight, group_size), group_size)
+    if nanopaged_kernels() is not None:
+        return Q8Linear(dense, *int8_codes(weight, group_size), group_size)
+    return Int8Linear(dense, *int8_codes(weight, weight.shape[1]))
+
+
+def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: str | None) -> dict:
     """Swap the decoder layers' linears for quantized ones, in place (before the dense weights are
-    packed: the packing then reaches the `dense` inside each, where one is kept). Returns what the
-    load log and get_stats report: the method, how many layers, their bytes, the linears left dense,
-    and the most rows a step may have to run the quantized kernel (None: every step, batch-invariant)."""
+    packed), the dense weights dropped. Returns what the load log and get_stats report: the method,
+    the kernel, how many layers, their bytes, and the linears left dense."""
     if not quantized_ops_available():
         logger.warning("quantization=%r: this torch has no weight-only int4/int8 CPU kernels; "
                        "running the dense weights", method)
-        return {"quantization": None, "quantized_linears": 0, "quantized_bytes": 0, "left_dense": [],
-                "rows_for_quantized": 0}
-    keep = not batch_invariant
+        return {"quantization": None, "quantized_linears": 0, "quantized_bytes": 0, "left_dense": []}
     found, left_dense = {}, []
     if method == "gguf":
         from nanopaged.models.gguf import BLOCK, load_gguf_linears
-        cfg = model.config
-        found, left_dense = load_gguf_linears(gguf_path, cfg)
+        found, left_dense = load_gguf_linears(gguf_path, model.config)
         group_size = BLOCK
     swapped = []
     if "lm_head" in found and nanopaged_kernels() is not None:     # the file's 8-bit output matrix
-        model.lm_head = Q8Linear(model.lm_head, *found["lm_head"], BLOCK, keep_dense=keep)
+        model.lm_head = Q8Linear(model.lm_head, *found["lm_head"], group_size)
         swapped.append(model.lm_head)
     elif "lm_head" in found:
         left_dense.append(f"lm_head ({NO_Q8_KERNEL})")
     for i, layer in enumerate(model.model.layers):
         for name in LAYER_LINEARS:
             full = f"model.layers.{i}.{name}"
-            dense = layer.get_submodule(name)
-            if method == "gguf":
-                if full not in found:
-                    continue
-                q8 = len(found[full]) == 2                       # Q8_0: (codes, scale); Q4: (codes, scale, zero)
-                if q8 and nanopaged_kernels() is None:
-                    left_dense.append(f"{full} ({NO_Q8_KERNEL})")
-                    continue
-                new = (Q8Linear if q8 else Int4Linear)(dense, *found[full], group_size, keep_dense=keep)
-            elif method == "int4":
-                new = Int4Linear(dense, *int4_codes(dense.weight.detach(), group_size), group_size, keep_dense=keep)
-            else:
-                new = Int8Linear(dense, *int8_codes(dense.weight.detach()), keep_dense=keep)
+            if method == "gguf" and full not in found:
+                continue
+            if method == "gguf" and len(found[full]) == 2 and nanopaged_kernels() is None:
+                left_dense.append(f"{full} ({NO_Q8_KERNEL})")
+                continue
+            new = quantized_linear(method, layer.get_submodule(name), group_size, found.get(full))
             owner, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(owner), attr, new)
             swapped.append(new)
-    return {"quantization": method, "quantized_linears": len(swapped),
-            "quantized_bytes": sum(m.quantized_bytes for m in swapped), "left_dense": left_dense,
-            "rows_for_quantized": ROWS_FOR_QUANTIZED if keep else None}
+    return {"quantization": method, "kernel": kernel_name(), "quantized_linears": len(swapped),
+            "quantized_bytes": sum(m.quantized_bytes for m in swapped), "left_dense": left_dense}

@@ -311,11 +311,13 @@ def test_quantization_is_compared_with_the_dense_trace_in_the_same_run(tiny_mode
     assert r["targets"]["quantized_vs_dense"]["value"] == r["dense"]["ratio"]
 
 
-def test_batch_invariance_is_timed_against_the_trace_without_it_where_the_kernels_differ(tiny_model_dirs, tmp_path):
-    """Issue 36's cost: with quantization, invariance changes the kernels (no dense twin for big steps),
-    so the bench times the trace without it too, alternating, and one request at a time both ways;
-    where nothing changes it says so and runs nothing again."""
-    from benchmarks.nanopaged_run import batch_invariance_cost, kernels, run_nanopaged
+def test_batch_invariance_is_timed_against_the_trace_without_it_where_the_kernels_differ(tiny_model_dirs, tmp_path,
+                                                                                         monkeypatch):
+    """Issue 36's cost: where invariance changes the kernels (an AMX host's oneDNN linears, here
+    pretended), the bench times the trace without it too, alternating, and one request at a time
+    both ways; where nothing changes (this host's dense or quantized weights) it says so and runs
+    nothing again."""
+    import benchmarks.nanopaged_run as nr
     from benchmarks.trace import make_trace
     from nanopaged.cpu.choose import choose
     from nanopaged import EngineConfig
@@ -323,13 +325,17 @@ def test_batch_invariance_is_timed_against_the_trace_without_it_where_the_kernel
     if not choose(EngineConfig(model, device="cpu")).batch_invariant:
         pytest.skip("batch invariance is not the default here")
     trace = make_trace(3, (4, 8), (2, 4), 0, 500)
-    first = run_nanopaged(model, trace, {"quantization": "int8"})[0]
-    b = batch_invariance_cost(model, trace, {"quantization": "int8"}, first)
-    assert b["batch_invariant"] and not b["same_kernels"]
+    first = nr.run_nanopaged(model, trace, {"quantization": "int8"})[0]
+    for settings in ({}, {"quantization": "int8"}):
+        same = nr.batch_invariance_cost(model, trace, settings, first)
+        assert same == {"batch_invariant": True, "same_kernels": True, "kernels": list(nr.kernels({}, model)[:3]),
+                        "ratio": 1.0, "single_stream_ratio": 1.0}
+    real = nr.kernels
+    monkeypatch.setattr(nr, "kernels", lambda s, m: ("packed",) + real(s, m)[1:] if s.get("batch_invariant") is False
+                        else real(s, m))
+    b = nr.batch_invariance_cost(model, trace, {"quantization": "int8"}, first)
+    assert b["batch_invariant"] and not b["same_kernels"] and b["kernels_off"][0] == "packed"
     assert len(b["runs"]["invariant"]) == len(b["runs"]["not_invariant"]) == 2
     assert b["ratio"] == pytest.approx(max(b["runs"]["invariant"]) / max(b["runs"]["not_invariant"]))
     assert set(b["single_stream_decode_tokens_per_s"]) == {"invariant", "not_invariant"}
-    same = batch_invariance_cost(model, trace, {}, first)
-    assert same == {"batch_invariant": True, "same_kernels": True, "kernels": list(kernels({}, model)[:3]),
-                    "ratio": 1.0, "single_stream_ratio": 1.0}
-    assert batch_invariance_cost(model, trace, {"batch_invariant": False}, first) == {"batch_invariant": False}
+    assert nr.batch_invariance_cost(model, trace, {"batch_invariant": False}, first) == {"batch_invariant": False}

@@ -312,15 +312,15 @@ def dequantized(codes, d, m, group):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 30])
 @pytest.mark.parametrize("out_features, in_features, group", [(96, 256, 32), (100, 64, 32), (40, 256, 64),
                                                               (7, 128, 128)])
 def test_linear_quantized_multiplies_by_what_the_codes_stand_for(ops, bits, dtype, rows, out_features, in_features,
                                                                 group):
-    """Both layouts, every dtype (bfloat16 rows take the VDPBF16PS path where the build has it),
-    row counts around the 4-row tile, widths that are not whole tiles, the group sizes a setting
-    allows; d and m are float16, as GGUF ships them. The product is the float32 matmul of the
-    dequantized weight, rounded once to the dtype."""
+    """Both layouts, every dtype, row counts around the 12-row tile, widths that are not whole
+    tiles, the group sizes a setting allows; d and m are float16, as GGUF ships them. The product
+    is the float32 matmul of the rows as quantize_activations quantizes them (8 bits per block) and
+    the dequantized weight, rounded once to the dtype: on VPDPBUSD and on the plain loops alike."""
     torch.manual_seed(rows * out_features + bits)
     lo, hi = (0, 16) if bits == 4 else (-128, 128)
     codes = torch.randint(lo, hi, (out_features, in_features))
@@ -329,7 +329,10 @@ def test_linear_quantized_multiplies_by_what_the_codes_stand_for(ops, bits, dtyp
     packed = ops.pack_quantized(codes, d, torch.empty(0) if m is None else m, group, bits)
     x = torch.randn(rows, in_features + 2).to(dtype)[:, :in_features]               # strided rows
     got = ops.linear_quantized(x, packed, out_features, group, bits)
-    want = x.float() @ dequantized(codes, d, m, group).t()
+    from nanopaged.cpu.quantized_linear import quantize_activations
+    xq, dx = quantize_activations(x, group)
+    x_hat = (xq.reshape(rows, -1, group) * dx[..., None]).reshape(rows, in_features)
+    want = x_hat @ dequantized(codes, d, m, group).t()
     assert got.dtype == dtype and got.shape == (rows, out_features)
     tolerance = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
     torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())

@@ -1,6 +1,6 @@
-"""Weight-only quantization: the 4-bit and 8-bit kernels compute what their codes stand for, the
-GGUF file's own blocks are the weights the converter wrote, a step picks its kernel by its rows,
-and every bad setting is refused before any weight loads."""
+"""Quantized linears: the 4-bit and 8-bit kernels compute what their codes stand for at every row
+count, the GGUF file's own blocks are the weights the converter wrote, no dense weight is kept, and
+every bad setting is refused before any weight loads."""
 import logging
 import math
 
@@ -13,6 +13,9 @@ import nanopaged.cpu.quantized_linear as ql
 from conftest import check_logprobs_close, make_prompts, nanopaged_greedy
 from nanopaged import LLM, EngineConfig, SamplingParams
 
+needs_vnni = pytest.mark.skipif(ql.nanopaged_kernels() is None,
+                                reason="nanopaged's quantized kernels run where they were built with AVX512-VNNI")
+
 
 def dequantize_int4(codes, scale, zero, group):
     out_f, in_f = codes.shape
@@ -20,25 +23,78 @@ def dequantize_int4(codes, scale, zero, group):
             + zero[..., None]).reshape(out_f, in_f)
 
 
+def dequantize_blocks(codes, d, m, group):
+    """w = q d (+ m): the blocks as pack_quantized takes them, in float64."""
+    out_f, in_f = codes.shape
+    w = codes.double().reshape(out_f, in_f // group, group) * d.double()[..., None]
+    return (w if m.numel() == 0 else w + m.double()[..., None]).reshape(out_f, in_f)
+
+
+def random_blocks(bits, out_f, in_f, group, seed):
+    torch.manual_seed(seed)
+    lo, hi = (0, 16) if bits == 4 else (-128, 128)
+    codes = torch.randint(lo, hi, (out_f, in_f))
+    d = (torch.rand(out_f, in_f // group) / 20).half().float()          # float16 in the packed layout
+    m = (torch.randn(out_f, in_f // group) / 10).half().float() if bits == 4 else torch.empty(0)
+    return codes, d, m
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_multiply_the_quantized_rows_by_the_dequantized_weight_at_every_row_count(bits, group, dtype):
+    """At every row count from 1 to 256: y = x^ W^T in float64 up to float32's sums (and the output's
+    rounding to bfloat16), x^ the rows as quantize_activations quantizes them; and each row the same
+    bits as in the step of all 256."""
+    ops = ql.nanopaged_kernels()
+    codes, d, m = random_blocks(bits, 100, 256, group, seed=bits + group)
+    packed, weight = ops.pack_quantized(codes, d, m, group, bits), dequantize_blocks(codes, d, m, group)
+    x = torch.randn(256, 256).to(dtype)
+    xq, dx = ql.quantize_activations(x, group)
+    x_hat = (xq.double().reshape(256, -1, group) * dx.double()[..., None]).reshape(256, 256)
+    want = x_hat @ weight.t()
+    full = ops.linear_quantized(x, packed, 100, group, bits)
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    for rows in range(1, 257):
+        got = ops.linear_quantized(x[:rows], packed, 100, group, bits)
+        assert torch.equal(got, full[:rows]), rows
+    assert ((full.double() - want).abs() <= rtol * want.abs() + 1e-5 * want.abs().max()).all()
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantizing_the_rows_costs_at_most_half_a_step_per_input(bits):
+    """Against the rows unquantized: each input is off by at most half its block's step (dx / 2),
+    so each output by at most sum over blocks of dx / 2 times the block's sum of |w|."""
+    ops, group = ql.nanopaged_kernels(), 32
+    codes, d, m = random_blocks(bits, 64, 512, group, seed=3)
+    weight = dequantize_blocks(codes, d, m, group)
+    x = torch.randn(40, 512) * torch.logspace(-2, 1, 512)        # blocks of very different sizes
+    got = ops.linear_quantized(x, ops.pack_quantized(codes, d, m, group, bits), 64, group, bits).double()
+    _, dx = ql.quantize_activations(x, group)
+    bound = (dx.double() / 2) @ weight.abs().reshape(64, -1, group).sum(-1).t()
+    assert ((got - x.double() @ weight.t()).abs() <= bound * (1 + 1e-4) + 1e-5).all()
+
+
+def test_the_activations_reference_rounds_half_to_even_within_127():
+    x = torch.tensor([[127.0, -63.5, 62.5, 0.4] + [0.0] * 28, [0.0] * 32])
+    codes, scale = ql.quantize_activations(x, 32)
+    assert codes[0, :4].tolist() == [127, -64, 62, 0] and scale[0].item() == 1.0
+    assert codes[1].abs().max() == 0 and scale[1].item() == 0.0          # an all-zero block: no division by 0
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernel", ["nanopaged", "torch"])
-def test_the_int4_kernel_multiplies_by_what_its_codes_stand_for(group, dtype, monkeypatch, kernel):
-    if kernel == "torch":
-        monkeypatch.setattr(ql, "nanopaged_kernels", lambda: None)
+def test_torchs_int4_kernel_multiplies_by_what_its_codes_stand_for(group, dtype, monkeypatch):
+    monkeypatch.setattr(ql, "nanopaged_kernels", lambda: None)
     torch.manual_seed(group)
     out_f, in_f = 96, 256
     dense = nn.Linear(in_f, out_f, bias=False, dtype=dtype)
     codes = torch.randint(0, 16, (out_f, in_f))
     scale, zero = torch.rand(out_f, in_f // group) / 10, torch.randn(out_f, in_f // group) / 10
     layer = ql.Int4Linear(dense, codes, scale, zero, group)
-    # compare with the weight the kernel can hold: nanopaged's keeps d = scale and m = zero - 8 scale
-    # in float16 (as GGUF ships them), torch's keeps scale and zero in the activations' dtype
-    if layer.ops is not None:
-        d, m = scale.half().float(), (zero - 8 * scale).half().float()
-        s, z = d, m + 8 * d
-    else:
-        s, z = scale.to(dtype).float(), zero.to(dtype).float()
+    s, z = scale.to(dtype).float(), zero.to(dtype).float()     # torch's keeps them in the activations' dtype
     x = torch.randn(3, in_f, dtype=dtype)
     want = x.float() @ dequantize_int4(codes, s, z, group).t()
     got = layer(x).float()
@@ -46,14 +102,35 @@ def test_the_int4_kernel_multiplies_by_what_its_codes_stand_for(group, dtype, mo
     assert torch.allclose(got, want, rtol=tolerance, atol=tolerance * want.abs().max().item())
 
 
-def test_the_int8_kernel_multiplies_by_what_its_codes_stand_for():
+def test_torchs_int8_kernel_multiplies_by_what_its_codes_stand_for(monkeypatch):
+    monkeypatch.setattr(ql, "nanopaged_kernels", lambda: None)
     torch.manual_seed(1)
     dense = nn.Linear(128, 64, bias=True)
-    codes, scale = ql.int8_codes(dense.weight.detach())
-    layer = ql.Int8Linear(dense, codes, scale)
+    layer = ql.quantized_linear("int8", dense, 32, None)
+    assert isinstance(layer, ql.Int8Linear)             # one scale per output feature, as torch's kernel takes
+    codes, scale = ql.int8_codes(dense.weight.detach(), 128)
     x = torch.randn(2, 128)
-    want = x @ (codes * scale[:, None]).t() + dense.bias
-    assert torch.allclose(layer(x), want, atol=1e-4)
+    assert torch.allclose(layer(x), x @ (codes * scale).t() + dense.bias, atol=1e-4)
+
+
+@needs_vnni
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_a_layer_quantized_at_load_keeps_no_dense_weight_and_adds_its_bias(method):
+    torch.manual_seed(4)
+    dense = nn.Linear(128, 48, bias=True)
+    layer = ql.quantized_linear(method, dense, 32, None)
+    assert not any(t is dense.weight for t in layer.parameters()) and not hasattr(layer, "dense")
+    if method == "int4":        # the kernel's d = scale and m = zero - 8 scale, in float16
+        codes, scale, zero = ql.int4_codes(dense.weight.detach(), 32)
+        d, m = scale.half().float(), (zero - 8 * scale).half().float()
+    else:
+        codes, scale = ql.int8_codes(dense.weight.detach(), 32)
+        d, m = scale.half().float(), torch.empty(0)
+    x = torch.randn(5, 128)
+    xq, dx = ql.quantize_activations(x, 32)
+    x_hat = (xq.double().reshape(5, -1, 32) * dx.double()[..., None]).reshape(5, 128)
+    want = x_hat @ dequantize_blocks(codes, d, m, 32).t() + dense.bias.detach().double()
+    assert torch.allclose(layer(x).double(), want, atol=1e-5)
 
 
 def test_quantizing_at_load_rounds_each_weight_to_its_nearest_code():
@@ -62,24 +139,10 @@ def test_quantizing_at_load_rounds_each_weight_to_its_nearest_code():
     codes, scale, zero = ql.int4_codes(w, 32)
     err = (dequantize_int4(codes, scale, zero, 32) - w).abs().reshape(16, 2, 32)
     assert (err <= scale[..., None] / 2 + 1e-6).all() and 0 <= codes.min() and codes.max() <= 15
-    codes, scale = ql.int8_codes(w)
-    assert ((codes * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
-
-
-def test_a_step_of_many_rows_runs_on_the_dense_weight():
-    calls = []
-
-    class Dense(nn.Linear):
-        def forward(self, x):
-            calls.append(x.shape[0])
-            return super().forward(x)
-
-    dense = Dense(64, 32, bias=False)
-    layer = ql.Int8Linear(dense, *ql.int8_codes(dense.weight.detach()))
-    few, many = torch.randn(ql.ROWS_FOR_QUANTIZED, 64), torch.randn(ql.ROWS_FOR_QUANTIZED + 1, 64)
-    assert torch.allclose(layer(few), layer.quantized_matmul(few))
-    assert torch.equal(layer(many), dense(many))
-    assert calls == [ql.ROWS_FOR_QUANTIZED + 1] * 2
+    for group in (32, 64):
+        codes, scale = ql.int8_codes(w, group)
+        err = (codes.reshape(16, -1, group) * scale[..., None] - w.reshape(16, -1, group)).abs()
+        assert (err <= scale[..., None] / 2 + 1e-6).all() and codes.abs().max() <= 127
 
 
 def test_the_gguf_blocks_as_shipped_are_the_weights_the_converter_wrote(demo_model_dir):
@@ -240,4 +303,4 @@ def test_without_nanopaged_kernels_q8_0_layers_stay_dense_and_say_so(tiny_model_
     monkeypatch.setattr(ql, "nanopaged_kernels", lambda: None)           # an AVX2-only host
     stats = LLM(str(folder), dtype="float32", quantization="gguf").get_stats()["quantization"]
     assert stats["quantized_linears"] == 0
-    assert "model.layers.0.self_attn.qkv_proj (Q8_0: nanopaged's kernels did not build with AVX-512 here)" in stats["left_dense"]
+    assert "model.layers.0.self_attn.qkv_proj (Q8_0: nanopaged's kernels did not build with AVX512-VNNI here)" in stats["left_dense"]

@@ -12,6 +12,7 @@ the same tokens too. The kernels themselves: tests/cpu/test_row_invariance.py.
 import random
 
 import pytest
+import torch
 
 from nanopaged import LLM, EngineConfig, SamplingParams, spec_decode
 from nanopaged.cpu.choose import choose
@@ -105,7 +106,6 @@ def test_quantized_weights_answer_alone_as_in_a_batch(tiny_model_dirs, method):
     model, batch = tiny_model_dirs["llama"], prompts()
     want = alone(LLM(model, quantization=method, quantization_group_size=32, enable_prefix_caching=False), batch)
     llm = LLM(model, quantization=method, quantization_group_size=32)
-    assert llm.get_stats()["quantization"]["rows_for_quantized"] is None
     assert answers(llm, batch) == want
     assert answers(llm, batch[::-1]) == want[::-1]
 
@@ -121,11 +121,12 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_in_any_batch(case):
     assert answers(llm, batch[::-1], params[::-1]) == want[::-1]
 
 
-def test_off_the_old_way_is_still_there(tiny_model_dirs):
-    """batch_invariant=False gives a quantized layer its dense twin again, for steps of many rows."""
+def test_off_a_quantized_layer_still_runs_its_quantized_weight(tiny_model_dirs):
+    """batch_invariant=False changes the dense kernels' blocking, not what a quantized layer holds."""
     llm = LLM(tiny_model_dirs["llama"], quantization="int4", quantization_group_size=32, batch_invariant=False)
     assert not llm.get_stats()["batch_invariant"]
-    assert llm.get_stats()["quantization"]["rows_for_quantized"] == 6
+    assert llm.get_stats()["quantization"]["quantized_linears"] == 2 * 4
+    assert not any(isinstance(m, torch.nn.Linear) for m in llm.llm_engine.runner.model.model.layers.modules())
 
 
 TOPICS = ["the sea", "a red fox", "bread", "the moon", "winter", "a small town", "music", "rain", "an old clock",

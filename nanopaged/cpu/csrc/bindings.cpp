@@ -1,5 +1,5 @@
 // The Python module: every kernel of ops.h by its own name, the decoder's description (decoder.h)
-// as classes Python fills in, and what the build has (has_avx512, has_avx512_bf16), which
+// as classes Python fills in, and what the build has (has_avx512, has_avx512_bf16, has_avx512_vnni), which
 // nanopaged/cpu/choose.py and quantized_linear.py read to decide what runs.
 #include <pybind11/stl.h>
 #include "decoder.h"
@@ -19,7 +19,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x W^T + b on AVX512-BF16's dot-product instruction");
   m.attr("has_avx512_bf16") = bool(NP_HAS_AVX512_BF16);
   m.def("pack_quantized", &pack_quantized, "4- or 8-bit codes with their block scales, in linear_quantized's layout");
-  m.def("linear_quantized", &linear_quantized, "x W^T for W in 4 or 8 bits, widened in registers");
+  m.def("linear_quantized", &linear_quantized, "x W^T for W in 4 or 8 bits, x quantized to 8 bits per block");
+#if defined(__AVX512VNNI__)
+  m.attr("has_avx512_vnni") = true;
+#else
+  m.attr("has_avx512_vnni") = false;
+#endif
 #if defined(__AVX512F__)
   m.attr("has_avx512") = true;
 #else
@@ -29,14 +34,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: the tests load a second build of these files (without AVX-512) beside the first
   py::enum_<LinearKind>(m, "LinearKind", py::module_local())
       .value("DPBF16", LinearKind::DPBF16, "nanopaged's bfloat16 kernel (linear_bf16)")
-      .value("QUANTIZED", LinearKind::QUANTIZED, "linear_quantized up to rows_max rows, `dense` for more")
+      .value("QUANTIZED", LinearKind::QUANTIZED, "linear_quantized, at every row count")
       .value("CALLBACK", LinearKind::CALLBACK, "`fn`, a Python callable, called back");
   py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear", py::module_local())
       .def(py::init<>())
       .def_readwrite("kind", &Linear::kind).def_readwrite("out_features", &Linear::out_features)
       .def_readwrite("packed", &Linear::packed).def_readwrite("bias", &Linear::bias)
       .def_readwrite("group", &Linear::group).def_readwrite("bits", &Linear::bits)
-      .def_readwrite("rows_max", &Linear::rows_max).def_readwrite("dense", &Linear::dense)
       .def_readwrite("fn", &Linear::fn)
       .def("__call__", &Linear::operator());
   py::class_<Layer>(m, "Layer", py::module_local())

@@ -18,7 +18,6 @@
 torch::Tensor Linear::operator()(const torch::Tensor& x) const {
   if (kind == LinearKind::DPBF16) return linear_bf16(x, packed, bias, out_features);
   if (kind == LinearKind::QUANTIZED) {
-    if (dense && x.size(0) > rows_max) return (*dense)(x);     // no dense twin: every step (batch-invariant)
     auto y = linear_quantized(x, packed, out_features, group, bits);
     return bias.defined() && bias.numel() ? y.add_(bias) : y;
   }

@@ -7,9 +7,8 @@
 #include <memory>
 #include <vector>
 
-// A linear is one of: nanopaged's bfloat16 kernel (DPBF16); a quantized weight, beside a dense
-// layer for steps of more than `rows_max` rows unless batch-invariant (QUANTIZED; without `dense`,
-// every step runs the quantized weight); anything else, a Python callable
+// A linear is one of: nanopaged's bfloat16 kernel (DPBF16); a quantized weight, at every row count
+// (QUANTIZED); anything else, a Python callable
 // (CALLBACK: oneDNN's packed linear, nn.Linear, torch's int4 kernel), called back with the GIL the
 // caller holds.
 enum class LinearKind { DPBF16, QUANTIZED, CALLBACK };
@@ -18,8 +17,7 @@ struct Linear {
   LinearKind kind = LinearKind::CALLBACK;
   int64_t out_features = 0;
   torch::Tensor packed, bias;                        // DPBF16: pack_bf16_weight's; QUANTIZED: pack_quantized's
-  int64_t group = 0, bits = 0, rows_max = 0;         // QUANTIZED
-  std::shared_ptr<Linear> dense;                     // QUANTIZED: the layer for more rows
+  int64_t group = 0, bits = 0;                      // QUANTIZED
   pybind11::object fn;                               // CALLBACK
 
   torch::Tensor operator()(const torch::Tensor& x) const;     // x W^T + b, by `kind`

@@ -1,37 +1,38 @@
-// The 4- and 8-bit weight-only linears: GGUF's blocks (or the checkpoint's, quantized at load)
-// packed once into one stream per tile of output features, and widened in registers just before
-// they are multiplied. AVX-512 runs the tiles; a build without it has plain loops that give the
-// same sums (Python prefers torch's int4 and int8 kernels there: nanopaged/cpu/quantized_linear.py).
+// The 4- and 8-bit linears: GGUF's blocks (or the checkpoint's, quantized at load) packed once into
+// one stream per tile of output features, multiplied as integers by the rows quantized to 8 bits
+// (AVX512-VNNI's VPDPBUSD), the way llama.cpp's Q8 dot products and vLLM's CPU int8 kernels do.
+// A build without VNNI has plain loops that give the same bits (Python prefers torch's weight-only
+// int4 and int8 kernels there: nanopaged/cpu/quantized_linear.py).
 #include "ops.h"
 #include "vec16.h"
 
-// ---- weight-only 4- and 8-bit linears ---------------------------------------------------------
-// A step of one or a few rows streams every weight once and does two FLOPs per weight it reads:
-// its time is the weights' bytes. So the weights stay in the bits they ship in (GGUF's Q4_1: 4 bits
-// a weight plus a float16 scale d and minimum m per block of G = 32 inputs, w = q d + m; Q8_0: 8
-// bits and d, w = q d) and are widened in registers just before they are multiplied. Within a block
-// the products are summed unscaled; d scales the block's sum, and m times the block's sum of inputs
-// (once per row) adds the minimum: sum_i (q_i d + m) x_i = d sum_i q_i x_i + m sum_i x_i.
+// ---- why integers ------------------------------------------------------------------------------
+// A decode step streams every weight once, so the weights stay in the bits they ship in (GGUF's
+// Q4_1: 4 bits a weight plus a float16 scale d and minimum m per block of G = 32 inputs, w = q d + m;
+// Q8_0: 8 bits and d, w = q d). Widening them to floats costs instructions that a step of many rows
+// pays once per row; quantizing each row instead, per block of G inputs, to x = dx xq with xq in
+// -127..127 (the block's largest |x| mapped to 127), makes a block's products exact integer sums,
+// 64 of them per VPDPBUSD:
+//   4-bit:  sum_i (q_i d + m) x_i = d dx sum_i q_i xq_i + m dx sum_i xq_i
+//   8-bit:  sum_i q_i d x_i       = d dx (sum_i (q_i + 128) xq_i - 128 sum_i xq_i)
+// (VPDPBUSD multiplies unsigned bytes by signed ones: 8-bit codes are stored as q + 128.) A row is
+// quantized alone and its blocks are summed in one order, so its result is the same bits at every
+// row count (the batch-invariance tests hold it).
 //
-// Layouts, packed once at load, one stream per tile of output features:
-//   4-bit: tiles of 32 features; per block, G / 4 chunks of 64 bytes, then the 32 features' d and m
-//     (float16). A chunk holds 2 pairs of inputs for all 32 features: byte p of its 16-byte lane L
-//     belongs to feature 4L + p / 2 (p < 8) or 16 + 4L + (p - 8) / 2, input p % 2 of a pair; its low
-//     nibble to the chunk's first pair, its high nibble to the second. That is the order in which
-//     unpacking a chunk's nibbles next to the byte 0x43 lays them out: 4 registers of 16 features x
-//     (input 2i, input 2i + 1) as bfloat16 numbers 128 + q, VDPBF16PS's operands (q4_chunk_bf16).
-//   8-bit: tiles of 16 features; per block, G x 16 bytes (input-major), then the 16 features' d.
-static constexpr int64_t kQ4Tile = 32, kQ8Tile = 16;
+// Layout, packed once at load: tiles of 16 output features, one stream per tile; per block of G
+// inputs, the codes in chunks of 64 bytes, then the 16 features' d (float16), and for 4 bits their m.
+// Bytes 4f .. 4f + 3 of a chunk belong to feature f: one 32-bit lane of a register, VPDPBUSD's unit.
+//   8-bit: chunk c holds inputs 4c .. 4c + 3 (G / 4 chunks)
+//   4-bit: chunk c holds inputs 8c .. 8c + 3 in the low nibbles, 8c + 4 .. 8c + 7 in the high (G / 8)
+static constexpr int64_t kTile = 16;
 
-static int64_t q_tile(int bits) { return bits == 4 ? kQ4Tile : kQ8Tile; }
-static int64_t q_block_bytes(int64_t G, int bits) { return bits == 4 ? 16 * G + 128 : 16 * G + 32; }
-static int64_t q_meta_offset(int64_t G) { return 16 * G; }      // both layouts: codes first, 16 G bytes
+static int64_t q_block_bytes(int64_t G, int bits) { return bits == 4 ? 8 * G + 64 : 16 * G + 32; }
+static int64_t q_meta_offset(int64_t G, int bits) { return bits == 4 ? 8 * G : 16 * G; }
 
-// Where the 4-bit code of feature f (0..31), input k (0..G-1) of a block lies: (byte, nibble shift).
-static inline std::pair<int64_t, int> q4_position(int64_t f, int64_t k) {
-  const int64_t chunk = k / 4, second_pair = (k / 2) % 2, e = k % 2;
-  const int64_t g = f % 16, lane = g / 4, p = (f < 16 ? 0 : 8) + 2 * (g % 4) + e;
-  return {chunk * 64 + lane * 16 + p, second_pair ? 4 : 0};
+// Where the code of feature f (0..15), input k (0..G-1) of a block lies: (byte, nibble shift).
+static inline std::pair<int64_t, int> q_position(int64_t f, int64_t k, int bits) {
+  if (bits == 8) return {(k / 4) * 64 + 4 * f + k % 4, 0};
+  return {(k / 8) * 64 + 4 * f + k % 4, (k / 4) % 2 ? 4 : 0};
 }
 
 // codes (N, K) integers (4-bit: 0..15; 8-bit: -128..127), d and m (N, K / G) float (m: 4-bit only):
@@ -39,10 +40,10 @@ static inline std::pair<int64_t, int> q4_position(int64_t f, int64_t k) {
 torch::Tensor pack_quantized(torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t G, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "pack_quantized: bits must be 4 or 8");
   const int64_t N = codes.size(0), K = codes.size(1);
-  TORCH_CHECK(G % 4 == 0 && K % G == 0 && d.size(0) == N && d.size(1) == K / G &&
+  TORCH_CHECK(G % 16 == 0 && K % G == 0 && d.size(0) == N && d.size(1) == K / G &&
               (bits == 8 || (m.size(0) == N && m.size(1) == K / G)),
-              "pack_quantized: codes (N, K), d and m (N, K / G), G a multiple of 4 dividing K");
-  const int64_t T = q_tile(bits), tiles = (N + T - 1) / T, blocks = K / G, bb = q_block_bytes(G, bits);
+              "pack_quantized: codes (N, K), d and m (N, K / G), G a multiple of 16 dividing K");
+  const int64_t tiles = (N + kTile - 1) / kTile, blocks = K / G, bb = q_block_bytes(G, bits);
   auto out = torch::zeros({tiles * blocks * bb}, codes.options().dtype(at::kByte));   // features past N: 0
   auto c = codes.to(at::kInt).contiguous();
   auto df = d.to(at::kFloat).contiguous();
@@ -54,197 +55,174 @@ torch::Tensor pack_quantized(torch::Tensor codes, torch::Tensor d, torch::Tensor
     for (int64_t t = tb; t < te; ++t)
       for (int64_t b = 0; b < blocks; ++b) {
         uint8_t* blk = op + (t * blocks + b) * bb;
-        fp16* meta = reinterpret_cast<fp16*>(blk + q_meta_offset(G));
-        for (int64_t f = 0; f < T && t * T + f < N; ++f) {
-          const int64_t n = t * T + f;
+        fp16* meta = reinterpret_cast<fp16*>(blk + q_meta_offset(G, bits));
+        for (int64_t f = 0; f < kTile && t * kTile + f < N; ++f) {
+          const int64_t n = t * kTile + f;
           const int32_t* row = cp + n * K + b * G;
           for (int64_t k = 0; k < G; ++k) {
-            if (bits == 4) {
-              const auto [byte, shift] = q4_position(f, k);
-              blk[byte] |= uint8_t((row[k] & 15) << shift);
-            } else {
-              blk[16 * k + f] = uint8_t(int8_t(row[k]));
-            }
+            const auto [byte, shift] = q_position(f, k, int(bits));
+            blk[byte] |= bits == 4 ? uint8_t((row[k] & 15) << shift) : uint8_t(row[k] + 128);
           }
           meta[f] = fp16(dp[n * blocks + b]);
-          if (bits == 4) meta[kQ4Tile + f] = fp16(mp[n * blocks + b]);
+          if (bits == 4) meta[kTile + f] = fp16(mp[n * blocks + b]);
         }
       }
   });
   return out;
 }
 
+// ---- the rows, quantized ------------------------------------------------------------------------
+// Per row and block of G inputs: the codes xq (int8), dx, and sum_i xq_i times dx (what m weighs).
+struct QuantizedRows {
+  std::vector<int8_t> xq;
+  std::vector<float> dx, dx_sum;
+  std::vector<int32_t> sum;
+};
+
+template <typename T>
+static void quantize_block(const T* x, int64_t G, int8_t* xq, float& dx, float& dx_sum, int32_t& sum) {
+  Vec16 amax = Vec16::fill(0.f);
+  for (int64_t i = 0; i < G; i += 16) {
+    const Vec16 v = Vec16::load(x + i);
+    amax = max(amax, max(v, Vec16::fill(0.f) - v));
+  }
+  const float a = amax.max(), inv = a > 0.f ? 127.f / a : 0.f;
+  Vec16 total = Vec16::fill(0.f);
+  for (int64_t i = 0; i < G; i += 16) {
+    const Vec16 q = round_nearest(Vec16::load(x + i) * Vec16::fill(inv));     // |q| <= 127: fits a byte
+    total = total + q;
 #if defined(__AVX512F__)
-// A chunk's 64 bytes as 4 operands: (A, B) the chunk's first pair of inputs for features 0-15 and
-// 16-31, (C, D) its second pair; each u32 lane (128 + q for input 2i, 128 + q for input 2i + 1) as
-// bfloat16 bits (0x43 is the high byte of 128.0 in bfloat16; 128 + q is exact for q < 128).
-static inline void q4_chunk(const uint8_t* chunk, __m512i& A, __m512i& B, __m512i& C, __m512i& D) {
-  const __m512i v = _mm512_loadu_si512(chunk), nib = _mm512_set1_epi8(0x0F), c43 = _mm512_set1_epi8(0x43);
-  const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-  A = _mm512_unpacklo_epi8(lo, c43);
-  B = _mm512_unpackhi_epi8(lo, c43);
-  C = _mm512_unpacklo_epi8(hi, c43);
-  D = _mm512_unpackhi_epi8(hi, c43);
-}
-
-// One 4-bit tile (32 features) times MT rows: y = d (sum (128 + q) x - 128 sum x) + m sum x per block.
-// bfloat16 rows with AVX512-BF16: a pair of inputs times 16 features' pairs is one VDPBF16PS;
-// otherwise each operand's two halves are widened to float32 (a bfloat16's bits are a float32's
-// top half) and multiplied by the float32 inputs one at a time.
-template <int MT, bool BF16_PAIRS>
-static inline void q4_tile(const void* xv, int64_t x_row, const float* sx, const uint8_t* tile, int64_t K,
-                           int64_t G, float* out, int64_t out_row) {
-  const int64_t blocks = K / G, bb = q_block_bytes(G, 4);
-  __m512 acc[MT][2];
-  NP_UNROLL
-  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = tile + b * bb;
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * bb), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * bb + 64 * (G / 8)), _MM_HINT_T0);
-    __m512 part[MT][2];
-    NP_UNROLL
-    for (int m = 0; m < MT; ++m) part[m][0] = part[m][1] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < G / 4; ++c) {
-      __m512i A, B, C, D;
-      q4_chunk(blk + 64 * c, A, B, C, D);
-      const int64_t k = b * G + 4 * c;                             // inputs k .. k + 3
-      NP_UNROLL
-      for (int m = 0; m < MT; ++m) {
-#if defined(__AVX512BF16__)
-        if constexpr (BF16_PAIRS) {
-          const int32_t* x = static_cast<const int32_t*>(xv) + m * x_row + k / 2;
-          const __m512bh first = (__m512bh)_mm512_set1_epi32(x[0]), second = (__m512bh)_mm512_set1_epi32(x[1]);
-          part[m][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(part[m][0], (__m512bh)A, first), (__m512bh)C, second);
-          part[m][1] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(part[m][1], (__m512bh)B, first), (__m512bh)D, second);
-          continue;
-        }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q.v)));
+#else
+    for (int j = 0; j < 16; ++j) xq[i + j] = int8_t(q.v[j]);
 #endif
-        if constexpr (!BF16_PAIRS) {
-          const float* x = static_cast<const float*>(xv) + m * x_row + k;
-          const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
-          const __m512 x0 = _mm512_set1_ps(x[0]), x1 = _mm512_set1_ps(x[1]), x2 = _mm512_set1_ps(x[2]),
-                       x3 = _mm512_set1_ps(x[3]);
-          part[m][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(A, 16)), x0, part[m][0]);
-          part[m][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(A, top)), x1, part[m][0]);
-          part[m][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(C, 16)), x2, part[m][0]);
-          part[m][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(C, top)), x3, part[m][0]);
-          part[m][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(B, 16)), x0, part[m][1]);
-          part[m][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(B, top)), x1, part[m][1]);
-          part[m][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(D, 16)), x2, part[m][1]);
-          part[m][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(D, top)), x3, part[m][1]);
-        }
-      }
-    }
-    const uint8_t* meta = blk + q_meta_offset(G);
-    NP_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32 * h)));
-      const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 64 + 32 * h)));
-      NP_UNROLL
-      for (int m = 0; m < MT; ++m) {
-        const __m512 s = _mm512_set1_ps(sx[m * blocks + b]);
-        acc[m][h] = _mm512_fmadd_ps(_mm512_fnmadd_ps(s, _mm512_set1_ps(128.f), part[m][h]), d, acc[m][h]);
-        acc[m][h] = _mm512_fmadd_ps(mins, s, acc[m][h]);
-      }
-    }
   }
-  NP_UNROLL
-  for (int m = 0; m < MT; ++m) {
-    _mm512_storeu_ps(out + m * out_row, acc[m][0]);
-    _mm512_storeu_ps(out + m * out_row + 16, acc[m][1]);
-  }
+  dx = a / 127.f;
+  sum = int32_t(total.sum());         // integers below 2^24: the float sum is exact
+  dx_sum = dx * float(sum);
 }
 
-// One 8-bit tile (16 features) times MT rows of float32 inputs.
-template <int MT>
-static inline void q8_tile(const float* x, int64_t x_row, const uint8_t* tile, int64_t K, int64_t G, float* out,
-                           int64_t out_row) {
-  const int64_t blocks = K / G, bb = q_block_bytes(G, 8);
+template <typename T>
+static QuantizedRows quantize_rows(const T* x, int64_t x_row, int64_t M, int64_t K, int64_t G) {
+  const int64_t blocks = K / G;
+  QuantizedRows q{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * blocks),
+                  std::vector<int32_t>(M * blocks)};
+  at::parallel_for(0, M, grain(K), [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t i = r * blocks + b;
+        quantize_block(x + r * x_row + b * G, G, q.xq.data() + r * K + b * G, q.dx[i], q.dx_sum[i], q.sum[i]);
+      }
+  });
+  return q;
+}
+
+// ---- one tile of 16 features times MT rows --------------------------------------------------------
+// A block's integer sum per row and feature, then in float32: y += sum (d dx) [+ m (dx sum xq)].
+#if defined(__AVX512VNNI__)
+template <int MT, int BITS>
+static inline void q_tile(const QuantizedRows& q, int64_t r0, int64_t K, int64_t G, const uint8_t* tile, float* out) {
+  const int64_t blocks = K / G, bb = q_block_bytes(G, BITS);
   __m512 acc[MT];
   NP_UNROLL
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = tile + b * bb;
     _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * bb), _MM_HINT_T0);
-    __m512 part[MT];
+    __m512i part[MT];
     NP_UNROLL
-    for (int m = 0; m < MT; ++m) part[m] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < G; ++i) {
-      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * i))));
-      NP_UNROLL
-      for (int m = 0; m < MT; ++m) part[m] = _mm512_fmadd_ps(q, _mm512_set1_ps(x[m * x_row + b * G + i]), part[m]);
+    for (int m = 0; m < MT; ++m) part[m] = _mm512_setzero_si512();
+    const int8_t* xb = q.xq.data() + r0 * K + b * G;
+    for (int64_t c = 0; c < G / (BITS == 4 ? 8 : 4); ++c) {
+      const __m512i w = _mm512_loadu_si512(blk + 64 * c);
+      if constexpr (BITS == 8) {
+        NP_UNROLL
+        for (int m = 0; m < MT; ++m) {
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(xb + m * K + 4 * c);
+          part[m] = _mm512_dpbusd_epi32(part[m], w, _mm512_set1_epi32(x4[0]));
+        }
+      } else {
+        const __m512i nib = _mm512_set1_epi8(0x0F);
+        const __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+        NP_UNROLL
+        for (int m = 0; m < MT; ++m) {
+          const int32_t* x8 = reinterpret_cast<const int32_t*>(xb + m * K + 8 * c);
+          part[m] = _mm512_dpbusd_epi32(part[m], lo, _mm512_set1_epi32(x8[0]));
+          part[m] = _mm512_dpbusd_epi32(part[m], hi, _mm512_set1_epi32(x8[1]));
+        }
+      }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + q_meta_offset(G))));
+    const uint8_t* meta = blk + q_meta_offset(G, BITS);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta)));
     NP_UNROLL
-    for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(part[m], d, acc[m]);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t i = (r0 + m) * blocks + b;
+      __m512i sums = part[m];
+      if constexpr (BITS == 8) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(128 * q.sum[i]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(q.dx[i])), acc[m]);
+      if constexpr (BITS == 4) {
+        const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32)));
+        acc[m] = _mm512_fmadd_ps(mins, _mm512_set1_ps(q.dx_sum[i]), acc[m]);
+      }
+    }
   }
   NP_UNROLL
-  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * out_row, acc[m]);
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * kTile, acc[m]);
 }
 #endif
 
-// Plain loops, for a build without AVX-512: the same sums, one feature and one row at a time.
-static void quantized_tile_any(const float* x, int64_t x_row, const float* sx, const uint8_t* tile, int64_t K,
-                               int64_t G, int bits, int64_t rows, float* out, int64_t out_row) {
-  const int64_t blocks = K / G, bb = q_block_bytes(G, bits), T = q_tile(bits);
+// Plain loops, for a build without VNNI: the same integer sums and the same float32 steps, row by row.
+static void q_tile_any(const QuantizedRows& q, int64_t r0, int64_t rows, int64_t K, int64_t G, int bits,
+                       const uint8_t* tile, float* out) {
+  const int64_t blocks = K / G, bb = q_block_bytes(G, bits);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t f = 0; f < T; ++f) {
+    for (int64_t f = 0; f < kTile; ++f) {
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* blk = tile + b * bb;
-        const fp16* meta = reinterpret_cast<const fp16*>(blk + q_meta_offset(G));
-        float part = 0.f;
+        const fp16* meta = reinterpret_cast<const fp16*>(blk + q_meta_offset(G, bits));
+        const int8_t* x = q.xq.data() + (r0 + r) * K + b * G;
+        const int64_t i = (r0 + r) * blocks + b;
+        int32_t sum = 0;
         for (int64_t k = 0; k < G; ++k) {
-          float q;
-          if (bits == 4) {
-            const auto [byte, shift] = q4_position(f, k);
-            q = float((blk[byte] >> shift) & 15);
-          } else {
-            q = float(int8_t(blk[16 * k + f]));
-          }
-          part += q * x[r * x_row + b * G + k];
+          const auto [byte, shift] = q_position(f, k, bits);
+          sum += int32_t((blk[byte] >> shift) & (bits == 4 ? 15 : 255)) * x[k];
         }
-        acc += part * float(meta[f]) + (bits == 4 ? float(meta[kQ4Tile + f]) * sx[r * blocks + b] : 0.f);
+        if (bits == 8) sum -= 128 * q.sum[i];
+        acc = std::fma(float(sum), float(meta[f]) * q.dx[i], acc);
+        if (bits == 4) acc = std::fma(float(meta[kTile + f]), q.dx_sum[i], acc);
       }
-      out[r * out_row + f] = acc;
+      out[r * kTile + f] = acc;
     }
 }
 
 // x (M, K) in the model's dtype, unit stride in K; packed from pack_quantized: y (M, N), float32
-// sums rounded once to x's dtype. Rows go up to kQRows at a time, each tile's codes unpacked once
-// for all of them; each tile streams its weights once. A row's sums run in the same order whatever
-// the tile of rows it shares (the batch-invariant path runs this at every row count). One step
-// calls this 120 times for weights of a few hundred kilobytes, so nothing is allocated but y.
-static constexpr int64_t kQRows = 6;      // 6 x 2 sums and 6 x 2 block parts + 4 operands: 28 of 32 registers
+// sums rounded once to x's dtype. Each tile streams its weights once for all the rows, kQRows at a
+// time (its codes stay in L1 between them). One step calls this 120 times for weights of a few
+// hundred kilobytes, so nothing is allocated but y and the quantized rows.
+static constexpr int64_t kQRows = 12;      // 12 integer sums + 12 float sums + operands: 28 of 32 registers
 template <typename T>
 static void quantized_rows(const T* x, int64_t x_row, int64_t M, int64_t K, const uint8_t* wp, int64_t N, int64_t G,
                            int bits, T* y) {
-  const int64_t blocks = K / G, Tw = q_tile(bits), tiles = (N + Tw - 1) / Tw, bb = q_block_bytes(G, bits);
-  std::vector<float> xf(M * K), sx(M * blocks, 0.f);          // the rows in float32; their sums per block
-  at::parallel_for(0, M, grain(K), [&](int64_t rb, int64_t re) {     // a prompt's rows: on every thread
-    for (int64_t r = rb; r < re; ++r)
-      for (int64_t i = 0; i < K; ++i) {
-        xf[r * K + i] = float(x[r * x_row + i]);
-        sx[r * blocks + i / G] += xf[r * K + i];
-      }
-  });
+  const int64_t blocks = K / G, tiles = (N + kTile - 1) / kTile, bb = q_block_bytes(G, bits);
+  const QuantizedRows q = quantize_rows(x, x_row, M, K, G);
   // a thread takes at least ~32 KB of weights: smaller shares cost more to hand out than to read
   at::parallel_for(0, tiles, std::max<int64_t>(1, 32 * 1024 / (blocks * bb)), [&](int64_t tb, int64_t te) {
-    float out[kQRows * kQ4Tile];
+    float out[kQRows * kTile];
     for (int64_t t = tb; t < te; ++t) {
       const uint8_t* tile = wp + t * blocks * bb;
-      const int64_t width = std::min(Tw, N - t * Tw);
+      const int64_t width = std::min(kTile, N - t * kTile);
       for (int64_t r = 0; r < M; r += kQRows) {
         const int64_t rows = std::min<int64_t>(kQRows, M - r);
-        const float *xr = xf.data() + r * K, *sr = sx.data() + r * blocks;
-#if defined(__AVX512F__)
-        constexpr bool pairs = std::is_same_v<T, bf16> && NP_HAS_AVX512_BF16;
-        const void* x4 = pairs ? static_cast<const void*>(x + r * x_row) : static_cast<const void*>(xr);
-        const int64_t row4 = pairs ? x_row / 2 : K;
-#define NP_QTILE(MT) (bits == 4 ? q4_tile<MT, pairs>(x4, row4, sr, tile, K, G, out, Tw) \
-                               : q8_tile<MT>(xr, K, tile, K, G, out, Tw))
+#if defined(__AVX512VNNI__)
+#define NP_QTILE(MT) (bits == 4 ? q_tile<MT, 4>(q, r, K, G, tile, out) : q_tile<MT, 8>(q, r, K, G, tile, out))
         switch (rows) {
+          case 12: NP_QTILE(12); break;
+          case 11: NP_QTILE(11); break;
+          case 10: NP_QTILE(10); break;
+          case 9: NP_QTILE(9); break;
+          case 8: NP_QTILE(8); break;
+          case 7: NP_QTILE(7); break;
           case 6: NP_QTILE(6); break;
           case 5: NP_QTILE(5); break;
           case 4: NP_QTILE(4); break;
@@ -254,10 +232,10 @@ static void quantized_rows(const T* x, int64_t x_row, int64_t M, int64_t K, cons
         }
 #undef NP_QTILE
 #else
-        quantized_tile_any(xr, K, sr, tile, K, G, bits, rows, out, Tw);
+        q_tile_any(q, r, rows, K, G, bits, tile, out);
 #endif
         for (int64_t j = 0; j < rows; ++j)
-          for (int64_t f = 0; f < width; ++f) y[(r + j) * N + t * Tw + f] = T(out[j * Tw + f]);
+          for (int64_t f = 0; f < width; ++f) y[(r + j) * N + t * kTile + f] = T(out[j * kTile + f]);
       }
     }
   });
@@ -265,9 +243,9 @@ static void quantized_rows(const T* x, int64_t x_row, int64_t M, int64_t K, cons
 
 torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t G, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && (bits == 4 || bits == 8), "linear_quantized: x (rows, in_features), 4 or 8 bits");
-  if (x.stride(1) != 1 || x.stride(0) % 2) x = x.contiguous();     // rows read as pairs: an even row stride
-  const int64_t M = x.size(0), K = x.size(1), Tw = q_tile(bits), tiles = (N + Tw - 1) / Tw;
-  TORCH_CHECK(K % G == 0 && packed.numel() == tiles * (K / G) * q_block_bytes(G, bits),
+  if (x.stride(1) != 1) x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), tiles = (N + kTile - 1) / kTile;
+  TORCH_CHECK(G % 16 == 0 && K % G == 0 && packed.numel() == tiles * (K / G) * q_block_bytes(G, bits),
               "linear_quantized: x's in_features do not match the packed weight");
   auto y = torch::empty({M, N}, x.options());
   DISPATCH_MODEL_DTYPES(x.scalar_type(), "linear_quantized", [&] {
