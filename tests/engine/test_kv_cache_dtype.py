@@ -7,7 +7,7 @@ with the model's dtype by vLLM's rule (check_logprobs_close); the same memory bu
 blocks of a bfloat16 cache in fp8 (in int8 a little fewer: the scales); prefix-cache hits, copy-on-write
 for n > 1 samples and tensor parallelism work on it; a request's answer alone equals its answer in a
 batch; and a bad value, or a backend that cannot read an 8-bit cache, is refused by name before a weight
-loads. The kernels: tests/cpu/test_kv_cache_dtype.py.
+loads. The kernels: tests/cpu/test_kv_cache_kernels.py.
 """
 import pytest
 import torch
