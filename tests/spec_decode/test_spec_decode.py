@@ -47,7 +47,9 @@ def repeating_prompts(n=8, seed=0):
 
 
 def engine(model, spec=None, **kw):
-    return LLM(model, dtype="float32", speculative_config=spec, **kw)
+    # float32's matmuls (MKL) may sum in another order with another thread count, which the thread
+    # governor changes with the machine's load: a fixed count keeps two runs comparable bit for bit
+    return LLM(model, dtype="float32", speculative_config=spec, cpu_threads=None, **kw)
 
 
 def token_ids(llm, prompts, params):
