@@ -31,7 +31,7 @@ from benchmarks.models import RANDOM_CONFIGS, resolve_model, vocab_limit
 from benchmarks.nanopaged_run import batch_invariance_cost, quantized_vs_dense, resolved_settings, run_nanopaged
 from benchmarks.noise import noise_figures
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
-from benchmarks.report import (plot, print_shared_prefix, print_sharing, print_spec, print_structured,
+from benchmarks.report import (plot, print_cascade, print_shared_prefix, print_sharing, print_spec, print_structured,
                                print_table)
 from benchmarks.quality import quality_figures, text_ids
 from benchmarks.roofline import measure_matmul_flops, roofline_figures
@@ -39,7 +39,7 @@ from benchmarks.single_stream import single_stream_figures, single_stream_length
 from benchmarks.spec import run_spec
 from benchmarks.structured import run_structured
 from benchmarks.trace import make_trace
-from benchmarks.workloads import run_shared_prefix, run_sharing
+from benchmarks.workloads import run_cascade, run_shared_prefix, run_sharing
 from nanopaged import EngineConfig
 from nanopaged.engine.input_processor import load_tokenizer
 
@@ -50,11 +50,14 @@ from nanopaged.engine.input_processor import load_tokenizer
 DEFAULTS = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))
 # nano-vllm's bench.py: 256 requests, lengths uniform in 100..1024 (a GPU-sized run).
 PRESETS = {"nano-vllm": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))}
-WORKLOADS = ("throughput", "shared-prefix", "sharing", "structured", "spec", "serve")   # serve: benchmarks/serve.py, its own flags
+WORKLOADS = ("throughput", "shared-prefix", "cascade", "sharing", "structured", "spec", "serve")   # serve: benchmarks/serve.py, its own flags
 # shared-prefix: each request = one system prompt (--prefix-len) + its own question.
-SHARED_PREFIX_DEFAULTS = dict(num_requests=64, input_len=(16, 48), output_len=(8, 16))
+SHARED_PREFIX_DEFAULTS = dict(num_requests=64, input_len=(16, 48), output_len=(8, 16), prefix_len=256)
+# cascade: decode steps of 32 rows on one 1,024-token prefix, shared blocks read once or not.
+CASCADE_DEFAULTS = dict(num_requests=32, input_len=(16, 48), output_len=(64, 64), prefix_len=1024)
 # The other workloads: how each runs and how it prints.
 OTHER_WORKLOADS = {"shared-prefix": (run_shared_prefix, print_shared_prefix),
+                   "cascade": (run_cascade, print_cascade),
                    "sharing": (run_sharing, print_sharing),
                    "structured": (run_structured, print_structured),
                    "spec": (run_spec, print_spec)}
@@ -65,10 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=WORKLOADS, default="throughput",
                    help="throughput (vs peers, default); shared-prefix (prefix caching on vs off); "
+                        "cascade (decode steps with shared prefixes read once vs not); "
                         "sharing (KV saved by n > 1 and beam search); spec (speculative decoding: "
                         "benchmarks/spec.py)")
-    p.add_argument("--prefix-len", type=int, default=256,
-                   help="shared-prefix: tokens of the system prompt every request starts with")
+    p.add_argument("--prefix-len", type=int,
+                   help="shared-prefix, cascade: tokens of the system prompt every request starts with "
+                        "(default 256, cascade 1024)")
     # spec: the repeating workload (benchmarks/spec.py); the random-token trace takes the flags below
     p.add_argument("--num-prompts", type=int, default=16, help="spec: chat prompts (default 16)")
     p.add_argument("--concurrency", type=int, default=16, help="spec: prompts at once in the batched run (default 16)")
@@ -117,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="nanopaged's batch_invariant (default: the engine's, on where its kernels hold it); the "
                         "run times the trace without it too where that changes the kernels")
+    p.add_argument("--disable-cascade-attn", action="store_true", default=None,
+                   help="nanopaged: rows that share their first blocks read them row by row (default: once)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
                    help="nanopaged's kv_cache_dtype: auto (the model's dtype, the engine's default) or a byte per value")
     p.add_argument("--quantization", choices=["gguf", "int4", "int8"],
@@ -144,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
 
     # A trace flag given on the command line wins over the preset, the preset over DEFAULTS.
-    defaults = SHARED_PREFIX_DEFAULTS if args.workload == "shared-prefix" else DEFAULTS
+    defaults = {"shared-prefix": SHARED_PREFIX_DEFAULTS, "cascade": CASCADE_DEFAULTS}.get(args.workload, DEFAULTS)
     for name, value in {**defaults, **PRESETS.get(args.preset, {})}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -189,7 +196,7 @@ def engine_settings(args) -> dict:
     """The engine settings given on the command line (the rest keep nanopaged's defaults)."""
     names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
              "max_model_len", "dtype", "device", "cpu_threads", "cpu_linear", "cpu_kernels", "tensor_parallel_size",
-             "quantization", "batch_invariant", "kv_cache_dtype")
+             "quantization", "batch_invariant", "kv_cache_dtype", "disable_cascade_attn")
     settings = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if settings.get("cpu_threads") == "none":
         settings["cpu_threads"] = None

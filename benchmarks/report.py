@@ -172,6 +172,22 @@ def print_shared_prefix(r: dict) -> None:
           f"outputs identical: {r['identical_outputs']}")
 
 
+def print_cascade(r: dict) -> None:
+    s, m = r["settings"], r["machine"]
+    print(f"\nshared prefixes read once: decode steps (model + sampler, best of {s['rounds']} rounds), "
+          f"{s['prefix_len']}-token prefix, {s['output_len']} tokens out; {m['cpu']}, flags "
+          f"{' '.join(m['matrix_flags']) or 'none'}")
+    print(f"{'workload':<16}{'rows':>6}{'read once ms':>14}{'plain ms':>10}{'own copies ms':>15}{'speedup':>9}"
+          f"{'same tokens':>13}")
+    for name, w in r["workloads"].items():
+        t = w["decode_step_ms"]
+        own = f"{t['own copies']:.1f}" if "own copies" in t else "-"
+        print(f"{name:<16}{w['rows']:>6}{t['read once']:>14.1f}{t['plain']:>10.1f}{own:>15}{w['speedup']:>8.2f}x"
+              f"{str(w['identical_outputs']):>13}")
+    print("target: decode steps >= 1.5x faster read once than plain (issue 37): " + ", ".join(
+        f"{name} {'met' if w['speedup'] >= 1.5 else 'missed'}" for name, w in r["workloads"].items()))
+
+
 def print_sharing(r: dict) -> None:
     print(f"\nKV memory saved by sharing ({r['settings']['num_prompts']} prompts per trace, "
           "prefix caching off; paper: vLLM, section 6.3, over widths 2-6)")

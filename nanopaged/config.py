@@ -72,6 +72,7 @@ class EngineConfig:
     quantization: str | None = None         # CPU weight-only: gguf | int4 | int8 (cpu/quantized_linear.py); None: off
     quantization_group_size: int = 32       # int4 / int8: input features per scale (gguf: the file's 32)
     batch_invariant: bool | None = None     # a request's tokens never depend on its batch; None: where the kernels hold it
+    disable_cascade_attn: bool = False      # cpu attention: rows sharing their first blocks read them once (same result)
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
     gguf_file: str | None = field(init=False, default=None)     # quantization="gguf": the file's path
 
@@ -88,8 +89,8 @@ class EngineConfig:
         check_range("seed", self.seed, *SEED_RANGE, integer=True)
         check_range("max_logprobs", self.max_logprobs, 0, MAX_LOGPROBS, integer=True)
         check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, lo_open=True)
-        check_bool("enable_prefix_caching", self.enable_prefix_caching)
-        check_bool("enforce_eager", self.enforce_eager)
+        for name in ("enable_prefix_caching", "enforce_eager", "disable_cascade_attn"):
+            check_bool(name, getattr(self, name))
         check_choice("prefix_hash", self.prefix_hash, tuple(HASH_FUNCTIONS))
         check_choice("attention_backend", self.attention_backend, ("auto", *ATTENTION_BACKENDS))
         check_choice("cpu_threads", self.cpu_threads, (None, "auto"))

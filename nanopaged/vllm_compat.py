@@ -62,9 +62,8 @@ NOT_IMPLEMENTED = [
     (("enable_sleep_mode",), (False,), "has no sleep mode"),
     (("kv_sharing_fast_prefill",), (False,), "shares no KV cache across layers"),
     (("disable_sliding_window",), (False, True), "refuses models with a sliding window: there is none to turn off"),
-    (("disable_cascade_attn", "disable_hybrid_kv_cache_manager", "use_v2_block_manager",
-      "disable_async_output_proc", "multi_step_stream_outputs"), ANY,
-     "has no cascade attention, hybrid KV cache or V0 engine to switch"),
+    (("disable_hybrid_kv_cache_manager", "use_v2_block_manager", "disable_async_output_proc",
+      "multi_step_stream_outputs"), ANY, "has no hybrid KV cache or V0 engine to switch"),
     # ---- scheduling
     (("enable_chunked_prefill",), (None, True), "always chunks long prompts into a step's token budget (as vLLM V1)"),
     (("scheduling_policy",), ("fcfs",), "schedules first come, first served"),

@@ -45,7 +45,7 @@ READING_PATH = [
 FAST_PATH = ["nanopaged/cpu/fused.py", "nanopaged/cpu/linear.py", "nanopaged/cpu/attention.py",
              "nanopaged/cpu/build.py"]
 CPP_SOURCES = ["nanopaged/cpu/csrc/" + f for f in (
-    "ops.h", "vec16.h", "row_kernels.h", "kv_layout.h", "norms.cpp", "rotary_kv.cpp", "attention.cpp",
+    "ops.h", "vec16.h", "row_kernels.h", "kv_layout.h", "norms.cpp", "rotary_kv.cpp", "attention_jobs.h", "attention.cpp",
     "linear_bf16.cpp", "linear_quantized.cpp", "activations.cpp", "argmax.cpp", "decoder.h", "decoder.cpp",
     "bindings.cpp")]        # csrc/ops.h's order: what the kernels share, then a layer's kernels in turn
 # The reference files the default path does not even import: their fast twins replace them whole.

@@ -11,9 +11,8 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    """Where every token's K/V lives, built once per step by the runner and passed down
-    explicitly to every layer (no global context). The batch is "varlen": request i owns
-    rows query_start_loc[i] : query_start_loc[i + 1] of one flat batch of new tokens."""
+    """Where every token's K/V lives, built once per step by the runner and passed down explicitly to every
+    layer (no global context). The batch is "varlen": request i owns rows query_start_loc[i] : query_start_loc[i + 1]."""
     slot_mapping: torch.Tensor     # (num_tokens,) where token t's K/V goes: block_id * block_size + offset
     query_start_loc: torch.Tensor  # (num_reqs + 1,) cu_seqlens_q: prefix sums of the new-token counts
     seq_lens: torch.Tensor         # (num_reqs,) context length after this step: computed + new tokens
@@ -21,6 +20,7 @@ class AttentionMetadata:
     query_lens_list: list[int]     # the same lengths as Python ints: slicing needs no device sync
     seq_lens_list: list[int]
     block_size: int
+    share_prefixes: bool = True    # cpu backend: rows whose tables begin alike read those blocks once (same result)
     plan: object | None = None     # the torch backend's StepPlan, made at the step's first layer
 
     @property

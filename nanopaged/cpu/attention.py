@@ -7,9 +7,9 @@ request. This backend reads K/V once, through the block table, as the paper's ke
 (section 4.1), in one call per layer for the whole step (`paged_attention` in
 nanopaged/cpu/csrc/attention.cpp, vLLM's unified attention): row j of a request's q_len new rows
 sees the first seq_len - q_len + j + 1 keys, so prompt chunks, prefix-cache hits and decode rows
-are one loop. Each row (or, in a step of a few rows, each (row, KV head) pair) is a job for
-torch's threads: scores of each query head against each key, a softmax, then the values, block
-by block through the block table. Inside each block the kernels keep K and V in an order of
+are one loop. Each row (in a step of a few rows, each (row, KV head) pair; rows sharing their first
+blocks together, read once: csrc/attention_jobs.h) is a job for torch's threads: scores of each
+query head against each key, a softmax, then the values, block by block through the block table. Inside each block the kernels keep K and V in an order of
 their own (csrc/kv_layout.h: KvLayout; vLLM's CPU and CUDA kernels do too), so the store is
 theirs as well (`store_kv`, csrc/rotary_kv.cpp; the fused layers store in their rotary pass
 instead), and the torch backend cannot read a cache this one wrote: one engine, one backend.
@@ -48,4 +48,4 @@ class CpuAttentionBackend:
         """Attention alone, the step's K/V already stored (as the torch backend's `attend`); k and v
         are not read: every row reads its keys, its own included, from the pool."""
         return self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                        scale)
+                                        scale, meta.share_prefixes)

@@ -114,7 +114,20 @@ def available() -> str | None:
 def to_kernel_layout(k_cache, v_cache):
     """The same blocks reordered inside as the kernels keep them (K: kv_heads, head_dim / 2,
     block_size, 2; V: kv_heads, block_size / 2, head_dim, 2), each returned in the runner's shape
-    (blocks, block_size, kv_heads, head_dim): for tests and for reading a cache in the paper's order."""
+    (blocks, block_size, kv_heads, head_dim): for tests and for reading a cache in the paper's order.
+    An int8 cache's rows end in their scale's 4 bytes: each head keeps its codes in that order, then
+    its block_size scales."""
+    import torch
+    if k_cache.dtype != torch.int8:
+        return _reorder(k_cache, v_cache)
+    b, s, h, row = k_cache.shape
+    codes = _reorder(k_cache[..., :-4].contiguous(), v_cache[..., :-4].contiguous())
+    scales = [c[..., -4:].permute(0, 2, 1, 3).reshape(b, h, 4 * s) for c in (k_cache, v_cache)]
+    k, v = (torch.cat([c.reshape(b, h, -1), sc], dim=-1).view(b, s, h, row) for c, sc in zip(codes, scales))
+    return k, v
+
+
+def _reorder(k_cache, v_cache):
     b, s, h, d = k_cache.shape
     k = k_cache.reshape(b, s, h, d // 2, 2).permute(0, 2, 3, 1, 4).contiguous().view(b, s, h, d)
     v = v_cache.reshape(b, s // 2, 2, h, d).permute(0, 3, 1, 4, 2).contiguous().view(b, s, h, d)

@@ -103,7 +103,7 @@ class FusedLlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)             # each (tokens, 1, head_dim)
         x = cpu_ops().decoder_forward(self.decoder, x, cos, sin, kv_caches, meta.slot_mapping, meta.block_tables,
-                                      meta.seq_lens, meta.query_start_loc)
+                                      meta.seq_lens, meta.query_start_loc, meta.share_prefixes)
         return self.norm(x)
 
 

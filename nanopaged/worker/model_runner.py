@@ -193,7 +193,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=as_tensor(slots), query_start_loc=as_tensor(cu), seq_lens=as_tensor(seq_lens),
             block_tables=as_tensor(tables), query_lens_list=query_lens, seq_lens_list=seq_lens,
-            block_size=bs)
+            block_size=bs, share_prefixes=not self.config.disable_cascade_attn)
         return ModelInput(as_tensor(input_ids), as_tensor(positions), meta, sample_rows, sample_requests,
                           prompt_rows)
 

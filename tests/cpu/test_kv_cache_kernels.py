@@ -74,7 +74,7 @@ def test_store_kv_writes_int8_codes_and_scales_as_the_reference(ops, dtype):
     store_kvcache(k, v, want[0], want[1], slots)
     got = torch.zeros(2, 20, 16, kv_heads, dim + 4, dtype=torch.int8)
     ops.store_kv(k, v, got[0], got[1], slots)
-    assert all(torch.equal(a, b) for a, b in zip(got, kernel_layout(*want)))
+    assert all(torch.equal(a, b) for a, b in zip(got, to_kernel_layout(*want)))
     rows = want[0].view(-1, kv_heads, dim + 4)[slots]
     assert rows[..., :dim].abs().amax(-1).tolist() == [[0] * kv_heads if i == 7 else [127] * kv_heads for i in range(n)]
     torch.testing.assert_close(from_cache_dtype(rows, torch.float32), k.float(), rtol=0, atol=k.float().abs().amax() / 254)
@@ -97,17 +97,6 @@ def test_rotary_and_store_stores_what_store_kv_stores(ops, cache_dtype):
     ops.store_kv(k, v, want[0], want[1], slots)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert got.view(torch.uint8).count_nonzero() > 0
-
-
-def kernel_layout(k_cache, v_cache):
-    """The caches in the kernels' order (csrc/kv_layout.h); an int8 cache's heads each keep their codes in
-    that order, then their block_size scales."""
-    if k_cache.dtype != torch.int8:
-        return to_kernel_layout(k_cache, v_cache)
-    b, s, h, row = k_cache.shape
-    codes = to_kernel_layout(k_cache[..., :-4].contiguous(), v_cache[..., :-4].contiguous())
-    scales = [c[..., -4:].permute(0, 2, 1, 3).reshape(b, h, 4 * s) for c in (k_cache, v_cache)]
-    return [torch.cat([c.reshape(b, h, -1), sc], dim=-1).view(b, s, h, row) for c, sc in zip(codes, scales)]
 
 
 def eight_bit_case(cache_dtype, heads, kv_heads, dim, seq_lens, query_lens, every_code=False, seed=0):
@@ -136,7 +125,7 @@ def eight_bit_case(cache_dtype, heads, kv_heads, dim, seq_lens, query_lens, ever
 
 def kernel(ops, case, scale):
     q, k_cache, v_cache, *rest = case
-    return ops.paged_attention(q, *kernel_layout(k_cache, v_cache), *rest, scale)
+    return ops.paged_attention(q, *to_kernel_layout(k_cache, v_cache), *rest, scale)
 
 
 def widened(case):
@@ -177,7 +166,7 @@ def test_each_row_over_an_8_bit_cache_is_computed_alone(ops, cache_dtype):
     the same bits."""
     seq_lens = [1, 2, 16, 17, 100, 203] * 4
     q, k_cache, v_cache, tables, lens, starts = eight_bit_case(cache_dtype, 9, 3, 64, seq_lens, [1] * 24, seed=5)
-    k_cache, v_cache = kernel_layout(k_cache, v_cache)
+    k_cache, v_cache = to_kernel_layout(k_cache, v_cache)
     together = ops.paged_attention(q, k_cache, v_cache, tables, lens, starts, 0.125)
     for r in range(24):
         alone = ops.paged_attention(q[r:r + 1], k_cache, v_cache, tables[r:r + 1], lens[r:r + 1],

@@ -4,6 +4,7 @@
 // on VDPBF16PS; everything else on plain loops through the same block order (kv_layout.h). The cache
 // holds the model's dtype or 8-bit entries (kv_layout.h: to_cache), read as the numbers they stand for.
 #include "ops.h"
+#include "attention_jobs.h"
 #include "kv_layout.h"
 #include "vec16.h"
 
@@ -176,45 +177,66 @@ static inline void prefetch_run(const void* p, int64_t bytes) {     // into L1, 
   for (int64_t e = 0; e < bytes; e += 64) _mm_prefetch(static_cast<const char*>(p) + e, _MM_HINT_T0);
 }
 
-// One job: q points at the row's first query head of KV head h0, out at its output; G query heads
-// share a KV head (GC divides G). scores: (h1 - h0) G (n + 16) floats; sums: (h1 - h0) G (DIM + 1).
+// One row of a job (JobHeads below): its query heads of h0 .. h1 (q), their output (out), its table and
+// n keys; scores: units() (n + 16) floats; sums: units() (DIM + 1).
+struct JobRow {
+  const bf16* q; bf16* out; const int64_t* table; int64_t n; float *scores, *sums;
+};
+
+// One job's rows: the same KV heads h0 .. h1 of one or more rows (a group that shares its first
+// `shared` blocks, attention_jobs.h). G query heads share a KV head; GC of them are a unit.
+struct JobHeads {
+  const KvLayout& L;
+  int64_t q_head, h0, h1, G;
+  float scale;
+  int64_t units() const { return (h1 - h0) * G; }                  // query heads in the job, per row
+  bool whole() const { return h1 - h0 == L.kv_heads; }
+  int64_t blocks(const JobRow& r) const { return (r.n + L.block_size - 1) / L.block_size; }   // that r reads
+};
+
+// Blocks are read two ahead of use where the CPU's own prefetcher cannot foresee them: it follows
+// a run of memory into the next block when that block lies right after (the pool hands out
+// blocks in order, so a request's mostly do), not a jump to another block, nor a job's short run
+// of part of each block. (Asked for every block, a step's attention took longer when the blocks
+// lay in order; asked for none, longer when they lay shuffled: docs/05, "What it took to be fast".)
+static inline bool fetch_ahead(const JobHeads& J, const JobRow& r, int64_t b0) {
+  const int64_t bs = J.L.block_size;
+  return b0 + 2 * bs < r.n && (!J.whole() || r.table[b0 / bs + 2] != r.table[b0 / bs + 1] + 1);
+}
+
+// The scores of row r's query heads with the keys of its blocks i0 .. i1, block by block, and in a
+// block unit by unit (no division per key). `fetch`: whether this row brings the blocks in.
 template <int DIM, int GC, typename C>
-static void attend_heads_bf16(const bf16* q, int64_t q_head, const C* kc, const C* vc, const KvLayout& L,
-                              const int64_t* table, int64_t n, int64_t h0, int64_t h1, int64_t G, float scale,
-                              bf16* out, float* scores, float* sums) {
-  constexpr int V = DIM / 16;
-  const int64_t bs = L.block_size, stride = n + 16;                 // a query head's scores: stride floats
-  const int64_t per_kv = G / GC, units = (h1 - h0) * per_kv;       // unit u: query heads u GC .. u GC + GC
-  // Blocks are read two ahead of use where the CPU's own prefetcher cannot foresee them: it follows
-  // a run of memory into the next block when that block lies right after (the pool hands out
-  // blocks in order, so a request's mostly do), not a jump to another block, nor a job's short run
-  // of part of each block. (Asked for every block, a step's attention took longer when the blocks
-  // lay in order; asked for none, longer when they lay shuffled: docs/05, "What it took to be fast".)
-  const bool whole = h1 - h0 == L.kv_heads;
-  auto ahead = [&](int64_t b) { return b + 2 * bs < n && (!whole || table[b / bs + 2] != table[b / bs + 1] + 1); };
-  // the scores, block by block (no division per key)
-  for (int64_t b0 = 0; b0 < n; b0 += bs) {
-    const int64_t block = table[b0 / bs], end = std::min(n, b0 + bs);
-    const bool fetch = ahead(b0);
+static void score_blocks(const JobHeads& J, const JobRow& r, const C* kc, int64_t i0, int64_t i1, bool fetch) {
+  const KvLayout& L = J.L;
+  const int64_t bs = L.block_size, stride = r.n + 16, per_kv = J.G / GC, units = (J.h1 - J.h0) * per_kv;
+  for (int64_t b0 = i0 * bs; b0 < std::min(r.n, i1 * bs); b0 += bs) {
+    const int64_t block = r.table[b0 / bs], end = std::min(r.n, b0 + bs);
+    const bool ahead = fetch && fetch_ahead(J, r, b0);
     for (int64_t u = 0; u < units; ++u) {
-      if (fetch && u % per_kv == 0)
-        prefetch_run(kc + L.k(table[b0 / bs + 2], 0, h0 + u / per_kv, 0), DIM * bs * sizeof(C));
+      if (ahead && u % per_kv == 0)
+        prefetch_run(kc + L.k(r.table[b0 / bs + 2], 0, J.h0 + u / per_kv, 0), DIM * bs * sizeof(C));
       const int32_t* q32[GC];
       NP_UNROLL
-      for (int g = 0; g < GC; ++g) q32[g] = reinterpret_cast<const int32_t*>(q + (u * GC + g) * q_head);
-      score_block<DIM, GC, C>(q32, kc + L.k(block, 0, h0 + u / per_kv, 0), bs, b0, end, scale,
-                              scores + u * GC * stride, stride);
+      for (int g = 0; g < GC; ++g) q32[g] = reinterpret_cast<const int32_t*>(r.q + (u * GC + g) * J.q_head);
+      score_block<DIM, GC, C>(q32, kc + L.k(block, 0, J.h0 + u / per_kv, 0), bs, b0, end, J.scale,
+                              r.scores + u * GC * stride, stride);
     }
   }
-  // the weights, rounded to bfloat16 by the softmax, then kept as bfloat16 in place:
-  // pairs[t / 2] holds tokens t and t + 1 (an odd n's last pair weighs nothing past n)
-  const int64_t heads = units * GC;
-  float* inv = sums + heads * DIM;                                  // 1 / each head's sum
+}
+
+// Each query head's scores become its weights, rounded to bfloat16 by the softmax and then kept as
+// bfloat16 in place: pairs[t / 2] holds tokens t and t + 1 (an odd n's last pair weighs nothing
+// past n). 1 / each head's sum goes to sums[units() DIM + i]; the sums are zeroed for the values.
+template <int DIM, typename C>
+static void weights_of_row(const JobHeads& J, const JobRow& r, const C* kc, const C* vc) {
+  const int64_t n = r.n, heads = J.units();
+  float* inv = r.sums + heads * DIM;
   for (int64_t i = 0; i < heads; ++i) {
-    float* s = scores + i * stride;
-    times_row_scales(s, kc, L, table, n, h0 + i / G);
+    float* s = r.scores + i * (n + 16);
+    times_row_scales(s, kc, J.L, r.table, n, J.h0 + i / J.G);
     inv[i] = softmax_in_place<bf16>(s, n);
-    times_row_scales(s, vc, L, table, n, h0 + i / G);
+    times_row_scales(s, vc, J.L, r.table, n, J.h0 + i / J.G);
     s[n] = 0.f;
     uint16_t* w = reinterpret_cast<uint16_t*>(s);                   // w[t] is written after s[t] is read
     int64_t t = 0;
@@ -222,71 +244,84 @@ static void attend_heads_bf16(const bf16* q, int64_t q_head, const C* kc, const 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t)));
     for (; t <= n; ++t) w[t] = uint16_t(bf16_bits(s[t]));
   }
-  std::fill(sums, sums + heads * DIM, 0.f);
-  for (int64_t b0 = 0; b0 < n; b0 += bs) {                          // the values, block by block
-    const int64_t block = table[b0 / bs], pairs = (std::min(n, b0 + bs) - b0) / 2;
-    const bool fetch = ahead(b0);
+  std::fill(r.sums, r.sums + heads * DIM, 0.f);
+}
+
+// The values of row r's blocks i0 .. i1 weighed into its sums, block by block, unit by unit.
+template <int DIM, int GC, typename C>
+static void weigh_blocks(const JobHeads& J, const JobRow& r, const C* vc, int64_t i0, int64_t i1, bool fetch) {
+  const KvLayout& L = J.L;
+  const int64_t bs = L.block_size, n = r.n, stride = n + 16, per_kv = J.G / GC, units = (J.h1 - J.h0) * per_kv;
+  for (int64_t b0 = i0 * bs; b0 < std::min(n, i1 * bs); b0 += bs) {
+    const int64_t block = r.table[b0 / bs], pairs = (std::min(n, b0 + bs) - b0) / 2;
+    const bool ahead = fetch && fetch_ahead(J, r, b0);
     for (int64_t u = 0; u < units; ++u) {
-      if (fetch && u % per_kv == 0)
-        prefetch_run(vc + L.v(table[b0 / bs + 2], 0, h0 + u / per_kv, 0), DIM * bs * sizeof(C));
+      const int64_t h = J.h0 + u / per_kv;
+      if (ahead && u % per_kv == 0) prefetch_run(vc + L.v(r.table[b0 / bs + 2], 0, h, 0), DIM * bs * sizeof(C));
       const int32_t* weights[GC];                                   // weights[g][t / 2]: tokens t, t + 1
       NP_UNROLL
-      for (int g = 0; g < GC; ++g) weights[g] = reinterpret_cast<const int32_t*>(scores + (u * GC + g) * stride);
-      weigh_values<DIM, GC, C>(vc + L.v(block, 0, h0 + u / per_kv, 0), b0 / 2, pairs, weights, sums + u * GC * DIM,
-                               0xFFFFFFFFu);
+      for (int g = 0; g < GC; ++g) weights[g] = reinterpret_cast<const int32_t*>(r.scores + (u * GC + g) * stride);
+      float* sums = r.sums + u * GC * DIM;
+      weigh_values<DIM, GC, C>(vc + L.v(block, 0, h, 0), b0 / 2, pairs, weights, sums, 0xFFFFFFFFu);
       if (n % 2 && b0 + bs >= n)  // an odd n's last token: the slot past it is not the request's (it may hold anything)
-        weigh_values<DIM, GC, C>(vc + L.v(block, (n - 1) % bs, h0 + u / per_kv, 0), (n - 1) / 2, 1, weights,
-                                 sums + u * GC * DIM, 0x55555555u);
+        weigh_values<DIM, GC, C>(vc + L.v(block, (n - 1) % bs, h, 0), (n - 1) / 2, 1, weights, sums, 0x55555555u);
     }
   }
-  for (int64_t i = 0; i < heads; ++i)
+}
+
+template <int DIM>
+static void finish_row(const JobHeads& J, const JobRow& r) {        // out = sums / the weights' sum
+  constexpr int V = DIM / 16;
+  const float* inv = r.sums + J.units() * DIM;
+  for (int64_t i = 0; i < J.units(); ++i)
     NP_UNROLL
     for (int v = 0; v < V; ++v)
-      round_to<bf16>(Vec16{_mm512_mul_ps(_mm512_loadu_ps(sums + i * DIM + 16 * v), _mm512_set1_ps(inv[i]))})
-          .store(out + i * DIM + 16 * v);
+      round_to<bf16>(Vec16{_mm512_mul_ps(_mm512_loadu_ps(r.sums + i * DIM + 16 * v), _mm512_set1_ps(inv[i]))})
+          .store(r.out + i * DIM + 16 * v);
+}
+
+// One job: its rows' scores, weights, then values. The blocks every row shares are taken a span at
+// a time, each row through the whole span before the next: the span comes from memory once and from
+// L2 for the rest. Each row still goes through its blocks in order, unit by unit, as it would alone.
+static constexpr int64_t kSpanBytes = 256 << 10;                    // of K (or V) of the job's heads
+
+template <int DIM, int GC, typename C>
+static void attend_job_rows(const JobHeads& J, const std::vector<JobRow>& rows, int64_t shared, const C* kc,
+                            const C* vc) {
+  const int64_t span = std::max<int64_t>(1, kSpanBytes / (J.L.block_size * (J.h1 - J.h0) * J.L.row * sizeof(C)));
+  for (int64_t i = 0; i < shared; i += span)
+    for (size_t k = 0; k < rows.size(); ++k)
+      score_blocks<DIM, GC, C>(J, rows[k], kc, i, std::min(shared, i + span), k == 0);
+  for (const JobRow& r : rows) {
+    score_blocks<DIM, GC, C>(J, r, kc, shared, J.blocks(r), true);
+    weights_of_row<DIM, C>(J, r, kc, vc);
+  }
+  for (int64_t i = 0; i < shared; i += span)
+    for (size_t k = 0; k < rows.size(); ++k)
+      weigh_blocks<DIM, GC, C>(J, rows[k], vc, i, std::min(shared, i + span), k == 0);
+  for (const JobRow& r : rows) {
+    weigh_blocks<DIM, GC, C>(J, r, vc, shared, J.blocks(r), true);
+    finish_row<DIM>(J, r);
+  }
 }
 
 // The job's query heads GC at a time: the largest GC of 4, 3, 2, 1 that divides G.
 template <int DIM, typename C>
-static void attend_job_bf16(const bf16* q, int64_t q_head, const C* kc, const C* vc, const KvLayout& L,
-                            const int64_t* table, int64_t n, int64_t h0, int64_t h1, int64_t G, float scale,
-                            bf16* out, float* scores, float* sums) {
-  if (G % 4 == 0) attend_heads_bf16<DIM, 4, C>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
-  else if (G % 3 == 0) attend_heads_bf16<DIM, 3, C>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
-  else if (G % 2 == 0) attend_heads_bf16<DIM, 2, C>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
-  else attend_heads_bf16<DIM, 1, C>(q, q_head, kc, vc, L, table, n, h0, h1, G, scale, out, scores, sums);
+static void attend_job_bf16(const JobHeads& J, const std::vector<JobRow>& rows, int64_t shared, const C* kc,
+                            const C* vc) {
+  if (J.G % 4 == 0) attend_job_rows<DIM, 4, C>(J, rows, shared, kc, vc);
+  else if (J.G % 3 == 0) attend_job_rows<DIM, 3, C>(J, rows, shared, kc, vc);
+  else if (J.G % 2 == 0) attend_job_rows<DIM, 2, C>(J, rows, shared, kc, vc);
+  else attend_job_rows<DIM, 1, C>(J, rows, shared, kc, vc);
 }
 #endif
 
-// A step's rows: row t belongs to request req[t] and sees the first n[t] keys of it. Request i's
-// q_len new rows are the last q_len of its seq_len tokens, so its row j sees seq_len - q_len + j
-// + 1 keys (causal): a decode row sees all seq_len, a prompt's rows one more key each.
-struct StepRows {
-  std::vector<int64_t> req, n;
-};
-
-static StepRows step_rows(const int64_t* seq_lens, const int64_t* query_start_loc, int64_t num_reqs) {
-  StepRows rows;
-  for (int64_t i = 0; i < num_reqs; ++i) {
-    const int64_t q_len = query_start_loc[i + 1] - query_start_loc[i];
-    for (int64_t j = 0; j < q_len; ++j) {
-      rows.req.push_back(i);
-      rows.n.push_back(seq_lens[i] - q_len + j + 1);
-    }
-  }
-  return rows;
-}
-
-// A job is one row's KV heads h0 .. h1: all of them when each thread has enough rows to share
-// (a job then reads its blocks whole), else one head each, so that a step of a few rows still
-// splits over the threads. The jobs are cut into one range per thread holding about the same
-// number of keys (a prompt's last rows see many more keys than its first, so equal counts of jobs
-// would leave one thread with most of the work).
-static constexpr int64_t kRowsPerThreadForWholeRows = 4;
-
+// The step's rows, job by job over the threads (attention_jobs.h): on VDPBF16PS where it runs,
+// else on the plain loops.
 template <typename T, typename C>
 static void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                        const torch::Tensor& tables, const StepRows& rows, torch::Tensor& out, float scale) {
+                        const torch::Tensor& tables, const StepRows& rows, torch::Tensor& out, float scale,
+                        bool share) {
   const KvLayout L = kv_layout(k_cache);
   const int64_t num_rows = q.size(0), heads = q.size(1), D = q.size(2), kv_heads = L.kv_heads;
   const int64_t G = heads / kv_heads, max_blocks = tables.size(1);
@@ -299,40 +334,47 @@ static void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, co
 #if defined(__AVX512BF16__)
   const bool vector = std::is_same_v<T, bf16> && L.block_size % 16 == 0 && q_head % 2 == 0 &&
                       q_row % 2 == 0 && reinterpret_cast<uintptr_t>(qp) % 4 == 0 && (D == 64 || D == 128 || D == 256);
+#else
+  const bool vector = false;
 #endif
-  const int64_t max_threads = at::get_num_threads();
-  const int64_t per_row = num_rows >= kRowsPerThreadForWholeRows * max_threads ? 1 : kv_heads;   // jobs per row
-  const int64_t job_heads = kv_heads / per_row;
-  // cut[k]..cut[k+1]: thread k's jobs, by prefix sums of their keys (+ a job's fixed cost)
-  const int64_t jobs = num_rows * per_row, threads = std::max<int64_t>(1, std::min<int64_t>(max_threads, jobs));
-  std::vector<int64_t> cut(threads + 1, jobs);
-  cut[0] = 0;
-  int64_t total = 0;
-  for (int64_t t = 0; t < num_rows; ++t) total += (rows.n[t] + 16) * per_row;
-  for (int64_t job = 0, done = 0, k = 1; job < jobs && k < threads; ++job) {
-    done += rows.n[job / per_row] + 16;
-    while (k < threads && done * threads >= total * k) cut[k++] = job + 1;
-  }
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(job_heads * G * (longest + 32)), sums(job_heads * G * (D + 1));
-    for (int64_t job = cut[begin]; job < cut[end]; ++job) {
-      const int64_t t = job / per_row, h0 = (job % per_row) * job_heads, h1 = h0 + job_heads;
-      const T* qt = qp + t * q_row + h0 * G * q_head;
-      const int64_t* table = tp + rows.req[t] * max_blocks;
-      T* o = op + (t * heads + h0 * G) * D;
-      const int64_t n = rows.n[t];
+  // plain loops read row by row: sharing would not pay there (attention_jobs.h: step_jobs)
+  const StepJobs S = step_jobs(rows, tp, max_blocks, L.block_size, kv_heads, at::get_num_threads(), share && vector);
+  const int64_t job_heads = kv_heads / S.per_group;
+  at::parallel_for(0, S.threads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t row_scores = job_heads * G * (longest + 32), row_sums = job_heads * G * (D + 1);
+    // kept by each thread from call to call: a group of 16 rows at 1,024 keys holds 0.6 MB of
+    // scores, which a fresh vector would zero and fault in at every layer
+    thread_local std::vector<float> scores, sums;
+    if (scores.size() < size_t(S.most_rows * row_scores)) scores.resize(S.most_rows * row_scores);
+    if (sums.size() < size_t(S.most_rows * row_sums)) sums.resize(S.most_rows * row_sums);
+    for (int64_t job = S.cut[begin]; job < S.cut[end]; ++job) {
+      const RowGroup& group = S.groups[job / S.per_group];
+      const int64_t h0 = (job % S.per_group) * job_heads, h1 = h0 + job_heads;
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, bf16>) {
         if (vector) {
+          std::vector<JobRow> job_rows;
+          for (int64_t k = 0; k < group.count; ++k) {
+            const int64_t t = S.order[group.first + k];
+            job_rows.push_back({qp + t * q_row + h0 * G * q_head, op + (t * heads + h0 * G) * D,
+                                tp + rows.req[t] * max_blocks, rows.n[t], scores.data() + k * row_scores,
+                                sums.data() + k * row_sums});
+          }
+          const JobHeads J{L, q_head, h0, h1, G, scale};
           auto job_fn = D == 64 ? attend_job_bf16<64, C> : D == 128 ? attend_job_bf16<128, C> : attend_job_bf16<256, C>;
-          job_fn(qt, q_head, kc, vc, L, table, n, h0, h1, G, scale, o, scores.data(), sums.data());
+          job_fn(J, job_rows, group.shared, kc, vc);
           continue;
         }
       }
 #endif
-      for (int64_t h = h0; h < h1; ++h)
-        attend_one_head_any<T, C>(qt + (h - h0) * G * q_head, q_head, kc, vc, L, table, n, h, G, scale,
-                                  o + (h - h0) * G * D, scores.data());
+      for (int64_t k = 0; k < group.count; ++k) {
+        const int64_t t = S.order[group.first + k];
+        const T* qt = qp + t * q_row + h0 * G * q_head;
+        T* o = op + (t * heads + h0 * G) * D;
+        for (int64_t h = h0; h < h1; ++h)
+          attend_one_head_any<T, C>(qt + (h - h0) * G * q_head, q_head, kc, vc, L, tp + rows.req[t] * max_blocks,
+                                    rows.n[t], h, G, scale, o + (h - h0) * G * D, scores.data());
+      }
     }
   });
 }
@@ -343,10 +385,12 @@ static void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, co
 //   q (rows, heads, dim) with unit stride in dim; caches (blocks, block_size, kv_heads, dim; int8's
 //   rows dim + 4) in the kernels' order, of q's dtype or 8-bit entries (kv_layout.h)
 //   block_tables (reqs, max_blocks), seq_lens (reqs,), query_start_loc (reqs + 1,): int64
+//   share_prefixes: rows whose tables begin with the same blocks read them once (attention_jobs.h);
+//   the result is the same either way
 // Returns out (rows, heads, dim).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                              double scale) {
+                              double scale, bool share_prefixes) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.size(2) == kv_layout(k_cache).D,
               "paged_attention: q (rows, heads, head_dim) with unit stride in head_dim, as the caches' head_dim");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && v_cache.is_contiguous(), "paged_attention: K and V caches of one shape");
@@ -365,8 +409,23 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   DISPATCH_MODEL_DTYPES(q.scalar_type(), "paged_attention", [&] {
     dispatch_cache_entry<scalar_t>(k_cache, [&](auto entry) {       // q's dtype, or 8-bit entries
-      attend_rows<scalar_t, decltype(entry)>(q, k_cache, v_cache, tables, rows, out, float(scale));
+      attend_rows<scalar_t, decltype(entry)>(q, k_cache, v_cache, tables, rows, out, float(scale), share_prefixes);
     });
   });
+  return out;
+}
+
+// Which rows of a step paged_attention reads together, `threads` threads attending: each group's row
+// indices and the blocks they share (a row alone shares none). For tests, and for a reader to see it.
+RowGroups shared_prefix_groups(torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                               int64_t block_size, int64_t threads) {
+  auto tables = block_tables.contiguous(), lens = seq_lens.contiguous(), starts = query_start_loc.contiguous();
+  TORCH_CHECK(tables.size(0) == lens.numel() && starts.numel() == lens.numel() + 1 && threads >= 1 && block_size >= 1,
+              "shared_prefix_groups: one table and one length per request, one start more, threads >= 1");
+  const StepRows rows = step_rows(lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), lens.numel());
+  std::vector<int64_t> order;
+  RowGroups out;
+  for (const RowGroup& g : group_rows(rows, tables.data_ptr<int64_t>(), tables.size(1), block_size, threads, true, order))
+    out.push_back({std::vector<int64_t>(order.begin() + g.first, order.begin() + g.first + g.count), g.shared});
   return out;
 }

@@ -12,7 +12,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_and_store", &rotary_and_store, "rotate q and k in place (Qwen3: norm each head first), store k and v");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
   m.def("argmax_rows", &argmax_rows, "the index of each row's largest value, as torch.argmax(x, dim=-1)");
-  m.def("paged_attention", &paged_attention, "every row of a step attending through its block table, causally");
+  m.def("paged_attention", &paged_attention, "every row of a step attending through its block table, causally",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("share_prefixes") = true);
+  m.def("shared_prefix_groups", &shared_prefix_groups, "the rows paged_attention reads together, and the blocks "
+        "they share");
   m.def("store_kv", &store_kv, "each token's K and V into its slot, in the kernels' order within a block");
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bfloat16 weight in the layout linear_bf16 reads");
   m.def("linear_bf16_silu_mul", &linear_bf16_silu_mul, "SiLU(gate) * up of a packed gate_up projection, in one pass");

@@ -33,10 +33,11 @@ torch::Tensor Linear::silu_mul(const torch::Tensor& x) const {
 
 // x (tokens, hidden): the embeddings, the residual stream through every layer (updated in place);
 // cos, sin (tokens, head_dim); kv_cache (layers, 2, blocks, block_size, kv_heads, head_dim); the
-// step's slot mapping, block tables, lengths and query starts (AttentionMetadata's).
+// step's slot mapping, block tables, lengths and query starts, and whether rows that share blocks
+// read them once (AttentionMetadata's).
 torch::Tensor decoder_forward(const Decoder& dec, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                               torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                              torch::Tensor seq_lens, torch::Tensor query_start_loc) {
+                              torch::Tensor seq_lens, torch::Tensor query_start_loc, bool share_prefixes) {
   TORCH_CHECK(kv_cache.size(0) == int64_t(dec.layers.size()), "decoder_forward: one KV cache per layer");
   const int64_t n = x.size(0), q_width = dec.heads * dec.head_dim;
   torch::Tensor mlp;     // the layer before's MLP output, added to x by the next norm (vLLM's fused_add_rms_norm)
@@ -48,7 +49,8 @@ torch::Tensor decoder_forward(const Decoder& dec, torch::Tensor x, torch::Tensor
     rotary_and_store(qkv, cos, sin, layer.q_norm, layer.k_norm, dec.qk_eps, dec.heads, dec.kv_heads, k_cache, v_cache,
                      slot_mapping);
     auto q = qkv.narrow(1, 0, q_width).view({n, dec.heads, dec.head_dim});
-    auto o = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, dec.scale);
+    auto o = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, dec.scale,
+                             share_prefixes);
     auto h = add_rms_norm(x, layer.o(o.view({n, q_width})), layer.post_norm, dec.eps);   // x += o
     mlp = layer.down(layer.gate_up.silu_mul(h));
   }

@@ -37,4 +37,4 @@ struct Decoder {
 
 torch::Tensor decoder_forward(const Decoder& dec, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                               torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                              torch::Tensor seq_lens, torch::Tensor query_start_loc);
+                              torch::Tensor seq_lens, torch::Tensor query_start_loc, bool share_prefixes);

@@ -15,6 +15,7 @@
 //   kv_layout.h          the order of K and V inside a block
 //   norms.cpp            rms_norm, add_rms_norm
 //   rotary_kv.cpp        store_kv, rotary_and_store
+//   attention_jobs.h     a step's attention cut into jobs: rows that share blocks read them once
 //   attention.cpp        paged_attention
 //   linear_bf16.cpp      pack_bf16_weight, linear_bf16, linear_bf16_silu_mul (AVX512-BF16)
 //   linear_quantized.cpp pack_quantized, linear_quantized (4- and 8-bit weights)
@@ -28,6 +29,8 @@
 // compiled on its own and would parse torch's whole C++ API and pybind11 again; only the files
 // that meet Python (decoder.h, bindings.cpp) include those.
 #include <torch/types.h>
+#include <utility>
+#include <vector>
 
 // norms.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -42,7 +45,10 @@ void rotary_and_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
 // attention.cpp
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                              double scale);
+                              double scale, bool share_prefixes);
+using RowGroups = std::vector<std::pair<std::vector<int64_t>, int64_t>>;     // (rows, blocks they share)
+RowGroups shared_prefix_groups(torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                               int64_t block_size, int64_t threads);
 
 // linear_bf16.cpp (without AVX512-BF16, each raises)
 torch::Tensor pack_bf16_weight(torch::Tensor w);
