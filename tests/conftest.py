@@ -20,6 +20,7 @@ import pathlib
 import random
 import shutil
 import sys
+from contextlib import contextmanager
 
 # Without a GPU, run Triton kernels in Triton's interpreter (on CPU tensors). Triton reads
 # this when a kernel is decorated, so it must be set before any test imports nanopaged's
@@ -54,6 +55,21 @@ def make_prompts(vocab_size, n=10, seed=0, min_len=3, max_len=60):
     lengths = rng.sample(range(min_len, max_len + 1), n)  # distinct lengths
     return [[rng.randrange(3, vocab_size) for _ in range(length)]
             for length in lengths]
+
+
+# ---------------------------------------------------------------- threads
+
+
+@contextmanager
+def torch_threads(n: int):
+    """torch's thread count set to n inside the block, and put back after."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------- bfloat16: vLLM's closeness rule

@@ -6,11 +6,10 @@ lands on the other side of a rounding boundary: those differ by a unit or two of
 Every check runs twice: on the build for this CPU, and on a build without AVX-512 (the loops an
 AVX2-only host runs), so both paths are held to the reference on any x86 host.
 """
-from contextlib import contextmanager
-
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import torch_threads
 
 from nanopaged.attention.torch_backend import store_kvcache
 from nanopaged.cpu.build import available, cpu_ops, from_kernel_layout, to_kernel_layout
@@ -149,17 +148,6 @@ def paged_attention_case(dtype, heads, kv_heads, dim, block, seq_lens, query_len
     q = (2 * torch.randn(sum(query_lens), heads + kv_heads, dim)).to(dtype)[:, :heads]
     starts = torch.tensor([0] + query_lens).cumsum(0)
     return q, k_cache, v_cache, tables, torch.tensor(seq_lens), starts
-
-
-@contextmanager
-def torch_threads(n: int):
-    """torch's thread count set to n inside the block, and put back after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def kernel_case(case):

@@ -8,10 +8,9 @@ query-heads grouping, over bfloat16 and 8-bit caches, at 1 to 3 threads, for dec
 chunks after prefix-cache hits and odd lengths; and each row the same bits as alone in a step (batch
 invariance). Engines end to end: tests/engine/test_cascade_attention.py.
 """
-from contextlib import contextmanager
-
 import pytest
 import torch
+from conftest import torch_threads
 
 from nanopaged.attention.torch_backend import to_cache_dtype
 from nanopaged.cpu.build import available, from_kernel_layout, to_kernel_layout
@@ -19,17 +18,6 @@ from nanopaged.cpu.build import available, from_kernel_layout, to_kernel_layout
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"{available()}")
 
 BLOCK, POOL = 16, 1000
-
-
-@contextmanager
-def threads(n: int):
-    """torch's thread count set to n inside the block, and put back after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def tables_on_prefixes(prefixes: list[int], own: list[int], seed: int = 0) -> torch.Tensor:
@@ -136,7 +124,7 @@ def test_rows_read_together_give_the_plain_kernels_bits(ops, name, heads, kv_hea
     """3, 4, 2, 5 and 1 query heads per KV head (units of 3, 4, 2, 1 heads); whole rows per job and
     one KV head per job (a step of few rows)."""
     args = case(name, torch.bfloat16, heads, kv_heads, dim, seed=heads + dim)
-    with threads(num_threads):
+    with torch_threads(num_threads):
         together = ops.shared_prefix_groups(*args[3:6], BLOCK, num_threads)
         assert any(len(rows) > 1 and shared >= 2 for rows, shared in together)
         shared = ops.paged_attention(*args, dim ** -0.5, share_prefixes=True)
@@ -149,7 +137,7 @@ def test_rows_read_together_give_the_plain_kernels_bits(ops, name, heads, kv_hea
 @pytest.mark.parametrize("name", sorted(STEPS))
 def test_rows_read_together_over_an_8_bit_cache_give_the_plain_kernels_bits(ops, cache_dtype, name):
     args = case(name, cache_dtype, 9, 3, 64, seed=7)
-    with threads(2):
+    with torch_threads(2):
         shared = ops.paged_attention(*args, 0.125, share_prefixes=True)
         plain = ops.paged_attention(*args, 0.125, share_prefixes=False)
     assert torch.isfinite(shared).all()
@@ -160,7 +148,7 @@ def test_a_row_read_with_others_on_its_prefix_gives_its_bits_alone(ops):
     """Batch invariance: each decode row of a step on two shared prompts, alone in a step of its own
     (no one to share with), gives the same bits."""
     q, k, v, tables, lens, starts = case("system prompts", torch.bfloat16, 9, 3, 64, seed=11)
-    with threads(2):
+    with torch_threads(2):
         together = ops.paged_attention(q, k, v, tables, lens, starts, 0.125)
         for r in range(q.shape[0]):
             alone = ops.paged_attention(q[r:r + 1], k, v, tables[r:r + 1], lens[r:r + 1], torch.tensor([0, 1]), 0.125)
