@@ -234,7 +234,7 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
         "published": PUBLISHED,
         "overhead": overhead_figures(stats, run),
         "roofline": roofline_figures(config.model_config, trace, run, device, dtype, (peak_after_engine,),
-                                     linear=stats["cpu_linear"]),
+                                     linear=stats["cpu_linear"], stats=stats),
         "single_stream": single_stream_figures(model_dir, trace, settings, config, peers),
         "machine": machine_info(device),
         "versions": versions(),

@@ -91,8 +91,9 @@ def print_table(r: dict) -> None:
 
     fl = rf["floor"]
     print(f"trace floor: {fl['seconds']:.2f} s for nanopaged's {fl['num_steps']} steps ({fl['weight_bound_steps']} bound by "
-          f"streaming {fl['weight_bytes'] / 1e6:.0f} MB of weights at the copy's {fl['copy_bytes_per_s'] / 1e9:.1f} GB/s, "
-          f"the rest by arithmetic); nanopaged's wall {fl['wall_s']:.2f} s reaches {fl['fraction']:.1%} of it")
+          f"streaming {fl['weight_bytes'] / 1e6:.0f} MB of weights as stored and {fl['kv_bytes_per_token']:,} bytes of "
+          f"K/V per token of context at the copy's {fl['copy_bytes_per_s'] / 1e9:.1f} GB/s, the rest by arithmetic); "
+          f"nanopaged's wall {fl['wall_s']:.2f} s reaches {fl['fraction']:.1%} of it")
     d = rf["decode_steps"]
     if d["num_steps"]:
         print(f"decode steps ({d['num_steps']}, {d['share_of_model_time']:.0%} of model time, median "

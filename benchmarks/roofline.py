@@ -14,10 +14,11 @@ from nanopaged.cpu.linear import KERNELS
 
 
 def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype: torch.dtype,
-                     earlier_peaks: tuple[float, ...] = (), linear: str = "reference") -> dict:
+                     earlier_peaks: tuple[float, ...] = (), linear: str = "reference", stats: dict | None = None) -> dict:
     """`earlier_peaks`: the same square-matmul timing taken earlier in the run. The ceiling is
     the highest of them and the one taken now: a host that is busy at one moment only lowers
-    the figure, and a lowered ceiling would flatter the fraction."""
+    the figure, and a lowered ceiling would flatter the fraction. `stats`: the engine's
+    get_stats(), whose quantization and kv_cache_dtype set the bytes the floor streams."""
     peak = max((measure_matmul_flops(device, dtype), *earlier_peaks))
     flops = trace_flops(m, trace)
     tokens = trace.num_prompt_tokens + trace.num_output_tokens
@@ -27,25 +28,49 @@ def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype:
             "roofline_tokens_per_s": peak / per_token,
             "fraction": (tokens / run.wall_s) / (peak / per_token),
             "decode_steps": decode_figures(m, run.steps, device, dtype, linear),
-            "floor": floor_figures(m, run, peak, copy_bytes_per_s(step_weights(m) * dtype.itemsize), dtype)}
+            "floor": floor_figures(m, run, peak, dtype, stats or {})}
 
 
-def floor_figures(m: ModelConfig, run: Run, peak: float, bandwidth: float, dtype: torch.dtype) -> dict:
-    """The trace floor: for each of nanopaged's steps, max(weight bytes / copy bandwidth, FLOPs /
-    matmul peak in the run's dtype); their sum is the fastest this machine could run the steps.
-    The copy's read rate stands for memory bandwidth (a pure read may run faster: a floor, not a proof)."""
-    weight_s = step_weights(m) * dtype.itemsize / bandwidth
-    floors = [max(weight_s, step_flops(m, s) / peak) for s in run.steps]
+def floor_figures(m: ModelConfig, run: Run, peak: float, dtype: torch.dtype, stats: dict) -> dict:
+    """The trace floor: for each of nanopaged's steps, max(the bytes it must read / copy bandwidth,
+    FLOPs / matmul peak in the run's dtype); their sum is the fastest this machine could run the
+    steps. The bytes: the weights as stored (quantized ones at their packed size) and each request's
+    K/V once, in the cache's dtype. The copy's read rate stands for memory bandwidth (a pure read may
+    run faster: a floor, not a proof)."""
+    weight_bytes = stored_weight_bytes(m, dtype, stats.get("quantization"))
+    kv_bytes = kv_token_bytes(m, stats.get("kv_cache_dtype"), dtype)
+    bandwidth = copy_bytes_per_s(weight_bytes)
+    floors, bound_by_bytes = [], 0
+    for s in run.steps:
+        bytes_s, flops_s = (weight_bytes + kv_bytes * s.context_tokens) / bandwidth, step_flops(m, s) / peak
+        floors.append(max(bytes_s, flops_s))
+        bound_by_bytes += bytes_s >= flops_s
     model_s = sum(s.model_s for s in run.steps)
-    return {"copy_bytes_per_s": bandwidth, "weight_bytes": step_weights(m) * dtype.itemsize,
+    return {"copy_bytes_per_s": bandwidth, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes,
             "seconds": sum(floors), "model_s": model_s, "wall_s": run.wall_s,
             "fraction": sum(floors) / run.wall_s if run.wall_s else 0.0,
-            "weight_bound_steps": sum(f == weight_s for f in floors), "num_steps": len(floors)}
+            "weight_bound_steps": bound_by_bytes, "num_steps": len(floors)}
 
 
 def step_weights(m: ModelConfig) -> int:
     """Weights one step streams: every decoder layer's matmuls and the lm_head."""
     return m.num_hidden_layers * layer_weights(m) + m.vocab_size * m.hidden_size
+
+
+def stored_weight_bytes(m: ModelConfig, dtype: torch.dtype, quantized: dict | None) -> int:
+    """step_weights' bytes as the engine holds them: the quantized linears at their packed size
+    (codes and scales), the rest in the model's dtype."""
+    replaced = quantized.get("weights_replaced", 0) if quantized else 0
+    return (step_weights(m) - replaced) * dtype.itemsize + (quantized.get("quantized_bytes", 0) if quantized else 0)
+
+
+def kv_token_bytes(m: ModelConfig, kv_cache_dtype: str | None, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token of context takes in the cache (get_stats()'s kv_cache_dtype: the
+    torch dtype's name): the model's dtype, one byte a value in fp8, and int8's 4-byte scale per row."""
+    if kv_cache_dtype in (None, str(dtype).removeprefix("torch.")):
+        return m.kv_bytes_per_token(dtype.itemsize)
+    scales = 2 * m.num_hidden_layers * m.num_key_value_heads * 4 if kv_cache_dtype == "int8" else 0
+    return m.kv_bytes_per_token(1) + scales
 
 
 def step_flops(m: ModelConfig, s: StepTiming) -> int:

@@ -193,7 +193,8 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
     if not quantized_ops_available():
         logger.warning("quantization=%r: this torch has no weight-only int4/int8 CPU kernels; "
                        "running the dense weights", method)
-        return {"quantization": None, "quantized_linears": 0, "quantized_bytes": 0, "left_dense": []}
+        return {"quantization": None, "quantized_linears": 0, "quantized_bytes": 0, "left_dense": [],
+                "weights_replaced": 0}
     found, left_dense = {}, []
     if method == "gguf":
         from nanopaged.models.gguf import BLOCK, load_gguf_linears
@@ -218,4 +219,5 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
             setattr(layer.get_submodule(owner), attr, new)
             swapped.append(new)
     return {"quantization": method, "kernel": kernel_name(), "quantized_linears": len(swapped),
-            "quantized_bytes": sum(m.quantized_bytes for m in swapped), "left_dense": left_dense}
+            "quantized_bytes": sum(m.quantized_bytes for m in swapped), "left_dense": left_dense,
+            "weights_replaced": sum(m.in_features * m.out_features for m in swapped)}

@@ -11,6 +11,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -173,6 +174,39 @@ def test_shared_prefix_workload_smoke(tiny_model_dirs):
     assert r["on"]["num_cached_tokens"] == 5 * 48
     assert r["prefill_reduction"] == pytest.approx(r["shared_fraction"])
     assert r["off"]["hit_rate"] == 0.0
+
+
+def test_cascade_workload_smoke(tiny_model_dirs):
+    r = bench.main(["--workload", "cascade", "--model", tiny_model_dirs["llama"], "--num-requests", "8",
+                    "--prefix-len", "48", "--input-len", "4", "8", "--output-len", "3", "3"])
+    assert set(r["workloads"]) == {"system prompt", "n = 8 samples"}
+    for name, w in r["workloads"].items():
+        assert w["identical_outputs"] and w["rows"] == 8
+        assert set(w["decode_step_ms"]) == ({"read once", "plain", "own copies"} if name == "system prompt"
+                                            else {"read once", "plain"})
+        assert all(t > 0 for t in w["decode_step_ms"].values()) and w["speedup"] > 0
+
+
+def test_the_floor_streams_the_weights_as_stored_and_each_requests_kv_once(tiny_model_dirs, monkeypatch):
+    """Per dtype and quantization: the quantized linears at their packed bytes, the rest in the model's
+    dtype; each request's K/V once a step, in the cache's dtype (int8 with its row scales)."""
+    import benchmarks.roofline as roofline
+    from benchmarks.trace import Run, StepTiming
+    from nanopaged.models.config import ModelConfig
+    m = ModelConfig.from_folder(tiny_model_dirs["llama"])
+    rows = 2 * m.num_hidden_layers * m.num_key_value_heads
+    assert roofline.kv_token_bytes(m, "bfloat16", torch.bfloat16) == rows * m.head_dim * 2
+    assert roofline.kv_token_bytes(m, "float8_e4m3fn", torch.bfloat16) == rows * m.head_dim
+    assert roofline.kv_token_bytes(m, "int8", torch.bfloat16) == rows * (m.head_dim + 4)
+    quantized = {"weights_replaced": 1000, "quantized_bytes": 700}
+    assert roofline.stored_weight_bytes(m, torch.bfloat16, quantized) == (roofline.step_weights(m) - 1000) * 2 + 700
+    assert roofline.stored_weight_bytes(m, torch.float32, None) == roofline.step_weights(m) * 4
+    monkeypatch.setattr(roofline, "copy_bytes_per_s", lambda num_bytes: 1e9)
+    run = Run("nanopaged", 1.0, 2, 10, 2, {}, steps=[StepTiming(2, 2, 300, 0.1, 2, 300)])
+    stats = {"quantization": quantized, "kv_cache_dtype": "int8"}
+    floor = roofline.floor_figures(m, run, 1e30, torch.bfloat16, stats)
+    want = (roofline.stored_weight_bytes(m, torch.bfloat16, quantized) + 300 * rows * (m.head_dim + 4)) / 1e9
+    assert floor["seconds"] == pytest.approx(want) and floor["weight_bound_steps"] == 1
 
 
 def test_sharing_workload_smoke(tiny_model_dirs):
