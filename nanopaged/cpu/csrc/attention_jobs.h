@@ -43,11 +43,13 @@ struct SharedBlocks {
   int64_t blocks(int64_t t) const { return (rows.n[t] + block_size - 1) / block_size; }
   int64_t common(int64_t a, int64_t b) const {        // the blocks rows a and b both begin with
     const int64_t most = std::min(blocks(a), blocks(b));
+    if (rows.req[a] == rows.req[b]) return most;      // one request's rows: one table
     int64_t i = 0;
     while (i < most && table(a)[i] == table(b)[i]) ++i;
     return i;
   }
   bool before(int64_t a, int64_t b) const {           // tables in lexicographic order, then row order
+    if (rows.req[a] == rows.req[b]) return a < b;     // (a prompt's 2,048 rows: no table compared)
     const int64_t *ta = table(a), *tb = table(b);
     if (std::lexicographical_compare(ta, ta + blocks(a), tb, tb + blocks(b))) return true;
     if (std::lexicographical_compare(tb, tb + blocks(b), ta, ta + blocks(a))) return false;
