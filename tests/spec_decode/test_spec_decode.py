@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import chi2_critical
+from conftest import chi2_critical, torch_threads
 from safetensors.torch import load_file, save_file
 
 from nanopaged import LLM, SamplingParams, spec_decode
@@ -46,9 +46,17 @@ def repeating_prompts(n=8, seed=0):
     return out
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """float32's matmuls (MKL) on two threads gave two identical engines of one process other seeded
+    samples in about one process of three (on one thread: none of 7), and a thread count the governor
+    changes with the machine's load would too: these tests compare engines bit for bit, so each runs
+    on one fixed thread."""
+    with torch_threads(1):
+        yield
+
+
 def engine(model, spec=None, **kw):
-    # float32's matmuls (MKL) may sum in another order with another thread count, which the thread
-    # governor changes with the machine's load: a fixed count keeps two runs comparable bit for bit
     return LLM(model, dtype="float32", speculative_config=spec, cpu_threads=None, **kw)
 
 
