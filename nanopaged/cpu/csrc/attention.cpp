@@ -80,6 +80,12 @@ static void attend_one_head_any(const T* q, int64_t q_head, const C* kc, const C
   }
 }
 
+// One row of a job (JobHeads below): its query heads of h0 .. h1 (q), their output (out), its table and
+// n keys; scores: units() (n + 16) floats; sums: units() (DIM + 1).
+struct JobRow {
+  const bf16* q; bf16* out; const int64_t* table; int64_t n; float *scores, *sums;
+};
+
 #if defined(__AVX512BF16__)
 static inline uint32_t bf16_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u >> 16; }  // x already rounded
 
@@ -176,12 +182,6 @@ static inline void score_block(const int32_t* const* q32, const C* block_k, int6
 static inline void prefetch_run(const void* p, int64_t bytes) {     // into L1, a line (64 bytes) at a time
   for (int64_t e = 0; e < bytes; e += 64) _mm_prefetch(static_cast<const char*>(p) + e, _MM_HINT_T0);
 }
-
-// One row of a job (JobHeads below): its query heads of h0 .. h1 (q), their output (out), its table and
-// n keys; scores: units() (n + 16) floats; sums: units() (DIM + 1).
-struct JobRow {
-  const bf16* q; bf16* out; const int64_t* table; int64_t n; float *scores, *sums;
-};
 
 // One job's rows: the same KV heads h0 .. h1 of one or more rows (a group that shares its first
 // `shared` blocks, attention_jobs.h). G query heads share a KV head; GC of them are a unit.
@@ -347,13 +347,14 @@ static void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, co
     thread_local std::vector<float> scores, sums;
     if (scores.size() < size_t(S.most_rows * row_scores)) scores.resize(S.most_rows * row_scores);
     if (sums.size() < size_t(S.most_rows * row_sums)) sums.resize(S.most_rows * row_sums);
+    std::vector<JobRow> job_rows;                                   // one job's rows at a time
     for (int64_t job = S.cut[begin]; job < S.cut[end]; ++job) {
       const RowGroup& group = S.groups[job / S.per_group];
       const int64_t h0 = (job % S.per_group) * job_heads, h1 = h0 + job_heads;
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, bf16>) {
         if (vector) {
-          std::vector<JobRow> job_rows;
+          job_rows.clear();
           for (int64_t k = 0; k < group.count; ++k) {
             const int64_t t = S.order[group.first + k];
             job_rows.push_back({qp + t * q_row + h0 * G * q_head, op + (t * heads + h0 * G) * D,

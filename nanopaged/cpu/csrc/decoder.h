@@ -17,7 +17,7 @@ struct Linear {
   LinearKind kind = LinearKind::CALLBACK;
   int64_t out_features = 0;
   torch::Tensor packed, bias;                        // DPBF16: pack_bf16_weight's; QUANTIZED: pack_quantized's
-  int64_t group = 0, bits = 0;                      // QUANTIZED
+  int64_t group = 0, bits = 0;                       // QUANTIZED
   pybind11::object fn;                               // CALLBACK
 
   torch::Tensor operator()(const torch::Tensor& x) const;     // x W^T + b, by `kind`

@@ -154,16 +154,15 @@ static inline void q_tile(const QuantizedRows& q, int64_t r0, int64_t K, int64_t
     }
     const uint8_t* meta = blk + q_meta_offset(G, BITS);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta)));
+    const __m512 mins = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32)))
+                                  : _mm512_setzero_ps();          // 4-bit: the block's minimum m per feature
     NP_UNROLL
     for (int m = 0; m < MT; ++m) {
       const int64_t i = (r0 + m) * blocks + b;
       __m512i sums = part[m];
       if constexpr (BITS == 8) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(128 * q.sum[i]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(q.dx[i])), acc[m]);
-      if constexpr (BITS == 4) {
-        const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32)));
-        acc[m] = _mm512_fmadd_ps(mins, _mm512_set1_ps(q.dx_sum[i]), acc[m]);
-      }
+      if constexpr (BITS == 4) acc[m] = _mm512_fmadd_ps(mins, _mm512_set1_ps(q.dx_sum[i]), acc[m]);
     }
   }
   NP_UNROLL
