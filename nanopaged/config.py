@@ -73,6 +73,10 @@ class EngineConfig:
     quantization_group_size: int = 32       # int4 / int8: input features per scale (gguf: the file's 32)
     batch_invariant: bool | None = None     # a request's tokens never depend on its batch; None: where the kernels hold it
     disable_cascade_attn: bool = False      # cpu attention: rows sharing their first blocks read them once (same result)
+    enable_lora: bool = False               # LoRA adapters per request (lora/): vLLM's four settings
+    max_loras: int = 1                      # adapters in one step, at most (their slots)
+    max_lora_rank: int = 16                 # the largest adapter rank accepted
+    max_cpu_loras: int | None = None        # adapters kept read in memory, least recently used evicted; None: max_loras
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
     gguf_file: str | None = field(init=False, default=None)     # quantization="gguf": the file's path
 
@@ -89,7 +93,7 @@ class EngineConfig:
         check_range("seed", self.seed, *SEED_RANGE, integer=True)
         check_range("max_logprobs", self.max_logprobs, 0, MAX_LOGPROBS, integer=True)
         check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, lo_open=True)
-        for name in ("enable_prefix_caching", "enforce_eager", "disable_cascade_attn"):
+        for name in ("enable_prefix_caching", "enforce_eager", "disable_cascade_attn", "enable_lora"):
             check_bool(name, getattr(self, name))
         check_choice("prefix_hash", self.prefix_hash, tuple(HASH_FUNCTIONS))
         check_choice("attention_backend", self.attention_backend, ("auto", *ATTENTION_BACKENDS))
@@ -109,6 +113,9 @@ class EngineConfig:
             from nanopaged.spec_decode.config import SpeculativeConfig
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config, self, check_model_folder)
         self.gguf_file = check_quantization(self)
+        if self.enable_lora:     # vLLM reads the other three only then, too
+            from nanopaged.lora.settings import check_lora_settings
+            check_lora_settings(self)
 
     def _resolve_defaults(self) -> None:
         if self.device == "auto":

@@ -89,32 +89,26 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
-        """Generate for one prompt or many; outputs come back in the order of the prompts.
-        `lora_request` and `priority` are vLLM's, accepted when they ask for nothing (None, zeros)."""
-        if lora_request is not None or priority is not None:
-            from nanopaged.vllm_compat import check_lora_and_priority
-            check_lora_and_priority(lora_request, priority, len(prompts) if isinstance(prompts, (list, tuple)) else 1)
+        """Generate for one prompt or many; outputs come back in the order of the prompts. `lora_request`:
+        one LoRARequest for all, or one per prompt (None: the base model); `priority`: None or zeros."""
+        if priority is not None:
+            from nanopaged.vllm_compat import check_priority
+            check_priority(priority, len(prompts) if isinstance(prompts, (list, tuple)) else 1)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a prompt or a list of them, got {type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        elif isinstance(sampling_params, (list, tuple)):
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
-                                 "give one, or one per prompt")
-        else:
+        if not isinstance(sampling_params, (SamplingParams, list, tuple)):
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
                              f"got {type(sampling_params).__name__}")
-        params = final_only(params)
+        params = final_only(per_prompt("SamplingParams", sampling_params, len(prompts)))
+        loras = per_prompt("lora_request", lora_request, len(prompts))
         with self.one_call_at_a_time():
             engine = self.llm_engine
-            requests = [engine.process_request(self._new_request_id(), p, sp)
-                        for p, sp in zip(prompts, params)]   # every prompt is checked before any is queued
+            requests = [engine.process_request(self._new_request_id(), p, sp, lora)
+                        for p, sp, lora in zip(prompts, params, loras)]   # all checked before any is queued
             for samples in requests:
                 engine.queue(samples)
             return self._run([samples[0].request_id for samples in requests], use_tqdm)
@@ -122,7 +116,7 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, lora_request=None, chat_template: str | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them; the arguments
-        in vLLM's order (`lora_request`: None only, as in generate)."""
+        in vLLM's order (`lora_request` as in generate)."""
         one = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
         if not isinstance(conversations, (list, tuple)):
@@ -174,12 +168,12 @@ class LLM:
             self._busy.release()
 
     # ---- the extensions' entry points -----------------------------------------------------
-    def beam_search(self, prompts: PromptType | list[PromptType],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
+                    lora_request=None) -> list[BeamSearchOutput]:
         """Beam search with Hugging Face's rule; beams share blocks (extras/beam_search.py)."""
         from nanopaged.extras.beam_search import beam_search
         with self.one_call_at_a_time():
-            return beam_search(self.llm_engine, prompts, params)
+            return beam_search(self.llm_engine, prompts, params, lora_request)
 
     def get_stats(self) -> dict:
         return self.stats.as_dict()
@@ -190,6 +184,15 @@ class LLM:
     def progress_bar(self, total: int, enabled: bool) -> ProgressBar:
         """A bar over the prompts, with the figures a user watches (tokens/s, KV usage, ...)."""
         return ProgressBar(self.stats, total, enabled)
+
+
+def per_prompt(name: str, value, num_prompts: int) -> list:
+    """One value for every prompt, or a list of one per prompt."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"got {len(value)} {name} for {num_prompts} prompts; give one, or one per prompt")
+    return list(value)
 
 
 def final_only(params: list) -> list:

@@ -95,12 +95,15 @@ NOT_IMPLEMENTED = [
     (("expert_placement_strategy",), ("linear",), "runs dense models only (no mixture of experts)"),
     (("num_redundant_experts",), (0,), "runs dense models only (no mixture of experts)"),
     (("eplb_window_size", "eplb_step_interval", "eplb_log_balancedness"), ANY, "has no expert load balancer"),
-    # ---- LoRA: the switches are refused; the sizes only size adapters that are never made
-    (("enable_lora", "enable_lora_bias", "fully_sharded_loras", "enable_prompt_adapter"), (False,),
-     "has no LoRA adapters"),
-    (("qlora_adapter_name_or_path", "default_mm_loras", "long_lora_scaling_factors"), (None,), "has no LoRA adapters"),
-    (("max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype", "lora_extra_vocab_size",
-      "max_prompt_adapters", "max_prompt_adapter_token"), ANY, "has no LoRA adapters for these to size"),
+    # ---- LoRA: enable_lora, max_loras, max_lora_rank and max_cpu_loras are settings (lora/)
+    (("enable_lora_bias",), (False,), "refuses adapters with trained biases"),
+    (("fully_sharded_loras",), (False,), "runs adapters in one process (no tensor-parallel adapters)"),
+    (("enable_prompt_adapter",), (False,), "has no prompt adapters"),
+    (("lora_dtype",), ("auto", None), "runs adapters in the model's dtype"),
+    (("qlora_adapter_name_or_path", "default_mm_loras", "long_lora_scaling_factors"), (None,),
+     "reads PEFT LoRA folders of text models only"),
+    (("lora_extra_vocab_size", "max_prompt_adapters", "max_prompt_adapter_token"), ANY,
+     "has no extra-vocabulary or prompt adapters for these to size"),
     # ---- multimodal input
     (("limit_mm_per_prompt", "media_io_kwargs", "mm_processor_kwargs"), (None, {}), "runs text-only models"),
     (("mm_processor_cache_type", "mm_encoder_attn_backend", "io_processor_plugin", "allowed_media_domains"),
@@ -217,12 +220,9 @@ def _did_you_mean(unknown: list[str], own: set[str]) -> str:
     return f" (did you mean {close}?)" if close else ""
 
 
-def check_lora_and_priority(lora_request, priority, num_prompts: int) -> None:
-    """`LLM.generate`'s per-request LoRA adapters and priorities: nanopaged has neither (it schedules
-    first come, first served), so only None, or a list of Nones / zeros, is accepted."""
-    loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request]
-    if any(r is not None for r in loras):
-        raise ValueError(f"lora_request={lora_request!r} is not supported: nanopaged has no LoRA adapters")
+def check_priority(priority, num_prompts: int) -> None:
+    """`LLM.generate`'s per-request priorities: nanopaged schedules first come, first served, so only
+    None, or a list of zeros, is accepted."""
     if priority is not None and (not isinstance(priority, (list, tuple)) or any(x != 0 for x in priority)):
         raise ValueError(f"priority={priority!r} is not supported: nanopaged schedules first come, first "
                          "served (vLLM too, unless scheduling_policy='priority'); give None or zeros")

@@ -267,6 +267,16 @@ def tiny_model_dirs(tmp_path_factory):
     return dirs
 
 
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model_dirs, tmp_path_factory):
+    """{"llama" | "qwen3": {adapter name: folder}}: peft LoRA adapters on the tiny models, three ranks and
+    target sets (tests/lora/peft_adapters.py); skips where peft is missing."""
+    pytest.importorskip("peft")
+    sys.path.insert(0, str(pathlib.Path(__file__).parent / "lora"))
+    from peft_adapters import make_tiny_adapters
+    return make_tiny_adapters(tiny_model_dirs, tmp_path_factory.mktemp("lora"))
+
+
 # ---------------------------------------------------------------- reference
 
 

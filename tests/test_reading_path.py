@@ -54,9 +54,10 @@ DEFAULT_PATH = [p for p in READING_PATH if p not in REPLACED] + FAST_PATH + CPP_
 TABLES = READING_PATH + FAST_PATH + CPP_SOURCES        # the two tables the documents print, in order
 # 3,400 until quantization, the structured-output hooks, decode grouping (issues 28, 27, 23); 3,500 until
 # speculative decoding (26); 3,600 until the CPU fast paths' choice (23); 3,700 until the CPU annex's
-# choose module and the token-selection room (35)
-LINE_BUDGET = 3800
-DEFAULT_LINE_BUDGET = 5800
+# choose module and the token-selection room (35); 3,800 until LoRA's hooks: a request's adapter in its
+# block hash, the scheduler's admission rules, the runner's before_forward (38)
+LINE_BUDGET = 3850
+DEFAULT_LINE_BUDGET = 5850
 # The design card's three parts: the block manager, the scheduler, the model runner with the
 # torch attention it calls (the metadata it builds, the reference backend).
 THREE_PARTS = {
@@ -76,6 +77,9 @@ CORE_VOCABULARY = {
     "spec_token_ids": "drafts are new tokens to the core: the one list the scheduler computes beside the real ones "
                       "(vLLM's Request.spec_token_ids)",
     "num_tokens_with_spec": "the target num_computed_tokens chases when a request has drafts (vLLM's name)",
+    "lora_request": "vLLM's name for the adapter a request runs with: add_request takes it, the request carries "
+                    "it, and the prefix cache keys blocks by its id (vLLM's extra keys); the adapters themselves live "
+                    "behind hooks in nanopaged/lora/",
 }
 CORE_STEP = ["nanopaged/core/block_pool.py", "nanopaged/core/request.py", "nanopaged/core/scheduler.py",
              "nanopaged/engine/llm_engine.py", "nanopaged/worker/model_runner.py"]

@@ -50,7 +50,7 @@ def test_every_off_value_of_every_vllm_argument_is_accepted(tiny_model_dirs):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"quantization": "awq"}, r"^quantization must be one of \[None, 'gguf', 'int4', 'int8'\], got 'awq'"),
-    ({"enable_lora": True}, r"enable_lora=True is not supported: nanopaged has no LoRA adapters; leave it at False"),
+    ({"fully_sharded_loras": True}, r"fully_sharded_loras=True is not supported: nanopaged runs adapters in one process"),
     ({"revision": "main"}, r"revision='main' is not supported: .* never reaches a model hub"),
     ({"tokenizer_mode": "mistral"}, r"tokenizer_mode='mistral' is not supported"),
     ({"kv_cache_dtype": "fp16"}, r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'int8'\], "
@@ -160,7 +160,7 @@ def test_generate_takes_vllm_lora_request_and_priority_when_they_ask_for_nothing
     got = llm.generate([ids(PROMPT)], GREEDY, False, None, [0])[0].outputs[0].token_ids   # vLLM's positions
     assert got == want
     assert llm.generate(ids(PROMPT), GREEDY, use_tqdm=False, lora_request=[None])[0].outputs[0].token_ids == want
-    for kwargs, match in (({"lora_request": object()}, r"lora_request=.* is not supported: nanopaged has no LoRA"),
+    for kwargs, match in (({"lora_request": object()}, r"lora_request=.* needs an engine made with enable_lora=True"),
                           ({"priority": [1]}, r"priority=\[1\] is not supported: nanopaged schedules first come"),
                           ({"priority": [0, 0]}, r"got 2 priorities for 1 prompts")):
         with pytest.raises(ValueError, match=match):

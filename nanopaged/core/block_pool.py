@@ -41,16 +41,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(hash_fn, parent_hash: bytes, token_ids, extra_keys: str | None = None) -> bytes:
+def hash_block(hash_fn, parent_hash: bytes, token_ids, keys: tuple = ()) -> bytes:
     """H(parent_hash, block_token_ids, extra_keys), over a fixed little-endian encoding.
 
     A block's K/V depend on every token before it, so its name includes its parent's name.
-    `extra_keys` is the request's cache_salt, mixed into its first block (the chain carries it on).
+    `keys`: what else they depend on, mixed into a request's first block (vLLM's extra keys).
     """
     data = [parent_hash, struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids)]
-    if extra_keys is not None:
-        salt = extra_keys.encode()
-        data.append(struct.pack("<I", len(salt)) + salt)
+    for key in keys:                     # each length-prefixed: no two tuples encode alike
+        encoded = repr(key).encode()
+        data.append(struct.pack("<I", len(encoded)) + encoded)
     return hash_fn(b"".join(data))
 
 
@@ -135,8 +135,9 @@ class BlockPool:
         hashes, bs = request.block_hashes, self.block_size
         for i in range(len(hashes), request.num_tokens // bs):
             parent = hashes[-1] if hashes else ROOT_HASH
-            salt = request.cache_salt if i == 0 else None
-            hashes.append(hash_block(self.hash_fn, parent, request.token_ids(i * bs, (i + 1) * bs), salt))
+            # the same tokens under another cache salt or LoRA adapter are another prefix
+            keys = (request.cache_salt, request.lora_request and request.lora_request.lora_int_id) if i == 0 else ()
+            hashes.append(hash_block(self.hash_fn, parent, request.token_ids(i * bs, (i + 1) * bs), keys))
         return hashes
 
     def max_cache_hit_blocks(self, request: Request) -> int:

@@ -51,6 +51,7 @@ class Request:
     num_preemptions: int = 0
     num_seqs: int = 1                     # seats it takes in max_num_seqs: n while n - 1 samples will fork off it
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in its next step
+    lora_request: object | None = None    # a LoRARequest: its adapter (nanopaged/lora/); None: the base model
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,18 +10,14 @@ When a running request needs a block and none is free, the newest running reques
 preempted by *recompute*: its blocks are freed, its `num_computed_tokens` drops to 0 and
 it goes back to the front of the waiting queue, keeping the tokens it generated.
 
-Speculative decoding (nanopaged/spec_decode/) changes one number: a running request chases
-`num_tokens_with_spec`, its tokens plus the drafts a proposer guessed, so one step computes
-them all; `update` rolls the drafts the sampler rejected back off `num_computed_tokens`
-(docs/11_speculative_decoding.md).
+Speculative decoding changes one number: a running request chases `num_tokens_with_spec`, its
+tokens plus the drafts guessed; `update` rolls rejected drafts back (docs/11_speculative_decoding.md).
 
-Admission first looks the request's prefix up in the block pool's prefix cache, so its
-prefill starts where the cache ends. After every step the blocks that became full are named
-in the cache. `fork` lets a request share every block of another (n > 1 samples, beams);
-a write into a shared block first copies it (copy-on-write, `_allocate_slots`).
-
-docs/04_scheduler.md explains it; docs/03_prefix_caching.md and docs/06_sharing.md the prefix
-cache and sharing. No torch.
+Admission first looks the request's prefix up in the prefix cache, so its prefill starts where
+the cache ends; after every step the blocks that became full are named in it. `fork` lets a
+request share every block of another (n > 1, beams); a write into a shared block first copies
+it (copy-on-write, `_allocate_slots`). docs/04_scheduler.md explains it; docs/03 and docs/06 the
+prefix cache and sharing. No torch.
 """
 from __future__ import annotations
 
@@ -52,6 +48,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # in admission order: the last is the newest
+        self.admission_rules: list = []    # rule(request, running) -> bool: may it join them now?
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -81,15 +78,19 @@ class Scheduler:
             token_budget -= num_new
 
         # 2. Waiting requests, oldest first; none while this step had to preempt, since
-        #    memory is short (vLLM does the same).
-        while not out.preempted and self.waiting and token_budget > 0:
-            request = self.waiting[0]
+        #    memory is short (vLLM does the same). One an admission rule holds back (its LoRA
+        #    adapter has no slot: lora/manager.py) waits in place while the next ones are tried.
+        for request in list(self.waiting):
+            if out.preempted or token_budget == 0:
+                break
+            if not all(rule(request, self.running) for rule in self.admission_rules):
+                continue
             if sum(r.num_seqs for r in self.running) + request.num_seqs > self.max_num_seqs:
                 break
             num_new = self._admit(request, token_budget, out)
             if num_new == 0:
                 break         # wait for running requests to free blocks
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.running.append(request)
             out.scheduled.append((request, num_new))
             token_budget -= num_new

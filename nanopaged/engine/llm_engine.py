@@ -57,7 +57,7 @@ class TokenSelection(Protocol):
 # runs when a request first sets the field, and returns what `prepare`s each such request.
 FIELD_EXTENSIONS = {"structured_outputs": "nanopaged.structured_output"}
 # EngineConfig fields that do the same: installed when the engine is built, if set
-CONFIG_EXTENSIONS = {"speculative_config": "nanopaged.spec_decode"}
+CONFIG_EXTENSIONS = {"speculative_config": "nanopaged.spec_decode", "enable_lora": "nanopaged.lora"}
 
 
 @dataclass
@@ -94,7 +94,7 @@ class LLMEngine:
         self.extensions: dict[str, object] = {}            # the extensions installed so far, by module
         self._installing = threading.Lock()
         for name, module in CONFIG_EXTENSIONS.items():
-            if getattr(config, name) is not None:
+            if getattr(config, name) not in (None, False):
                 self.extension(module)
 
     def get_tokenizer(self):
@@ -116,15 +116,21 @@ class LLMEngine:
         return VllmModelConfig(self.config)
 
     # ---- requests in ----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
-        self.queue(self.process_request(request_id, prompt, params))
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    lora_request=None) -> None:
+        self.queue(self.process_request(request_id, prompt, params, lora_request))
 
-    def process_request(self, request_id: str, prompt: PromptType,
-                        params: SamplingParams | None = None) -> list[Request]:
-        """Tokenize and validate without queueing: the request's n sequences, or a ValueError."""
+    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                        lora_request=None) -> list[Request]:
+        """Tokenize and validate without queueing: the request's n sequences, or a ValueError.
+        A `lora_request` (a LoRARequest) is checked and its adapter read by the LoRA extension."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         samples = self.input_processor.process(request_id, prompt, params)
+        if lora_request is not None:
+            if "nanopaged.lora" not in self.extensions:
+                raise ValueError(f"lora_request={lora_request!r} needs an engine made with enable_lora=True")
+            self.extensions["nanopaged.lora"].prepare(samples, lora_request)
         for name, module in FIELD_EXTENSIONS.items():
             if getattr(samples[0].sampling_params, name) is not None:
                 self.extension(module).prepare(samples)     # its own checks and work, before any queueing

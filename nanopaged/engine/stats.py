@@ -31,16 +31,17 @@ class EngineStats:
         self.kv_tokens_stored = self.kv_slots_held = 0              # tokens with K/V / slots of the tables
         self.max_num_running = 0
         self.model_time_s = self.schedule_time_s = 0.0
-        spec = self._spec_decode()
-        self.spec_base = spec.stats.copy() if spec else None     # its counters run on; these count from here
+        # the counters of speculative decoding and LoRA run on (spec_decode/stats.py, lora/manager.py);
+        # these count from here
+        self.bases = {name: ext.stats.copy() for name, ext in self.engine.extensions.items()
+                      if name in ("nanopaged.spec_decode", "nanopaged.lora")}
 
-    def _spec_decode(self):
-        """Speculative decoding's counters, where the engine has it (nanopaged/spec_decode/stats.py)."""
-        return self.engine.extensions.get("nanopaged.spec_decode")
+    def since_reset(self, name: str):
+        """An extension's counters since the last reset, where the engine has it; else None."""
+        return self.engine.extensions[name].stats.since(self.bases[name]) if name in self.bases else None
 
     def spec_decode_stats(self):
-        spec = self._spec_decode()
-        return spec.stats.since(self.spec_base) if spec else None
+        return self.since_reset("nanopaged.spec_decode")
 
     def __call__(self, step: StepRecord) -> None:
         out, pool = step.scheduler_output, self.engine.scheduler.block_pool
@@ -110,6 +111,8 @@ class EngineStats:
             "schedule_time_s": self.schedule_time_s,
             # speculative_config: drafts, draft tokens, accepted tokens (per position), mean acceptance length
             "spec_decode": spec.as_dict() if (spec := self.spec_decode_stats()) else None,
+            # enable_lora: adapters in memory and in slots, folders read, slot loads and waits, active per step
+            "lora": lora.as_dict() if (lora := self.since_reset("nanopaged.lora")) else None,
         }
 
     def prefix_cache_hit_rate(self) -> float:
@@ -146,5 +149,6 @@ class ProgressBar:
                 f"KV {s.engine.scheduler.block_pool.usage():.1%}, "
                 f"prefix hit {s.prefix_cache_hit_rate():.0%}, "
                 f"preempted {s.num_preemptions}"
-                + (f", accepted {spec.mean_acceptance_length:.2f}/step" if (spec := s.spec_decode_stats()) else ""),
+                + (f", accepted {spec.mean_acceptance_length:.2f}/step" if (spec := s.spec_decode_stats()) else "")
+                + (f", adapters {lora.active_now}" if (lora := s.since_reset("nanopaged.lora")) else ""),
                 refresh=False)

@@ -39,6 +39,7 @@ import torch
 from nanopaged.core.request import Request, SampledToken
 from nanopaged.engine.input_processor import PromptType
 from nanopaged.engine.llm_engine import LLMEngine
+from nanopaged.llm import per_prompt
 from nanopaged.sampling_params import SamplingParams
 from nanopaged.validation import check_range
 from nanopaged.worker.model_runner import ModelRunnerOutput
@@ -90,11 +91,13 @@ class _Search:
     finished: list[BeamSearchSequence] = field(default_factory=list)
     generated: int = 0           # tokens generated so far by every running beam
     done: bool = False
+    lora_request: object = None  # the prompt's LoRA adapter (nanopaged/lora/), its beams' too
 
 
 def beam_search(engine: LLMEngine, prompts: PromptType | list[PromptType],
-                params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Beam search over each prompt (`LLM.beam_search`); the same checks as generate, first."""
+                params: BeamSearchParams, lora_request=None) -> list[BeamSearchOutput]:
+    """Beam search over each prompt (`LLM.beam_search`); the same checks as generate, first.
+    `lora_request`: one LoRARequest for all prompts or one per prompt, as in generate."""
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
@@ -112,9 +115,11 @@ def beam_search(engine: LLMEngine, prompts: PromptType | list[PromptType],
     if engine.config.speculative_config is not None:   # beams choose their own tokens: nothing to verify
         raise ValueError("beam_search does not run on an engine with speculative_config; build an LLM without it")
     # Every prompt must fit, before any work; max_tokens past the context is clipped, as generate does.
-    checked = [engine.process_request(f"beam-check-{i}", p, SamplingParams(max_tokens=params.max_tokens))
-               for i, p in enumerate(prompts)]
-    return BeamSearcher(engine, params).run([(seqs[0].prompt_token_ids, seqs[0].max_tokens) for seqs in checked])
+    loras = per_prompt("lora_request", lora_request, len(prompts))
+    checked = [engine.process_request(f"beam-check-{i}", p, SamplingParams(max_tokens=params.max_tokens), lora)
+               for i, (p, lora) in enumerate(zip(prompts, loras))]
+    return BeamSearcher(engine, params).run([(seqs[0].prompt_token_ids, seqs[0].max_tokens, seqs[0].lora_request)
+                                             for seqs in checked])
 
 
 class BeamSearcher:
@@ -127,9 +132,9 @@ class BeamSearcher:
         self.beam_of: dict[Request, tuple[_Search, _Beam]] = {}   # the engine sequences of live beams
         self.let_go: list[Request] = []      # sequences the last step's rule let go: aborted after it
 
-    def run(self, prompts: list[tuple[list[int], int]]) -> list[BeamSearchOutput]:
+    def run(self, prompts: list[tuple[list[int], int, object]]) -> list[BeamSearchOutput]:
         """Search each (prompt, max_tokens); if anything fails, no beam is left in the engine."""
-        self.searches = [_Search(p, n, [_Beam(list(p), 0.0)]) for p, n in prompts]
+        self.searches = [_Search(p, n, [_Beam(list(p), 0.0)], lora_request=lora) for p, n, lora in prompts]
         try:
             while not all(s.done for s in self.searches):
                 self._queue_beams_without_a_sequence()
@@ -186,7 +191,8 @@ class BeamSearcher:
         self.num_requests += 1
         params = SamplingParams(temperature=0, ignore_eos=True,
                                 max_tokens=s.max_tokens - (len(tokens) - len(s.prompt)))
-        [request] = self.engine.process_request(f"beam-{self.num_requests}", {"prompt_token_ids": tokens}, params)
+        [request] = self.engine.process_request(f"beam-{self.num_requests}", {"prompt_token_ids": tokens}, params,
+                                                s.lora_request)
         return request
 
     # ---- one step of one prompt's search ---------------------------------------------

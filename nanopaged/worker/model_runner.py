@@ -69,6 +69,7 @@ class ModelRunner:
         self.kv_cache_dtype = getattr(torch, KV_CACHE_DTYPES[config.kv_cache_dtype] or config.dtype)
         # What runs in place of the reference: the kernels this machine and the settings choose
         self.fast_path: FastPath = choose(config)
+        self.before_forward: list = []    # called with (SchedulerOutput, ModelInput) before each forward
         self.backend = load_attention_backend(self.fast_path.attention_backend)
         self.model = self.load_model()
         self.num_kv_blocks = self.determine_num_kv_blocks()
@@ -203,6 +204,8 @@ class ModelRunner:
         (the lm_head is the largest matmul of a small model)."""
         self.copy_blocks(out.blocks_to_copy)
         inputs = self.prepare_inputs(out)
+        for hook in self.before_forward:      # an extension's per-step inputs (LoRA: each row's adapter)
+            hook(out, inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         return ModelRunnerOutput(inputs.sample_requests, logits, self.prompt_logits(hidden, inputs.prompt_rows))
