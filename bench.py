@@ -4,6 +4,7 @@
     python bench.py --preset nano-vllm --random-weights qwen3-0.6b --device cuda
     python bench.py --json out.json --plot out.png
     python bench.py --workload spec              # speculative decoding (benchmarks/spec.py)
+    python bench.py --workload lora --peers vllm # many LoRA adapters in one batch (benchmarks/lora.py)
 
 Throughput follows nano-vllm's bench.py: seeded random token-id prompts, input and output
 lengths uniform in a range, `ignore_eos=True`, one warm-up, then output tokens / wall time
@@ -31,8 +32,9 @@ from benchmarks.models import RANDOM_CONFIGS, resolve_model, vocab_limit
 from benchmarks.nanopaged_run import batch_invariance_cost, quantized_vs_dense, resolved_settings, run_nanopaged
 from benchmarks.noise import noise_figures
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
-from benchmarks.report import (plot, print_cascade, print_shared_prefix, print_sharing, print_spec, print_structured,
-                               print_table)
+from benchmarks.lora import run_lora
+from benchmarks.report import (plot, print_cascade, print_lora, print_shared_prefix, print_sharing, print_spec,
+                               print_structured, print_table)
 from benchmarks.quality import quality_figures, text_ids
 from benchmarks.roofline import measure_matmul_flops, roofline_figures
 from benchmarks.single_stream import single_stream_figures, single_stream_length
@@ -50,7 +52,7 @@ from nanopaged.engine.input_processor import load_tokenizer
 DEFAULTS = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))
 # nano-vllm's bench.py: 256 requests, lengths uniform in 100..1024 (a GPU-sized run).
 PRESETS = {"nano-vllm": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))}
-WORKLOADS = ("throughput", "shared-prefix", "cascade", "sharing", "structured", "spec", "serve")   # serve: benchmarks/serve.py, its own flags
+WORKLOADS = ("throughput", "shared-prefix", "cascade", "sharing", "structured", "spec", "lora", "serve")   # serve: benchmarks/serve.py, its own flags
 # shared-prefix: each request = one system prompt (--prefix-len) + its own question.
 SHARED_PREFIX_DEFAULTS = dict(num_requests=64, input_len=(16, 48), output_len=(8, 16), prefix_len=256)
 # cascade: decode steps of 32 rows on one 1,024-token prefix, shared blocks read once or not.
@@ -60,7 +62,8 @@ OTHER_WORKLOADS = {"shared-prefix": (run_shared_prefix, print_shared_prefix),
                    "cascade": (run_cascade, print_cascade),
                    "sharing": (run_sharing, print_sharing),
                    "structured": (run_structured, print_structured),
-                   "spec": (run_spec, print_spec)}
+                   "spec": (run_spec, print_spec),
+                   "lora": (run_lora, print_lora)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="throughput (vs peers, default); shared-prefix (prefix caching on vs off); "
                         "cascade (decode steps with shared prefixes read once vs not); "
                         "sharing (KV saved by n > 1 and beam search); spec (speculative decoding: "
-                        "benchmarks/spec.py)")
+                        "benchmarks/spec.py); lora (1, 4, 16 adapters mixed vs the base model: benchmarks/lora.py)")
     p.add_argument("--prefix-len", type=int,
                    help="shared-prefix, cascade: tokens of the system prompt every request starts with "
                         "(default 256, cascade 1024)")
@@ -156,13 +159,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.peers is None:
-        args.peers = "none" if args.workload == "spec" else "hf,hf-paged"
+        args.peers = "none" if args.workload in ("spec", "lora") else "hf,hf-paged"
     args.peers = [] if args.peers == "none" else [x.strip() for x in args.peers.split(",") if x.strip()]
     for peer in args.peers:
         if peer not in PEERS:
             p.error(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
-    if args.workload == "spec" and set(args.peers) - {"vllm"}:
-        p.error(f"--workload spec takes --peers vllm or none, got {','.join(args.peers)}")
+    if args.workload in ("spec", "lora") and set(args.peers) - {"vllm"}:
+        p.error(f"--workload {args.workload} takes --peers vllm or none, got {','.join(args.peers)}")
     try:
         args.ngram_k = [int(x) for x in args.ngram_k.split(",")]
     except ValueError:

@@ -189,6 +189,28 @@ def print_cascade(r: dict) -> None:
         f"{name} {'met' if w['speedup'] >= 1.5 else 'missed'}" for name, w in r["workloads"].items()))
 
 
+def print_lora(r: dict) -> None:
+    s, m = r["settings"], r["machine"]
+    print(f"\nLoRA adapters mixed in one batch: {s['num_requests']} requests, prompts {s['input_len'][0]}-"
+          f"{s['input_len'][1]}, outputs {s['output_len'][0]}-{s['output_len'][1]} tokens, greedy; rank {s['rank']} "
+          f"on all seven projections; faster of two alternating runs; {m['cpu']}, flags "
+          f"{' '.join(m['matrix_flags']) or 'none'}")
+    print(f"{'run':<14}{'wall s':>8}{'out tok/s':>11}{'of base':>9}{'mean active':>13}")
+    for name, run in r["runs"].items():
+        lora = run["stats"]["lora"]
+        active = f"{lora['mean_active_adapters']:.1f}" if lora else "-"
+        print(f"{name:<14}{run['wall_s']:>8.2f}{run['output_tokens_per_s']:>11.1f}{run['of_base']:>8.0%}{active:>13}")
+    v = r.get("vllm")
+    if v and "error" in v:
+        print(f"vllm: {v['error']}")
+    elif v:
+        print(f"vllm {v['version']} (CPU), the same adapters: 4 adapters {v['lora']['output_tokens_per_s']:.1f} out "
+              f"tok/s, without adapters {v['base']['output_tokens_per_s']:.1f}")
+    print(f"requests whose tokens the 4 adapters changed: {r['adapters_change_tokens']} of {s['num_requests']}")
+    print("targets (issue 38): " + ", ".join(f"{name}: {t['value']:.2f} {'met' if t['met'] else 'missed'}"
+                                             for name, t in r["targets"].items()))
+
+
 def print_sharing(r: dict) -> None:
     print(f"\nKV memory saved by sharing ({r['settings']['num_prompts']} prompts per trace, "
           "prefix caching off; paper: vLLM, section 6.3, over widths 2-6)")

@@ -14,6 +14,9 @@ tokens/s by benchmarks/decode_speed.py.
 Optional keys (bench.py --workload spec): "speculative_config" (vLLM's own dict, e.g. n-gram drafts;
 its spec-decode counters come back as "spec_decode"), "ignore_eos" (default true), "enable_prefix_caching"
 (default true) and "one_at_a_time" (the prompts also each alone, in turn: "one_at_a_time" in OUT.json).
+bench.py --workload lora: "lora_adapters" (PEFT folders) and "max_lora_rank": the engine gets enable_lora with
+a slot per adapter, and times the trace twice, its prompts spread evenly over the adapters ("lora" in OUT.json)
+and without adapters ("base"), each after a warm-up request per adapter.
 """
 from __future__ import annotations
 
@@ -37,12 +40,18 @@ def main(path_in: str, path_out: str) -> None:
     from vllm.inputs import TokensPrompt
     load = time.perf_counter()
     # Its own block size: vLLM's CPU attention takes only multiples of 32 (nanopaged's default is 16).
-    spec = job.get("speculative_config")
+    spec, adapters = job.get("speculative_config"), job.get("lora_adapters")
+    lora = {"enable_lora": True, "max_loras": len(adapters), "max_cpu_loras": len(adapters),
+            "max_lora_rank": job["max_lora_rank"]} if adapters else {}
     llm = LLM(job["model"], dtype=job["dtype"], max_num_seqs=job["max_num_seqs"],
               max_num_batched_tokens=job["max_num_batched_tokens"], max_model_len=job["max_model_len"],
               kv_cache_memory_bytes=job["kv_cache_bytes"], enable_prefix_caching=job.get("enable_prefix_caching", True),
-              seed=0, **({"speculative_config": spec, "disable_log_stats": False} if spec else {}))
+              seed=0, **({"speculative_config": spec, "disable_log_stats": False} if spec else {}), **lora)
     load = time.perf_counter() - load
+    if adapters:
+        open(path_out, "w").write(json.dumps({"vllm": vllm.__version__, "load_s": load,
+                                              **lora_runs(llm, job, adapters)}))
+        return
     ignore_eos = job.get("ignore_eos", True)
 
     def generate(prompts, lens):
@@ -73,6 +82,27 @@ def main(path_in: str, path_out: str) -> None:
     if one:
         result["decode_tokens_per_s"] = single_stream(generate, one["prompt"], one["output_tokens"])
     open(path_out, "w").write(json.dumps(result))
+
+
+def lora_runs(llm, job: dict, adapters: list[str]) -> dict:
+    """The trace with its prompts spread over the adapters, and without adapters: each timed after a warm-up."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+    loras = [LoRARequest(f"adapter-{i}", i + 1, path) for i, path in enumerate(adapters)]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in job["output_lens"]]
+    out = {}
+    for name, per_prompt in (("lora", [loras[i % len(loras)] for i in range(len(prompts))]), ("base", None)):
+        for lora in (loras if per_prompt else [None]):       # each adapter read and warmed up before the clock
+            llm.generate([TokensPrompt(**WARMUP_PROMPT)], SamplingParams(max_tokens=4), lora_request=lora,
+                         use_tqdm=False)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, lora_request=per_prompt, use_tqdm=False)
+        wall = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        out[name] = {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall}
+    return out
 
 
 def spec_counters(llm) -> dict | None:

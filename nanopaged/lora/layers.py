@@ -17,9 +17,11 @@ The fused projections hold several of Hugging Face's: qkv_proj is q, k and v. Th
 into one A (the parts' A's one under the other) and one block-diagonal B, so a fused projection
 also costs one pair of matmuls; a part the adapter leaves alone has zeros there, adding exactly 0.
 
-Two kernels for the pair, chosen by `slot_weights` from the base layer: nanopaged's bfloat16 kernel
-beside a dpbf16 base (each row computed alone: the update keeps batch invariance), torch's F.linear
-elsewhere (the reference). tests/lora/test_layers.py holds them to each other and to PEFT.
+Two kernels for the pair, chosen by the manager (lora/manager.py) from the fast path: nanopaged's
+bfloat16 kernel where the linears run on it (each row computed alone: the update keeps batch
+invariance), torch's F.linear elsewhere (the reference). Under the fused layer loop the same updates
+run in C++ (csrc/decoder.cpp: LoraSlots::add, the same ops), so a step calls no Python per layer.
+tests/lora/test_layers.py holds them to each other and to PEFT.
 """
 from __future__ import annotations
 
@@ -72,13 +74,16 @@ NO_BIAS = torch.empty(0)
 class LoRALinear(nn.Module):
     """base(x) plus, for the rows of each adapter in the step, that adapter's update."""
 
-    def __init__(self, base: nn.Module, layer: int, parts: tuple[str, ...], max_loras: int,
-                 step: StepAdapters, device: torch.device) -> None:
+    def __init__(self, base: nn.Module, layer: int, parts: tuple[str, ...], max_loras: int, step: StepAdapters,
+                 device: torch.device, ops=None) -> None:
         super().__init__()
         self.base, self.layer, self.parts, self.step, self.device = base, layer, parts, step, device
         self.in_features, self.out_features = base.in_features, base.out_features
         self.shard_sizes = getattr(base, "shard_sizes", None)
+        self.ops = ops            # the C++ kernels: the updates run on nanopaged's bfloat16 kernel
         self.slots: list[SlotWeights | Dpbf16SlotWeights | None] = [None] * max_loras
+        # the same updates as the fused layer loop holds them (csrc/decoder.h: LoraSlots), when it runs
+        self.cpp_slots = ops.LoraSlots(max_loras) if ops is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: (tokens, in_features)
         y = self.base(x)
@@ -92,34 +97,38 @@ class LoRALinear(nn.Module):
         """Put the adapter's update of this projection (if it has one) into `slot`."""
         pairs = [adapter.weights.get((self.layer, part)) for part in self.parts]
         present = [p for p in pairs if p is not None]
-        if not present:
-            self.slots[slot] = None
-            return
-        dtype, widths = present[0][0].dtype, self.shard_sizes or [self.out_features]
-        a = torch.cat([p[0] if p else torch.zeros(adapter.rank, self.in_features, dtype=dtype) for p in pairs])
-        b = torch.block_diag(*[p[1] if p else torch.zeros(w, adapter.rank, dtype=dtype)
-                               for p, w in zip(pairs, widths)])
-        self.slots[slot] = slot_weights(self.base, a.to(self.device), b.to(self.device), adapter.scaling)
+        self.slots[slot] = None
+        if present:
+            dtype, widths = present[0][0].dtype, self.shard_sizes or [self.out_features]
+            a = torch.cat([p[0] if p else torch.zeros(adapter.rank, self.in_features, dtype=dtype) for p in pairs])
+            b = torch.block_diag(*[p[1] if p else torch.zeros(w, adapter.rank, dtype=dtype)
+                                   for p, w in zip(pairs, widths)])
+            self.slots[slot] = self.slot_weights(a.to(self.device), b.to(self.device), adapter.scaling)
+        if self.cpp_slots is not None:
+            w = self.slots[slot]
+            self.cpp_slots.set(slot, *((w.a, w.b, w.a_rows, w.scaling) if w else (NO_BIAS, NO_BIAS, 0, 0.0)))
+
+    def slot_weights(self, a: torch.Tensor, b: torch.Tensor, scaling: float):
+        """On nanopaged's bfloat16 kernel, A and B packed, the rank padded to an even depth with a zero row
+        of A and a zero column of B (it reads pairs of values; a zero adds exactly nothing); else F.linear."""
+        if self.ops is None:
+            return SlotWeights(a, b, scaling)
+        if a.shape[0] % 2:
+            a, b = F.pad(a, (0, 0, 0, 1)), F.pad(b, (0, 1))
+        return Dpbf16SlotWeights(self.ops, self.ops.pack_bf16_weight(a), self.ops.pack_bf16_weight(b), a.shape[0],
+                                 b.shape[0], scaling)
 
 
-def slot_weights(base: nn.Module, a: torch.Tensor, b: torch.Tensor, scaling: float):
-    """The kernel for an update beside `base`: nanopaged's bfloat16 kernel beside a dpbf16 base, where
-    both of its matmuls have an even depth (pairs of bfloat16 values); F.linear elsewhere."""
-    if getattr(base, "cpp_kernel", None) == "dpbf16" and a.shape[0] % 2 == 0:
-        ops = base.ops
-        return Dpbf16SlotWeights(ops, ops.pack_bf16_weight(a), ops.pack_bf16_weight(b), a.shape[0], b.shape[0],
-                                 scaling)
-    return SlotWeights(a, b, scaling)
-
-
-def wrap_linears(model: nn.Module, max_loras: int, step: StepAdapters, device: torch.device) -> list[LoRALinear]:
-    """Wrap every decoder layer's projections (the fused ones too) in a LoRALinear; the wrappers."""
+def wrap_linears(model: nn.Module, max_loras: int, step: StepAdapters, device: torch.device,
+                 ops=None) -> list[LoRALinear]:
+    """Wrap every decoder layer's projections (the fused ones too) in a LoRALinear; the wrappers. `ops`: the
+    C++ kernels, where the updates run on nanopaged's bfloat16 kernel (lora/manager.py decides)."""
     wrapped = []
     for i, layer in enumerate(model.model.layers):
         for owner in (layer.self_attn, layer.mlp):
             for name, parts in FUSED_PARTS.items():
                 if hasattr(owner, name):
-                    lora = LoRALinear(getattr(owner, name), i, parts, max_loras, step, device)
+                    lora = LoRALinear(getattr(owner, name), i, parts, max_loras, step, device, ops)
                     setattr(owner, name, lora)
                     wrapped.append(lora)
     return wrapped

@@ -18,6 +18,7 @@ slots and tells the LoRA linears which rows use which slot. docs/16_lora.md.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from nanopaged.core.request import Request
+from nanopaged.cpu.build import cpu_ops
 from nanopaged.lora.adapter import LoRAAdapter, load_adapter
 from nanopaged.lora.layers import StepAdapters, wrap_linears
 from nanopaged.lora.request import LoRARequest
@@ -69,10 +71,12 @@ class LoRAManager:
         self.slot_last_step = [-1] * self.max_loras
         self.num_steps = 0
         self.stats = LoRAStats()
+        self.lock = threading.Lock()
         self.step = StepAdapters([])
-        self.layers = wrap_linears(engine.runner.model, self.max_loras, self.step, self.device)
-        if engine.runner.fast_path.layers == "fused":
-            refresh_fused_layers(engine.runner.model)
+        fast = engine.runner.fast_path       # the updates run on nanopaged's bfloat16 kernel beside its linears
+        ops = cpu_ops() if fast.linear == "dpbf16" else None
+        self.layers = wrap_linears(engine.runner.model, self.max_loras, self.step, self.device, ops)
+        self.fused = describe_to_fused_loop(engine.runner.model) if fast.layers == "fused" else None
         engine.runner.before_forward.append(self.before_forward)
         engine.scheduler.admission_rules.append(self.has_slot)
 
@@ -94,7 +98,11 @@ class LoRAManager:
 
     def adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
         """The adapter, read from its folder unless it is in memory; the least recently used unused
-        ones dropped beyond max_cpu_loras."""
+        ones dropped beyond max_cpu_loras. (The server adds requests on its threads: one at a time.)"""
+        with self.lock:
+            return self._adapter(lora_request)
+
+    def _adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
         key = lora_request.lora_int_id
         if key in self.adapters:
             self.adapters.move_to_end(key)
@@ -112,8 +120,15 @@ class LoRAManager:
     def in_use(self, key: int) -> bool:
         return any(not r.is_finished for r in self.users.get(key, ()))
 
+    def unload(self, key: int) -> None:
+        """The server's unload: drop the adapter now unless a request still uses it (then it goes
+        the LRU way, once they finish)."""
+        with self.lock:
+            if not self.in_use(key):
+                self.remove(key)
+
     def remove(self, key: int) -> None:
-        """Forget an adapter (the server's unload): from memory and from its slot."""
+        """Forget an adapter: from memory and from its slot."""
         self.adapters.pop(key, None)
         self.requests.pop(key, None)
         if key in self.slot_ids:
@@ -143,6 +158,8 @@ class LoRAManager:
             start += num_new
         self.num_steps += 1
         self.step.groups = [(self.slot_of(key, rows), torch.tensor(r, device=self.device)) for key, r in rows.items()]
+        if self.fused is not None:
+            self.fused.decoder.lora_groups = self.step.groups
         self.stats.active_now = len(rows)
         self.stats.adapters_in_slots = sum(1 for k in self.slot_ids if k)
         if rows:
@@ -171,9 +188,18 @@ def adapter_id(request: Request) -> int:
     return request.lora_request.lora_int_id if request.lora_request else 0
 
 
-def refresh_fused_layers(model) -> None:
-    """The fused layer loop describes each linear once (cpu/fused.py); describe the LoRA linears to it
-    again, so it calls them (in Python) in place of the kernels it held."""
-    from nanopaged.cpu.fused import FusedLlamaModel
-    model.model = FusedLlamaModel(model.model)
-
+def describe_to_fused_loop(model):
+    """The fused layer loop describes each linear once (cpu/fused.py): describe it again, each LoRA linear as
+    its base layer with the updates beside it (run in C++), or, where they run on F.linear, as a callable."""
+    from nanopaged.cpu.fused import FusedLlamaModel, describe
+    fused = model.model = FusedLlamaModel(model.model)
+    described = fused.decoder.layers                  # copies: changed here, then handed back
+    for desc, layer in zip(described, fused.layers):
+        for field, linear in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                              ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+            if linear.cpp_slots is not None:
+                d = describe(linear.base)
+                d.lora = linear.cpp_slots
+                setattr(desc, field, d)
+    fused.decoder.layers = described
+    return fused

@@ -19,10 +19,10 @@ def adapter(int_id, parts, dtype=torch.float32, seed=0):
     return LoRAAdapter(f"a{int_id}", int_id, RANK, 0.5, weights)
 
 
-def qkv_layer(base, slots=2):
+def qkv_layer(base, slots=2, ops=None):
     step = StepAdapters([])
     base.shard_sizes = [Q, KV, KV]
-    return LoRALinear(base, 0, ("q_proj", "k_proj", "v_proj"), slots, step, torch.device("cpu")), step
+    return LoRALinear(base, 0, ("q_proj", "k_proj", "v_proj"), slots, step, torch.device("cpu"), ops), step
 
 
 def test_each_row_gets_its_adapters_update_part_by_part():
@@ -61,12 +61,12 @@ def dpbf16_base():
         pytest.skip("nanopaged's bfloat16 kernel needs AVX512-BF16 and the C++ build")
     from nanopaged.cpu.linear import Dpbf16Linear
     torch.manual_seed(0)
-    return Dpbf16Linear(nn.Linear(IN, Q + 2 * KV, bias=False).to(torch.bfloat16))
+    return Dpbf16Linear(nn.Linear(IN, Q + 2 * KV, bias=False).to(torch.bfloat16)), cpu_ops()
 
 
 def test_the_bfloat16_kernels_update_is_close_to_f_linears():
-    base = dpbf16_base()
-    fast, step = qkv_layer(base)
+    base, ops = dpbf16_base()
+    fast, step = qkv_layer(base, ops=ops)
     fast.load(0, adapter(1, ["q_proj", "k_proj", "v_proj"], torch.bfloat16))
     assert isinstance(fast.slots[0], Dpbf16SlotWeights)
     ref = SlotWeights(*_unpacked(adapter(1, ["q_proj", "k_proj", "v_proj"], torch.bfloat16)), 0.5)
@@ -81,7 +81,8 @@ def _unpacked(ad):
 
 
 def test_a_rows_result_is_the_same_bits_at_every_row_count_and_beside_any_adapter():
-    layer, step = qkv_layer(dpbf16_base())
+    base, ops = dpbf16_base()
+    layer, step = qkv_layer(base, ops=ops)
     layer.load(0, adapter(1, ["q_proj", "v_proj"], torch.bfloat16))
     layer.load(1, adapter(2, ["q_proj", "k_proj", "v_proj"], torch.bfloat16, seed=3))
     x = torch.randn(33, IN).to(torch.bfloat16)
@@ -97,3 +98,20 @@ def test_a_rows_result_is_the_same_bits_at_every_row_count_and_beside_any_adapte
 
 def groups(slots):
     return [(s, torch.tensor([i for i, t in enumerate(slots) if t == s])) for s in (0, 1) if s in slots]
+
+
+def test_the_fused_loops_update_is_the_layers_bit_for_bit():
+    """csrc/decoder.cpp's LoraSlots::add runs LoRALinear.forward's ops: the same bits (an odd rank padded)."""
+    base, ops = dpbf16_base()
+    layer, step = qkv_layer(base, ops=ops)
+    odd = adapter(2, ["k_proj"], torch.bfloat16, seed=5)
+    odd.rank, odd.weights = 7, {k: (a[:7], b[:, :7]) for k, (a, b) in odd.weights.items()}
+    layer.load(0, adapter(1, ["q_proj", "v_proj"], torch.bfloat16))
+    layer.load(1, odd)
+    x = torch.randn(9, IN).to(torch.bfloat16)
+    step.groups = groups([0, 1, 2, 1, 0, 0, 2, 1, 1])
+    with torch.no_grad():
+        want = layer(x)
+        got = base(x)
+        layer.cpp_slots.add(got, x, step.groups)
+    assert torch.equal(got, want) and not torch.equal(got, base(x))

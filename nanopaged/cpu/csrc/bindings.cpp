@@ -45,8 +45,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("kind", &Linear::kind).def_readwrite("out_features", &Linear::out_features)
       .def_readwrite("packed", &Linear::packed).def_readwrite("bias", &Linear::bias)
       .def_readwrite("group", &Linear::group).def_readwrite("bits", &Linear::bits)
-      .def_readwrite("fn", &Linear::fn)
-      .def("__call__", &Linear::operator());
+      .def_readwrite("fn", &Linear::fn).def_readwrite("lora", &Linear::lora)
+      .def("__call__", &Linear::operator(), py::arg("x"), py::arg("groups") = LoraGroups{});
+  py::class_<LoraSlots, std::shared_ptr<LoraSlots>>(m, "LoraSlots", py::module_local())
+      .def(py::init<int64_t>()).def("set", &LoraSlots::set, "put an adapter's packed A and B into a slot")
+      .def("add", [](const LoraSlots& s, torch::Tensor y, const torch::Tensor& x, const LoraGroups& g) { s.add(y, x, g); });
   py::class_<Layer>(m, "Layer", py::module_local())
       .def(py::init<>())
       .def_readwrite("input_norm", &Layer::input_norm).def_readwrite("post_norm", &Layer::post_norm)
@@ -58,6 +61,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("layers", &Decoder::layers).def_readwrite("heads", &Decoder::heads)
       .def_readwrite("kv_heads", &Decoder::kv_heads).def_readwrite("head_dim", &Decoder::head_dim)
       .def_readwrite("eps", &Decoder::eps).def_readwrite("qk_eps", &Decoder::qk_eps)
-      .def_readwrite("scale", &Decoder::scale);
+      .def_readwrite("scale", &Decoder::scale).def_readwrite("lora_groups", &Decoder::lora_groups);
   m.def("decoder_forward", &decoder_forward, "every decoder layer of one step, in C++");
 }

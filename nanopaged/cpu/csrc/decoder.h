@@ -13,15 +13,30 @@
 // caller holds.
 enum class LinearKind { DPBF16, QUANTIZED, CALLBACK };
 
+// LoRA (nanopaged/lora/layers.py): the step's rows of each adapter slot, and beside a linear each slot's
+// update y[rows] += B (A x[rows]) * scaling, A and B packed for linear_bf16 (no A: the slot's adapter
+// leaves this projection alone). Its reference is LoRALinear.forward with Dpbf16SlotWeights.
+using LoraGroups = std::vector<std::pair<int64_t, torch::Tensor>>;      // (slot, its rows)
+struct LoraSlots {
+  std::vector<torch::Tensor> a, b;
+  std::vector<int64_t> a_rows;
+  std::vector<double> scaling;
+  explicit LoraSlots(int64_t slots) : a(slots), b(slots), a_rows(slots), scaling(slots) {}
+  void set(int64_t slot, torch::Tensor a_packed, torch::Tensor b_packed, int64_t rows, double s);
+  bool active(const LoraGroups& groups) const;
+  void add(torch::Tensor& y, const torch::Tensor& x, const LoraGroups& groups) const;
+};
+
 struct Linear {
   LinearKind kind = LinearKind::CALLBACK;
   int64_t out_features = 0;
   torch::Tensor packed, bias;                        // DPBF16: pack_bf16_weight's; QUANTIZED: pack_quantized's
   int64_t group = 0, bits = 0;                       // QUANTIZED
   pybind11::object fn;                               // CALLBACK
+  std::shared_ptr<LoraSlots> lora;                   // with enable_lora: the adapters' updates, else none
 
-  torch::Tensor operator()(const torch::Tensor& x) const;     // x W^T + b, by `kind`
-  torch::Tensor silu_mul(const torch::Tensor& x) const;       // a gate_up projection, then SiLU(gate) * up
+  torch::Tensor operator()(const torch::Tensor& x, const LoraGroups& groups = {}) const;   // x W^T + b (+ LoRA)
+  torch::Tensor silu_mul(const torch::Tensor& x, const LoraGroups& groups) const;  // gate_up, SiLU(gate) * up
 };
 
 struct Layer {
@@ -33,6 +48,7 @@ struct Decoder {
   std::vector<Layer> layers;
   int64_t heads = 0, kv_heads = 0, head_dim = 0;
   double eps = 1e-6, qk_eps = 1e-6, scale = 1.0;
+  LoraGroups lora_groups;                            // set before each step by nanopaged/lora/manager.py
 };
 
 torch::Tensor decoder_forward(const Decoder& dec, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
