@@ -7,7 +7,7 @@ Every configuration runs twice, alternating with the base model on an engine wit
 process; each figure is the faster of its two runs. With `--peers vllm`, vLLM's CPU engine runs the same
 trace on the same folders (enable_lora=True, 4 adapters) and without adapters, in its own environment.
 Targets (issue 38): with 4 adapters, at least 80% of the base model's throughput; at least 1.5x vLLM's
-with the same adapters. docs/16_lora.md explains the figures.
+with the same adapters. docs/12_lora.md explains the figures.
 """
 from __future__ import annotations
 

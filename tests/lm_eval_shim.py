@@ -1,8 +1,8 @@
 """A `vllm` package made of nanopaged, for lm-evaluation-harness's `vllm` backend: test-only.
 
 lm-eval 0.4.13's lm_eval/models/vllm_causallms.py imports LLM, SamplingParams and TokensPrompt
-from vllm (nanopaged's, here), three helpers of vLLM's (its tokenizer loader, LoRARequest, the
-chat-template resolver: thin stand-ins here), and reads the installed vllm's version. This writes
+from vllm (nanopaged's, here), three helpers of vLLM's (its tokenizer loader and the chat-template
+resolver: thin stand-ins here; LoRARequest: nanopaged's), and reads the installed vllm's version. This writes
 such a package, with its version metadata, into a folder; put the folder first on the path:
 
     python tests/lm_eval_shim.py /tmp/vllm_shim
@@ -20,9 +20,7 @@ FAKE_VLLM = {
         """,
     "vllm/lora/__init__.py": "",
     "vllm/lora/request.py": """
-        class LoRARequest:                      # lm-eval makes one only with lora_local_path
-            def __init__(self, name, id, path):
-                self.lora_name, self.lora_int_id, self.lora_path = name, id, path
+        from nanopaged.lora.request import LoRARequest   # lm-eval makes one with lora_local_path
         """,
     "vllm/tokenizers/__init__.py": """
         from transformers import AutoTokenizer

@@ -87,17 +87,22 @@ def runs(tiny_model_dirs, tmp_path_factory):
     model = tiny_model_dirs["llama"]
     # hf: one request at a time, so no padding differs; vllm: all at once ("auto"), as lm-eval's vllm users run it
     out = {"hf": evaluate("hf", {"pretrained": model, "dtype": "float32", "device": "cpu"}, root, tasks, 1)}
+    # lm-eval's own arguments, plus two of nanopaged's that it passes through to LLM(...)
+    out["vllm"] = evaluate_on_nanopaged({"pretrained": model, "dtype": "float32", "num_kv_blocks": 256,
+                                         "max_num_batched_tokens": 1024}, root, tasks)
+    return out
+
+
+def evaluate_on_nanopaged(model_args, root, tasks):
+    """lm-eval's vllm backend, its `vllm` the shim in `root`, gone from sys.modules afterwards."""
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(root))
         try:
-            # lm-eval's own arguments, plus two of nanopaged's that it passes through to LLM(...)
-            out["vllm"] = evaluate("vllm", {"pretrained": model, "dtype": "float32", "num_kv_blocks": 256,
-                                            "max_num_batched_tokens": 1024}, root, tasks, "auto")
+            return evaluate("vllm", model_args, root, tasks, "auto")
         finally:
             for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")
                          or m == "lm_eval.models.vllm_causallms"]:
                 del sys.modules[name]
-    return out
 
 
 def samples(run, task):
@@ -137,3 +142,20 @@ def test_greedy_generations_are_the_same_text(tiny_model_dirs, runs):
     for special in specials:
         texts[1] = [t.replace(special, "") for t in texts[1]]
     assert texts[0] == texts[1] and all(texts[0])
+
+
+def test_lora_local_path_scores_as_hugging_face_with_the_peft_adapter(tiny_model_dirs, tiny_adapters, runs, tmp_path):
+    """lm-eval's vllm backend with `lora_local_path` (it sets enable_lora and sends a LoRARequest with every
+    request) against its hf backend with `peft=` the same folder: the same loglikelihoods."""
+    write_shim(tmp_path)
+    write_tasks(tmp_path)
+    model, adapter = tiny_model_dirs["llama"], tiny_adapters["llama"]["all"]
+    hf = evaluate("hf", {"pretrained": model, "dtype": "float32", "device": "cpu", "peft": adapter}, tmp_path,
+                  ["nanopaged_mc"], 1)
+    npg = evaluate_on_nanopaged({"pretrained": model, "dtype": "float32", "num_kv_blocks": 256,
+                                 "lora_local_path": adapter}, tmp_path, ["nanopaged_mc"])
+    lls = {name: [[ll for ll, _ in s["filtered_resps"]] for s in samples(run, "nanopaged_mc")]
+           for name, run in (("hf", hf), ("lora", npg), ("base", runs["vllm"]))}
+    assert lls["lora"] != lls["base"]
+    for a, b in zip(lls["hf"], lls["lora"], strict=True):
+        assert b == pytest.approx(a, abs=1e-3)

@@ -10,7 +10,7 @@ the LoRA linears wrap the model's projections, the manager becomes one of the sc
 rules (a slot for the request's adapter) and one of the runner's `before_forward` hooks (the step's
 rows of each adapter), and `process_request(..., lora_request=...)` hands it each request to check.
 The prefix cache keys blocks by adapter in the core itself (core/block_pool.py: extra_keys).
-docs/16_lora.md.
+docs/12_lora.md.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ the order PEFT computes in (its `lora.Linear.forward`: the base output first, th
 in the model's dtype), so float32 output matches Hugging Face with the adapter applied. One adapter's
 rows are gathered and multiplied together: the step's work is one pair of small matmuls per adapter,
 not per row, and never a per-row copy of A and B (Punica's and S-LoRA's gather would make one:
-rows x rank x features each; docs/16_lora.md).
+rows x rank x features each; docs/12_lora.md).
 
 The fused projections hold several of Hugging Face's: qkv_proj is q, k and v. Their updates stack
 into one A (the parts' A's one under the other) and one block-diagonal B, so a fused projection

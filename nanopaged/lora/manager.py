@@ -14,7 +14,7 @@ Two pools, as in vLLM (vllm/lora/worker_manager.py, models.py):
             slot that the step does not need.
 
 Before each forward (`before_forward`, a ModelRunner hook) the manager puts the step's adapters into
-slots and tells the LoRA linears which rows use which slot. docs/16_lora.md.
+slots and tells the LoRA linears which rows use which slot. docs/12_lora.md.
 """
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def test_three_adapters_and_the_base_model_in_one_call_match_peft(tiny_model_dir
 
 
 def test_merged_peft_gives_the_same_tokens(tiny_model_dirs, tiny_adapters, expected):
-    """Merging the adapter into the weights is the same model (nanopaged never merges: docs/16_lora.md)."""
+    """Merging the adapter into the weights is the same model (nanopaged never merges: docs/12_lora.md)."""
     prompts, names, want = expected["llama"]
     for p, n, w in zip(prompts, names, want):
         if n:
