@@ -31,6 +31,7 @@ from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.engine.stats import EngineStats, ProgressBar
 from nanopaged.outputs import RequestOutput
 from nanopaged.sampling_params import RequestOutputKind, SamplingParams
+from nanopaged.validation import per_prompt
 from nanopaged.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -184,15 +185,6 @@ class LLM:
     def progress_bar(self, total: int, enabled: bool) -> ProgressBar:
         """A bar over the prompts, with the figures a user watches (tokens/s, KV usage, ...)."""
         return ProgressBar(self.stats, total, enabled)
-
-
-def per_prompt(name: str, value, num_prompts: int) -> list:
-    """One value for every prompt, or a list of one per prompt."""
-    if not isinstance(value, (list, tuple)):
-        return [value] * num_prompts
-    if len(value) != num_prompts:
-        raise ValueError(f"got {len(value)} {name} for {num_prompts} prompts; give one, or one per prompt")
-    return list(value)
 
 
 def final_only(params: list) -> list:

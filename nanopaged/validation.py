@@ -1,4 +1,4 @@
-"""The one range check and its two siblings, shared by every settings object.
+"""The one range check and its siblings, shared by every settings object; and one value per prompt.
 
 EngineConfig, SamplingParams and BeamSearchParams all check their fields with these, so a
 bad value reads the same wherever it is caught: the field's name, what is allowed, the value.
@@ -33,3 +33,12 @@ def check_choice(name: str, value, choices: tuple) -> None:
 def check_bool(name: str, value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def per_prompt(name: str, value, num_prompts: int) -> list:
+    """One value for every prompt, or a list of one per prompt."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"got {len(value)} {name} for {num_prompts} prompts; give one, or one per prompt")
+    return list(value)

@@ -7,7 +7,9 @@
 Every engine setting (README, "Engine settings") is a flag in kebab case; `--port 0` takes a
 free port, and the line printed when the server is ready names it. `--api-key KEY` (or
 NANOPAGED_API_KEY) locks every route but /health and /metrics; the server's other limits
-(body size, timeouts, concurrency) are flags with defaults, listed by `--help`. The server
+(body size, timeouts, concurrency) are flags with defaults, listed by `--help`. LoRA adapters,
+as vLLM's: `--enable-lora --lora-modules name=path ...`, each then a `model` name clients may ask
+for; `--allow-runtime-lora-updating` adds routes that load and unload adapters. The server
 itself is nanopaged/entrypoints/openai/ (docs/08_server.md); it needs `pip install -e '.[serve]'`.
 """
 from __future__ import annotations
@@ -17,12 +19,13 @@ import ipaddress
 import json
 import os
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 from nanopaged.config import EngineConfig
 
 SETTINGS_OFF_IS_NONE = {"cpu_threads"}          # "auto" or None, spelled "none" on the command line
 API_KEY_ENV = "NANOPAGED_API_KEY"               # vLLM's is VLLM_API_KEY
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"   # vLLM's switch for the same routes, honoured here
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,11 +41,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_limits(p.add_argument_group("access and limits (docs/08_server.md: Limits and access control)"))
+    add_lora(p.add_argument_group("LoRA adapters, with --enable-lora (docs/08_server.md: LoRA adapters)"))
     engine = p.add_argument_group("engine settings (README: Engine settings)")
     for f in fields(EngineConfig):
         if f.init and f.name != "model":
             add_setting(engine, f.name, str(f.type), f.default)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag in ("lora_modules", "allow_runtime_lora_updating"):
+        if getattr(args, flag) and not getattr(args, "enable_lora", False):
+            p.error(f"--{flag.replace('_', '-')} needs --enable-lora (the engine applies adapters only then)")
+    return args
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One adapter of --lora-modules (vLLM's LoRAModulePath): the name clients ask for, its PEFT folder."""
+    name: str
+    path: str
+    base_model_name: str | None = None          # if given, the served model's name
+
+
+def add_lora(group) -> None:
+    group.add_argument("--lora-modules", nargs="+", type=_lora_module, metavar="NAME=PATH",
+                       help="adapters to serve, each read at start-up and asked for by its name in a request's "
+                            "`model`: name=path, or vLLM's JSON object "
+                            "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="add the routes POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which "
+                            f"make the server read any folder a client names (also: {RUNTIME_LORA_ENV}=True, "
+                            "as vLLM); without it they are 404s")
+
+
+def _lora_module(text: str) -> LoRAModule:
+    if text.lstrip().startswith("{"):
+        given = _json_object(text)
+        unknown = sorted(set(given) - {"name", "path", "base_model_name"})
+        if unknown or not all(isinstance(given.get(k), str) and given[k] for k in ("name", "path")):
+            raise argparse.ArgumentTypeError(f"expected {{\"name\": ..., \"path\": ..., \"base_model_name\": ...}} "
+                                             f"with a non-empty name and path, got {text!r}")
+        return LoRAModule(**given)
+    name, _, path = text.partition("=")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {text!r}")
+    return LoRAModule(name, path)
+
+
+def runtime_lora_updating(args: argparse.Namespace) -> bool:
+    """--allow-runtime-lora-updating, or vLLM's environment variable; only where adapters are served."""
+    allowed = args.allow_runtime_lora_updating or os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+    return allowed and getattr(args, "enable_lora", False)
 
 
 def add_limits(group) -> None:
@@ -134,6 +181,23 @@ def engine_settings(args: argparse.Namespace) -> dict:
     return {n: getattr(args, n) for n in names if hasattr(args, n)}
 
 
+def served_models(args: argparse.Namespace, engine, name: str, path: str):
+    """The base model, and --lora-modules' adapters (lora_int_id 1, 2, ... in order), each read now: a
+    folder that cannot be served stops the start, with the reason."""
+    from nanopaged.entrypoints.openai.protocol import OpenAIError
+    from nanopaged.entrypoints.openai.served_models import ServedModels
+    models = ServedModels(name, path, engine.config.max_model_len, engine.extensions.get("nanopaged.lora"))
+    for module in args.lora_modules or ():
+        if module.base_model_name not in (None, name):
+            raise ValueError(f"--lora-modules {module.name!r}: base_model_name {module.base_model_name!r} is not "
+                             f"the served model, {name!r}")
+        try:
+            models.load(module.name, module.path)
+        except OpenAIError as e:
+            raise ValueError(f"--lora-modules {module.name!r}: {e.message}") from None
+    return models
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
@@ -147,21 +211,27 @@ def main(argv: list[str] | None = None) -> None:
     from nanopaged.entrypoints.openai.metrics import ServerMetrics
     from nanopaged.llm import LLM
 
+    name = args.served_model_name or args.model or DEMO_MODEL
     try:
         key = api_key(args)
         llm = LLM(args.model, **engine_settings(args))
-    except ValueError as e:                     # a bad setting or model folder: say which, no traceback
+        models = served_models(args, llm.llm_engine, name, args.model or DEMO_MODEL)
+    except ValueError as e:                     # a bad setting, model or adapter folder: say which, no traceback
         sys.exit(f"nanopaged serve: {e}")
     warning = access_warning(args.host, args.port, key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    updating = runtime_lora_updating(args)
+    if updating:
+        print("nanopaged: runtime LoRA updating is on: any client (with the API key, if one is set) may make "
+              "the server read a folder of this machine as an adapter", file=sys.stderr, flush=True)
     engine = llm.llm_engine
-    name = args.served_model_name or args.model or DEMO_MODEL
     metrics = ServerMetrics(engine, llm.stats)
     # The loop holds the LLM for its whole life: its lock, and its CPU thread governor.
     engine_loop = EngineLoop(engine, metrics, hold=llm.one_call_at_a_time)
-    app = build_app(engine_loop, metrics, name, engine.config.max_model_len,
-                    BodyLimits(args.max_request_body_bytes, args.timeout_request_body), api_key=key)
+    app = build_app(engine_loop, metrics, models, BodyLimits(args.max_request_body_bytes, args.timeout_request_body),
+                    api_key=key, runtime_lora_updating=updating)
+    adapters = len(models.table.adapters)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -171,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"nanopaged: serving {name!r} at http://{host}:{port}/v1 "
                       f"({engine.scheduler.block_pool.num_blocks} KV blocks of {engine.config.block_size} "
                       f"tokens, max_model_len {engine.config.max_model_len}"
+                      f"{f', {adapters} LoRA adapter(s)' if models.serves_adapters else ''}"
                       f"{', API key required' if key else ''})", flush=True)
 
     engine_loop.start()

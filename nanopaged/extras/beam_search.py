@@ -39,9 +39,8 @@ import torch
 from nanopaged.core.request import Request, SampledToken
 from nanopaged.engine.input_processor import PromptType
 from nanopaged.engine.llm_engine import LLMEngine
-from nanopaged.llm import per_prompt
 from nanopaged.sampling_params import SamplingParams
-from nanopaged.validation import check_range
+from nanopaged.validation import check_range, per_prompt
 from nanopaged.worker.model_runner import ModelRunnerOutput
 
 

@@ -86,15 +86,17 @@ class LoRAManager:
         request's sequences then carry it."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        known = self.requests.get(lora_request.lora_int_id)
-        if known is not None and (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
-            raise ValueError(f"lora_int_id={lora_request.lora_int_id} already names adapter {known.lora_name!r} at "
-                             f"{known.lora_path!r}; give {lora_request.lora_name!r} another id")
-        self.adapter(lora_request)
-        users = self.users.setdefault(lora_request.lora_int_id, weakref.WeakSet())
-        for sample in samples:
-            sample.lora_request = lora_request
-            users.add(sample)
+        with self.lock:            # the server adds requests on several threads
+            known = self.requests.get(lora_request.lora_int_id)
+            if known is not None and (known.lora_name, known.lora_path) != (lora_request.lora_name,
+                                                                            lora_request.lora_path):
+                raise ValueError(f"lora_int_id={lora_request.lora_int_id} already names adapter {known.lora_name!r} "
+                                 f"at {known.lora_path!r}; give {lora_request.lora_name!r} another id")
+            self._adapter(lora_request)
+            users = self.users.setdefault(lora_request.lora_int_id, weakref.WeakSet())
+            for sample in samples:
+                sample.lora_request = lora_request
+                users.add(sample)
 
     def adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
         """The adapter, read from its folder unless it is in memory; the least recently used unused

@@ -212,7 +212,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "stop": 5}, "stop"),
     ({"prompt": "hi", "seed": 2**70}, "seed"),
     ({"prompt": "hi", "stream": "yes"}, "stream"),
-    ({"prompt": "hi", "model": "gpt-4"}, "model"),
     ({"prompt": "hi", "best_of": 2}, "best_of"),
     ({"prompt": "hi", "echo": True}, "echo"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -245,6 +244,12 @@ def test_a_bad_request_is_a_400_with_the_error_body(server, path, body, param):
     error = answer["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["message"] and error["param"] == param
+
+
+def test_an_unknown_model_is_a_404_as_in_vllm(server):
+    status, answer = post(server, "/v1/completions", {"prompt": "hi", "model": "gpt-4"})
+    assert status == 404 and answer["error"] == {"message": "The model `gpt-4` does not exist.",
+                                                 "type": "NotFoundError", "param": "model", "code": 404}
 
 
 def test_the_server_answers_after_bad_requests(server, client):

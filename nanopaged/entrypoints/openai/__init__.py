@@ -1,6 +1,7 @@
 """`nanopaged serve`: an OpenAI-compatible HTTP server on the engine (docs/08_server.md).
 
     protocol.py      OpenAI request bodies -> prompts and SamplingParams; OpenAI's error body
+    served_models.py the model names served: the base model, LoRA adapters (loaded, unloaded)
     limits.py        who may ask (--api-key) and how much: body size, JSON type, header deadline
     engine_loop.py   the one thread that owns the LLMEngine and steps it (prompts are tokenized
                      on input threads beside it); per-request output queues

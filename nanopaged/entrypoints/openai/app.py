@@ -5,37 +5,39 @@ the event loop, hands it to the engine loop (engine_loop.py), and waits on the r
 output queue; it never touches the engine. A streamed request
 sends one `data: {...}` event per chunk as the steps come (responses.py), then
 `data: [DONE]`. A client that goes away mid-request aborts it: its blocks go back to the
-pool at once, for the clients still there. vLLM: vllm/entrypoints/openai/api_server.py.
-docs/08_server.md.
+pool at once, for the clients still there. A request's `model` may name a LoRA adapter
+(served_models.py), which two more routes load and unload while the server runs, when it was
+started to allow that. vLLM: vllm/entrypoints/openai/api_server.py. docs/08_server.md.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from nanopaged.entrypoints.openai.engine_loop import EngineLoop, Submission
 from nanopaged.entrypoints.openai.limits import BodyLimits, ClientLeft, RequireApiKey, log_client_left, read_body
 from nanopaged.entrypoints.openai.metrics import ServerMetrics
-from nanopaged.entrypoints.openai.protocol import OpenAIError, ParsedRequest, parse_body, parse_request
+from nanopaged.entrypoints.openai.protocol import (OpenAIError, ParsedRequest, parse_body, parse_lora_update,
+                                                   parse_request)
 from nanopaged.entrypoints.openai.responses import ResponseBuilder
+from nanopaged.entrypoints.openai.served_models import ServedModels
 
 logger = logging.getLogger("nanopaged.entrypoints.serve")
 ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
 
 
-def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, max_model_len: int,
-              body_limits: BodyLimits, api_key: str | None = None) -> FastAPI:
-    """The routes; with `api_key`, every one but /health and /metrics needs it (limits.py)."""
+def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedModels, body_limits: BodyLimits,
+              api_key: str | None = None, runtime_lora_updating: bool = False) -> FastAPI:
+    """The routes; with `api_key`, every one but /health and /metrics needs it (limits.py). The LoRA
+    load and unload routes exist only with `runtime_lora_updating` on a server that serves adapters."""
     app = FastAPI(title="nanopaged", description="an OpenAI-compatible server on nanopaged's engine")
     if api_key is not None:
         app.add_middleware(RequireApiKey, api_key=api_key)
-    created = int(time.time())
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, e: OpenAIError) -> JSONResponse:
@@ -57,9 +59,8 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, 
         return Response(status_code=200 if engine_loop.alive else 503)
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "nanopaged", "max_model_len": max_model_len}]}
+    async def list_models() -> dict:
+        return {"object": "list", "data": list(models.table.cards)}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -80,7 +81,8 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, 
         response_id = ID_PREFIX[kind] + uuid.uuid4().hex
         request_ids = [f"{response_id}-{i}" for i in range(len(parsed.prompts))]
         submission = Submission(parsed, request_ids, asyncio.get_running_loop())
-        builder = ResponseBuilder(parsed, response_id, model_name, request_ids)
+        answered_as = parsed.lora_request.lora_name if parsed.lora_request else models.name
+        builder = ResponseBuilder(parsed, response_id, answered_as, request_ids)
         try:
             await engine_loop.submit(submission)
         except BaseException:
@@ -92,7 +94,32 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, 
         return await whole_response(request, engine_loop, submission, builder)
 
     def parse(raw: bytes, kind: str) -> ParsedRequest:
-        return parse_request(parse_body(raw), kind, model_name)
+        return parse_request(parse_body(raw), kind, models.name, models.adapters)
+
+    if models.serves_adapters and runtime_lora_updating:
+        # vLLM's routes and answers; off the event loop, like parsing: reading a folder takes a while,
+        # and another load may hold the table's lock meanwhile.
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            name = await asyncio.to_thread(load, await read_body(request, body_limits))
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            name = await asyncio.to_thread(unload, await read_body(request, body_limits))
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def load(raw: bytes) -> str:
+        name, path = parse_lora_update(parse_body(raw), "load")
+        models.load(name, path)
+        logger.info("loaded LoRA adapter %r from %r", name, path)
+        return name
+
+    def unload(raw: bytes) -> str:
+        name, _ = parse_lora_update(parse_body(raw), "unload")
+        models.unload(name)
+        logger.info("unloaded LoRA adapter %r", name)
+        return name
 
     return app
 

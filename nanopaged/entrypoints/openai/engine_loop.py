@@ -118,14 +118,15 @@ class EngineLoop:
     def _process(self, submission: Submission) -> list[list[Request]]:
         """Every prompt tokenized and checked, all or none (as LLM.generate), or an OpenAIError.
         Safe beside the engine thread's steps: process_request reads only the fixed config and
-        the tokenizer, whose encode may run on several threads at once, and compiles a request's
-        constraint (structured outputs: a cache with its own lock, so a slow schema stalls no step);
-        queueing, which changes the engine, is left to the engine thread."""
+        the tokenizer, whose encode may run on several threads at once, compiles a request's
+        constraint (structured outputs: a cache with its own lock, so a slow schema stalls no step)
+        and reads its LoRA adapter if it is not in memory (the LoRA manager's lock); queueing, which
+        changes the engine, is left to the engine thread."""
         r, engine = submission.request, self.engine
         try:
             prompts = ([render_chat(engine.tokenizer, conv) for conv in r.prompts] if r.kind == "chat"
                        else r.prompts)
-            batches = [engine.process_request(rid, p, r.params)
+            batches = [engine.process_request(rid, p, r.params, r.lora_request)
                        for rid, p in zip(submission.request_ids, prompts)]
             if r.max_tokens_given:
                 _refuse_past_context(batches, r, engine.config.max_model_len)

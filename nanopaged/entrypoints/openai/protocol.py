@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from nanopaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanopaged.lora.request import LoRARequest
 
 # ---- the fields -----------------------------------------------------------------------------
 # OpenAI's sampling fields, and vLLM's extra ones, with their SamplingParams names.
@@ -54,7 +59,7 @@ class OpenAIError(Exception):
     The message and the param are cut to a few hundred characters, whatever produced them."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None,
+                 type: str = "invalid_request_error", code: str | int | None = None,
                  headers: dict[str, str] | None = None) -> None:
         message = cut(message)
         super().__init__(message)
@@ -89,6 +94,7 @@ class ParsedRequest:
     include_usage: bool              # stream_options.include_usage: a last chunk with the usage
     top_logprobs: int | None         # alternatives shown per token; None: no logprobs
     constraint_field: str | None = None   # "response_format" or "structured_outputs": what a compile error names
+    lora_request: LoRARequest | None = None   # the LoRA adapter `model` named; None: the base model
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -121,17 +127,16 @@ def _nests_deeper_than(value, limit: int) -> bool:
     return False
 
 
-def parse_request(body: dict, kind: str, served_model_name: str) -> ParsedRequest:
-    """A completion or chat body as prompts and SamplingParams; OpenAIError (400) if it is wrong."""
+def parse_request(body: dict, kind: str, served_model_name: str,
+                  adapters: Mapping[str, LoRARequest] | None = None) -> ParsedRequest:
+    """A completion or chat body as prompts and SamplingParams; OpenAIError (400) if it is wrong.
+    `adapters`: the LoRA adapters a server started with --enable-lora serves, by name (served_models.py)."""
     allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise OpenAIError(f"unsupported field {shown(unknown[0])}: this server honours only "
                           f"{sorted(allowed)}", param=unknown[0])
-    model = body.get("model")
-    if model is not None and model != served_model_name:    # absent: the one model served (as vLLM)
-        raise OpenAIError(f"the model {shown(model)} does not exist; this server serves "
-                          f"{served_model_name!r}", param="model", code="model_not_found")
+    lora_request = _model(body.get("model"), served_model_name, adapters)
     fields = {k: v for k, v in body.items() if v is not None}   # JSON null means "the default"
     stream = _bool(fields, "stream", False)
     include_usage = _stream_options(fields, stream)
@@ -152,12 +157,42 @@ def parse_request(body: dict, kind: str, served_model_name: str) -> ParsedReques
     except ValueError as e:
         raise OpenAIError(str(e), param=field_named(str(e), max_tokens_field, constraint_field)) from e
     return ParsedRequest(kind, prompts, params, max_tokens_given, stream, include_usage, top_logprobs,
-                         constraint_field)
+                         constraint_field, lora_request)
+
+
+def _model(model, served_model_name: str, adapters: Mapping[str, LoRARequest] | None) -> LoRARequest | None:
+    """The LoRA adapter `model` names, or None for the base model (its served name, or no `model`
+    at all, as vLLM). Another name is a 404, as in vLLM."""
+    if model is None or model == served_model_name:
+        return None
+    if not isinstance(model, str):
+        raise OpenAIError(f"model must be a string, got {shown(model)}", param="model")
+    if model not in (adapters or {}):
+        raise OpenAIError(f"The model `{model}` does not exist.", param="model", status=404,
+                          type="NotFoundError", code=404)
+    return adapters[model]
+
+
+def parse_lora_update(body: dict, route: str) -> tuple[str, str | None]:
+    """(lora_name, lora_path) of a body for /v1/load_lora_adapter (both needed, as vLLM) or
+    /v1/unload_lora_adapter (lora_name only: lora_path None)."""
+    allowed = ("lora_name", "lora_path") if route == "load" else ("lora_name",)
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise OpenAIError(f"unsupported field {shown(unknown[0])}: this route takes only {list(allowed)}",
+                          param=unknown[0])
+    for name in allowed:
+        if not isinstance(body.get(name), str) or not body[name]:
+            raise OpenAIError(f"{' and '.join(repr(a) for a in allowed)} must be given, as non-empty strings; "
+                              f"{name} is {shown(body.get(name))}", param=name)
+    return body["lora_name"], body.get("lora_path")
 
 
 def field_named(message: str, max_tokens_field: str = "max_tokens",
                 constraint_field: str | None = "structured_outputs") -> str | None:
     """The request field an engine error is about (its messages start with the field's name)."""
+    if message.startswith(("LoRA adapter", "lora_request", "lora_int_id")):   # the adapter `model` named
+        return "model"
     first = re.match(r"[a-z_]*", message).group()
     if first == "max_tokens":
         return max_tokens_field
