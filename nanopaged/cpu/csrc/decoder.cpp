@@ -11,6 +11,7 @@
 // epilogue cannot run (another linear kernel, or an intermediate size not a multiple of 64): the
 // projection, then silu_and_mul. The MLP's output joins the residual in the next layer's first
 // norm (add_rms_norm, vLLM's fused_add_rms_norm), the last layer's in one add after the loop.
+#include <c10/util/ParallelGuard.h>
 #include "decoder.h"
 #include "ops.h"
 #include "vec16.h"
@@ -48,12 +49,48 @@ bool LoraSlots::active(const LoraGroups& groups) const {
   return false;
 }
 
-// Each slot's rows gathered, shrunk to the adapter's rank, expanded, scaled, added: LoRALinear.forward's ops.
+// y[rows[i]] += d[i] * s, rounded to bfloat16 after the product and after the sum, as torch's mul and
+// index_add_ round them (LoRALinear.forward's last two ops), in one pass over the rows
+static void add_scaled_rows(torch::Tensor& y, const torch::Tensor& rows, const torch::Tensor& d, float s) {
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.stride(1) == 1 && d.is_contiguous(), "LoRA: y must be bfloat16 rows");
+  const int64_t n = d.size(0), width = y.size(1), y_row = y.stride(0);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    bf16* yr = y.data_ptr<bf16>() + r[i] * y_row;
+    const bf16* dr = d.data_ptr<bf16>() + i * width;
+    int64_t c = 0;
+    for (; c + 16 <= width; c += 16)
+      round_to<bf16>(Vec16::load(yr + c) + round_to<bf16>(Vec16::load(dr + c) * Vec16::fill(s))).store(yr + c);
+    for (; c < width; ++c) yr[c] = bf16(float(yr[c]) + float(bf16(float(dr[c]) * s)));
+  }
+}
+
+// The step's rows of every slot that updates this projection, gathered once, slot after slot; each
+// slot's run shrunk to its rank, expanded, scaled and added: LoRALinear.forward's values.
 void LoraSlots::add(torch::Tensor& y, const torch::Tensor& x, const LoraGroups& groups) const {
-  for (const auto& [slot, rows] : groups) {
-    if (!a[slot].defined() || !a[slot].numel()) continue;
-    auto shrunk = linear_bf16(x.index_select(0, rows), a[slot], torch::Tensor(), a_rows[slot]);
-    y.index_add_(0, rows, linear_bf16(shrunk, b[slot], torch::Tensor(), y.size(1)).mul_(scaling[slot]));
+  std::vector<torch::Tensor> rows;
+  std::vector<int64_t> slots;
+  for (const auto& [slot, r] : groups)
+    if (a[slot].defined() && a[slot].numel()) rows.push_back(r), slots.push_back(slot);
+  if (rows.empty()) return;
+  auto xs = x.index_select(0, rows.size() == 1 ? rows[0] : torch::cat(rows));
+  std::vector<int64_t> starts(1, 0);
+  for (const auto& r : rows) starts.push_back(starts.back() + r.size(0));
+  auto run = [&](int64_t i) {        // slot i's rows; the rows of two slots never meet, so any order is one
+    const int64_t s = slots[i];
+    auto shrunk = linear_bf16(xs.narrow(0, starts[i], rows[i].size(0)), a[s], torch::Tensor(), a_rows[s]);
+    add_scaled_rows(y, rows[i], linear_bf16(shrunk, b[s], torch::Tensor(), y.size(1)), float(scaling[s]));
+  };
+  // A few rows a slot (decode): the slots side by side on the threads, each product on one, since a
+  // product this small costs less than waking the threads for it; else each product on every thread.
+  const int64_t n = slots.size();
+  if (xs.size(0) > 64 * n) {
+    for (int64_t i = 0; i < n; ++i) run(i);
+  } else if (n > 1) {
+    at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) run(i); });
+  } else {
+    c10::ParallelGuard one_thread(true);     // the products below stay on this thread
+    run(0);
   }
 }
 
