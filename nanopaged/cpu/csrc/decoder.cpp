@@ -30,10 +30,10 @@ torch::Tensor Linear::operator()(const torch::Tensor& x, const LoraGroups& group
   return y;
 }
 
-// a gate_up projection followed by SiLU(gate) * up: in one kernel where it can be (no LoRA update between)
+// a gate_up projection followed by SiLU(gate) * up: in one kernel where it can be (no LoRA in the step)
 torch::Tensor Linear::silu_mul(const torch::Tensor& x, const LoraGroups& groups) const {
   if (NP_HAS_AVX512_BF16 && kind == LinearKind::DPBF16 && out_features % (2 * 64) == 0 &&
-      !(lora && lora->active(groups)))
+      !(lora && !groups.empty()))
     return linear_bf16_silu_mul(x, packed, bias, out_features / 2);
   return silu_and_mul((*this)(x, groups));
 }
@@ -41,12 +41,6 @@ torch::Tensor Linear::silu_mul(const torch::Tensor& x, const LoraGroups& groups)
 void LoraSlots::set(int64_t slot, torch::Tensor a_packed, torch::Tensor b_packed, int64_t rows, double s) {
   TORCH_CHECK(slot >= 0 && slot < int64_t(a.size()), "LoraSlots.set: slot ", slot, " out of range");
   a[slot] = a_packed, b[slot] = b_packed, a_rows[slot] = rows, scaling[slot] = s;
-}
-
-bool LoraSlots::active(const LoraGroups& groups) const {
-  for (const auto& group : groups)
-    if (a[group.first].defined() && a[group.first].numel()) return true;
-  return false;
 }
 
 // y[rows[i]] += d[i] * s, rounded to bfloat16 after the product and after the sum, as torch's mul and
@@ -84,14 +78,10 @@ void LoraSlots::add(torch::Tensor& y, const torch::Tensor& x, const LoraGroups& 
   // A few rows a slot (decode): the slots side by side on the threads, each product on one, since a
   // product this small costs less than waking the threads for it; else each product on every thread.
   const int64_t n = slots.size();
-  if (xs.size(0) > 64 * n) {
-    for (int64_t i = 0; i < n; ++i) run(i);
-  } else if (n > 1) {
-    at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) run(i); });
-  } else {
-    c10::ParallelGuard one_thread(true);     // the products below stay on this thread
-    run(0);
-  }
+  if (n > 1 && xs.size(0) <= 64 * n)
+    return at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) run(i); });
+  c10::ParallelGuard one_thread(xs.size(0) <= 64 * n);     // one slot's few rows: its products on this thread
+  for (int64_t i = 0; i < n; ++i) run(i);
 }
 
 // x (tokens, hidden): the embeddings, the residual stream through every layer (updated in place);

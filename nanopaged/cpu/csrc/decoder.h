@@ -13,9 +13,8 @@
 // caller holds.
 enum class LinearKind { DPBF16, QUANTIZED, CALLBACK };
 
-// LoRA (nanopaged/lora/layers.py): the step's rows of each adapter slot, and beside a linear each slot's
-// update y[rows] += B (A x[rows]) * scaling, A and B packed for linear_bf16 (no A: the slot's adapter
-// leaves this projection alone). Its reference is LoRALinear.forward with Dpbf16SlotWeights.
+// LoRA: the step's rows of each adapter slot; beside a linear, each slot's y[rows] += B (A x[rows]) * scaling,
+// A and B packed for linear_bf16 (no A: its adapter leaves the projection alone). lora/layers.py: LoRALinear.
 using LoraGroups = std::vector<std::pair<int64_t, torch::Tensor>>;      // (slot, its rows)
 struct LoraSlots {
   std::vector<torch::Tensor> a, b;
@@ -23,7 +22,6 @@ struct LoraSlots {
   std::vector<double> scaling;
   explicit LoraSlots(int64_t slots) : a(slots), b(slots), a_rows(slots), scaling(slots) {}
   void set(int64_t slot, torch::Tensor a_packed, torch::Tensor b_packed, int64_t rows, double s);
-  bool active(const LoraGroups& groups) const;
   void add(torch::Tensor& y, const torch::Tensor& x, const LoraGroups& groups) const;
 };
 
