@@ -13,9 +13,10 @@ rows are gathered and multiplied together: the step's work is one pair of small 
 not per row, and never a per-row copy of A and B (Punica's and S-LoRA's gather would make one:
 rows x rank x features each; docs/12_lora.md).
 
-The fused projections hold several of Hugging Face's: qkv_proj is q, k and v. Their updates stack
-into one A (the parts' A's one under the other) and one block-diagonal B, so a fused projection
-also costs one pair of matmuls; a part the adapter leaves alone has zeros there, adding exactly 0.
+The fused projections hold several of Hugging Face's: qkv_proj is q, k and v. Their A's stack into
+one A, so one shrink serves them all; in the reference their B's form one block-diagonal B (a part
+the adapter leaves alone has zeros there, adding exactly 0), while the bfloat16 kernel expands each
+part the adapter has into its own columns and reads no zero block.
 
 Two kernels for the pair, chosen by the manager (lora/manager.py) from the fast path: nanopaged's
 bfloat16 kernel where the linears run on it (each row computed alone: the update keeps batch
@@ -44,28 +45,30 @@ class StepAdapters:
 
 @dataclass
 class SlotWeights:
-    """One adapter's update of one projection: x -> B (A x) * scaling, with F.linear."""
+    """One adapter's update of one projection, with F.linear: y[rows] += B (A x) * scaling."""
     a: torch.Tensor      # (rank x parts, in_features)
     b: torch.Tensor      # (out_features, rank x parts), block-diagonal over the parts
     scaling: float
 
-    def update(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.a), self.b) * self.scaling
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> None:   # x: the rows' inputs
+        y.index_add_(0, rows, F.linear(F.linear(x, self.a), self.b) * self.scaling)
 
 
 @dataclass
 class Dpbf16SlotWeights:
-    """The same update on nanopaged's bfloat16 kernel (cpu/linear.py: Dpbf16Linear), A and B packed once."""
+    """The same update on nanopaged's bfloat16 kernel (cpu/linear.py: Dpbf16Linear), packed once. Only the
+    parts the adapter adapts, each expanded into its own columns: no zero block of B is read."""
     ops: object
-    a: torch.Tensor
-    b: torch.Tensor
-    a_rows: int
-    out_features: int
+    a: torch.Tensor                            # the parts' A, one under the other, each `rank` rows
+    rank: int                                  # even: the kernel reads pairs (an odd rank padded with zeros)
+    parts: list[tuple[torch.Tensor, int, int]]  # each part's packed B, and its first column and width in y
     scaling: float
 
-    def update(self, x: torch.Tensor) -> torch.Tensor:
-        shrunk = self.ops.linear_bf16(x, self.a, NO_BIAS, self.a_rows)
-        return self.ops.linear_bf16(shrunk, self.b, NO_BIAS, self.out_features) * self.scaling
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> None:
+        shrunk = self.ops.linear_bf16(x, self.a, NO_BIAS, self.rank * len(self.parts))
+        for i, (b, start, width) in enumerate(self.parts):
+            d = self.ops.linear_bf16(shrunk[:, i * self.rank:(i + 1) * self.rank], b, NO_BIAS, width)
+            y[:, start:start + width].index_add_(0, rows, d * self.scaling)
 
 
 NO_BIAS = torch.empty(0)
@@ -80,6 +83,8 @@ class LoRALinear(nn.Module):
         self.base, self.layer, self.parts, self.step, self.device = base, layer, parts, step, device
         self.in_features, self.out_features = base.in_features, base.out_features
         self.shard_sizes = getattr(base, "shard_sizes", None)
+        widths = self.shard_sizes or [self.out_features]
+        self.columns = [(sum(widths[:i]), w) for i, w in enumerate(widths)]   # each part's first column, width
         self.ops = ops            # the C++ kernels: the updates run on nanopaged's bfloat16 kernel
         self.slots: list[SlotWeights | Dpbf16SlotWeights | None] = [None] * max_loras
         # the same updates as the fused layer loop holds them (csrc/decoder.h: LoraSlots), when it runs
@@ -90,33 +95,30 @@ class LoRALinear(nn.Module):
         for slot, rows in self.step.groups:
             weights = self.slots[slot]
             if weights is not None:           # None: this adapter leaves the projection as it is
-                y.index_add_(0, rows, weights.update(x.index_select(0, rows)))
+                weights.add_to(y, x.index_select(0, rows), rows)
         return y
 
     def load(self, slot: int, adapter) -> None:
         """Put the adapter's update of this projection (if it has one) into `slot`."""
-        pairs = [adapter.weights.get((self.layer, part)) for part in self.parts]
-        present = [p for p in pairs if p is not None]
-        self.slots[slot] = None
-        if present:
-            dtype, widths = present[0][0].dtype, self.shard_sizes or [self.out_features]
-            a = torch.cat([p[0] if p else torch.zeros(adapter.rank, self.in_features, dtype=dtype) for p in pairs])
-            b = torch.block_diag(*[p[1] if p else torch.zeros(w, adapter.rank, dtype=dtype)
-                                   for p, w in zip(pairs, widths)])
-            self.slots[slot] = self.slot_weights(a.to(self.device), b.to(self.device), adapter.scaling)
+        pairs = [adapter.weights.get((self.layer, part)) for part in self.parts]   # None: a part left alone
+        self.slots[slot] = self.slot_weights(pairs, adapter.rank, adapter.scaling) if any(pairs) else None
         if self.cpp_slots is not None:
             w = self.slots[slot]
-            self.cpp_slots.set(slot, *((w.a, w.b, w.a_rows, w.scaling) if w else (NO_BIAS, NO_BIAS, 0, 0.0)))
+            self.cpp_slots.set(slot, *((w.a, w.rank, w.scaling, w.parts) if w else (NO_BIAS, 0, 0.0, [])))
 
-    def slot_weights(self, a: torch.Tensor, b: torch.Tensor, scaling: float):
-        """On nanopaged's bfloat16 kernel, A and B packed, the rank padded to an even depth with a zero row
-        of A and a zero column of B (it reads pairs of values; a zero adds exactly nothing); else F.linear."""
-        if self.ops is None:
+    def slot_weights(self, pairs, rank: int, scaling: float):
+        pairs = [p and (p[0].to(self.device), p[1].to(self.device)) for p in pairs]
+        if self.ops is None:          # the reference: one A, one block-diagonal B, zeros for a part left alone
+            dtype = next(p for p in pairs if p)[0].dtype
+            zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=self.device)   # noqa: E731
+            a = torch.cat([p[0] if p else zeros(rank, self.in_features) for p in pairs])
+            b = torch.block_diag(*[p[1] if p else zeros(width, rank) for p, (_, width) in zip(pairs, self.columns)])
             return SlotWeights(a, b, scaling)
-        if a.shape[0] % 2:
-            a, b = F.pad(a, (0, 0, 0, 1)), F.pad(b, (0, 1))
-        return Dpbf16SlotWeights(self.ops, self.ops.pack_bf16_weight(a), self.ops.pack_bf16_weight(b), a.shape[0],
-                                 b.shape[0], scaling)
+        # nanopaged's kernel reads pairs of values: an odd rank gets a zero row of A and a zero column of B
+        pad, present = rank % 2, [(p, column) for p, column in zip(pairs, self.columns) if p]
+        a = self.ops.pack_bf16_weight(torch.cat([F.pad(p[0], (0, 0, 0, pad)) for p, _ in present]))
+        parts = [(self.ops.pack_bf16_weight(F.pad(p[1], (0, pad))), start, width) for p, (start, width) in present]
+        return Dpbf16SlotWeights(self.ops, a, rank + pad, parts, scaling)
 
 
 def wrap_linears(model: nn.Module, max_loras: int, step: StepAdapters, device: torch.device,

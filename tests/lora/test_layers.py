@@ -65,19 +65,20 @@ def dpbf16_base():
 
 
 def test_the_bfloat16_kernels_update_is_close_to_f_linears():
+    """The kernel expands only the parts the adapter has (q and v here); the reference reads a block-diagonal B."""
     base, ops = dpbf16_base()
-    fast, step = qkv_layer(base, ops=ops)
-    fast.load(0, adapter(1, ["q_proj", "k_proj", "v_proj"], torch.bfloat16))
-    assert isinstance(fast.slots[0], Dpbf16SlotWeights)
-    ref = SlotWeights(*_unpacked(adapter(1, ["q_proj", "k_proj", "v_proj"], torch.bfloat16)), 0.5)
-    x = torch.randn(7, IN).to(torch.bfloat16)
-    torch.testing.assert_close(fast.slots[0].update(x).float(), ref.update(x).float(), rtol=2e-2, atol=2e-1)
-
-
-def _unpacked(ad):
-    a = torch.cat([ad.weights[(0, p)][0] for p in ("q_proj", "k_proj", "v_proj")])
-    b = torch.block_diag(*[ad.weights[(0, p)][1] for p in ("q_proj", "k_proj", "v_proj")])
-    return a, b
+    fast, _ = qkv_layer(base, ops=ops)
+    ref, _ = qkv_layer(base)
+    for layer in (fast, ref):
+        layer.load(0, adapter(1, ["q_proj", "v_proj"], torch.bfloat16))
+    assert isinstance(fast.slots[0], Dpbf16SlotWeights) and isinstance(ref.slots[0], SlotWeights)
+    assert [(start, width) for _, start, width in fast.slots[0].parts] == [(0, Q), (Q + KV, KV)]
+    x, rows = torch.randn(7, IN).to(torch.bfloat16), torch.arange(7)
+    got, want = torch.zeros(7, Q + 2 * KV, dtype=torch.bfloat16), torch.zeros(7, Q + 2 * KV, dtype=torch.bfloat16)
+    fast.slots[0].add_to(got, x, rows)
+    ref.slots[0].add_to(want, x, rows)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-1)
+    assert not got[:, Q:Q + KV].any()                     # k: left alone
 
 
 def test_a_rows_result_is_the_same_bits_at_every_row_count_and_beside_any_adapter():

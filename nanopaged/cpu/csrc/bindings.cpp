@@ -48,7 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("fn", &Linear::fn).def_readwrite("lora", &Linear::lora)
       .def("__call__", &Linear::operator(), py::arg("x"), py::arg("groups") = LoraGroups{});
   py::class_<LoraSlots, std::shared_ptr<LoraSlots>>(m, "LoraSlots", py::module_local())
-      .def(py::init<int64_t>()).def("set", &LoraSlots::set, "put an adapter's packed A and B into a slot")
+      .def(py::init<int64_t>()).def("set", &LoraSlots::set, "put an adapter's packed A and B's into a slot")
       .def("add", [](const LoraSlots& s, torch::Tensor y, const torch::Tensor& x, const LoraGroups& g) { s.add(y, x, g); });
   py::class_<Layer>(m, "Layer", py::module_local())
       .def(py::init<>())

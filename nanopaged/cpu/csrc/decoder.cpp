@@ -38,19 +38,13 @@ torch::Tensor Linear::silu_mul(const torch::Tensor& x, const LoraGroups& groups)
   return silu_and_mul((*this)(x, groups));
 }
 
-void LoraSlots::set(int64_t slot, torch::Tensor a_packed, torch::Tensor b_packed, int64_t rows, double s) {
-  TORCH_CHECK(slot >= 0 && slot < int64_t(a.size()), "LoraSlots.set: slot ", slot, " out of range");
-  a[slot] = a_packed, b[slot] = b_packed, a_rows[slot] = rows, scaling[slot] = s;
-}
-
-// y[rows[i]] += d[i] * s, rounded to bfloat16 after the product and after the sum, as torch's mul and
-// index_add_ round them (LoRALinear.forward's last two ops), in one pass over the rows
-static void add_scaled_rows(torch::Tensor& y, const torch::Tensor& rows, const torch::Tensor& d, float s) {
+// y[rows[i], start:] += d[i] * s, rounded to bfloat16 after the product and after the sum, as torch's mul
+// and index_add_ round them (Dpbf16SlotWeights.add_to's last two ops), in one pass over the rows
+static void add_scaled_rows(torch::Tensor& y, const torch::Tensor& rows, const torch::Tensor& d, float s, int64_t start) {
   TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.stride(1) == 1 && d.is_contiguous(), "LoRA: y must be bfloat16 rows");
-  const int64_t n = d.size(0), width = y.size(1), y_row = y.stride(0);
-  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t n = d.size(0), width = d.size(1);
   for (int64_t i = 0; i < n; ++i) {
-    bf16* yr = y.data_ptr<bf16>() + r[i] * y_row;
+    bf16* yr = y.data_ptr<bf16>() + rows.data_ptr<int64_t>()[i] * y.stride(0) + start;
     const bf16* dr = d.data_ptr<bf16>() + i * width;
     int64_t c = 0;
     for (; c + 16 <= width; c += 16)
@@ -60,7 +54,7 @@ static void add_scaled_rows(torch::Tensor& y, const torch::Tensor& rows, const t
 }
 
 // The step's rows of every slot that updates this projection, gathered once, slot after slot; each
-// slot's run shrunk to its rank, expanded, scaled and added: LoRALinear.forward's values.
+// slot's run shrunk, each part expanded, scaled and added: Dpbf16SlotWeights.add_to's values.
 void LoraSlots::add(torch::Tensor& y, const torch::Tensor& x, const LoraGroups& groups) const {
   std::vector<torch::Tensor> rows;
   std::vector<int64_t> slots;
@@ -68,12 +62,15 @@ void LoraSlots::add(torch::Tensor& y, const torch::Tensor& x, const LoraGroups& 
     if (a[slot].defined() && a[slot].numel()) rows.push_back(r), slots.push_back(slot);
   if (rows.empty()) return;
   auto xs = x.index_select(0, rows.size() == 1 ? rows[0] : torch::cat(rows));
-  std::vector<int64_t> starts(1, 0);
+  std::vector<int64_t> starts{0};                                     // each slot's first row in xs
   for (const auto& r : rows) starts.push_back(starts.back() + r.size(0));
   auto run = [&](int64_t i) {        // slot i's rows; the rows of two slots never meet, so any order is one
-    const int64_t s = slots[i];
-    auto shrunk = linear_bf16(xs.narrow(0, starts[i], rows[i].size(0)), a[s], torch::Tensor(), a_rows[s]);
-    add_scaled_rows(y, rows[i], linear_bf16(shrunk, b[s], torch::Tensor(), y.size(1)), float(scaling[s]));
+    const int64_t s = slots[i], r = rank[s];
+    auto shrunk = linear_bf16(xs.narrow(0, starts[i], rows[i].size(0)), a[s], torch::Tensor(), r * parts[s].size());
+    for (size_t p = 0; p < parts[s].size(); ++p) {
+      const auto& [b, start, width] = parts[s][p];
+      add_scaled_rows(y, rows[i], linear_bf16(shrunk.narrow(1, p * r, r), b, {}, width), float(scaling[s]), start);
+    }
   };
   // A few rows a slot (decode): the slots side by side on the threads, each product on one, since a
   // product this small costs less than waking the threads for it; else each product on every thread.

@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 // A linear is one of: nanopaged's bfloat16 kernel (DPBF16); a quantized weight, at every row count
@@ -13,15 +14,19 @@
 // caller holds.
 enum class LinearKind { DPBF16, QUANTIZED, CALLBACK };
 
-// LoRA: the step's rows of each adapter slot; beside a linear, each slot's y[rows] += B (A x[rows]) * scaling,
-// A and B packed for linear_bf16 (no A: its adapter leaves the projection alone). lora/layers.py: LoRALinear.
+// LoRA (lora/layers.py): each slot's y[rows] += B (A x[rows]) * scaling, for linear_bf16: the parts' A stacked,
+// a B per part the adapter has, into its columns (start, width) of y. No A: the projection left alone.
 using LoraGroups = std::vector<std::pair<int64_t, torch::Tensor>>;      // (slot, its rows)
+using LoraPart = std::tuple<torch::Tensor, int64_t, int64_t>;            // (packed B, start, width)
 struct LoraSlots {
-  std::vector<torch::Tensor> a, b;
-  std::vector<int64_t> a_rows;
+  std::vector<torch::Tensor> a;
+  std::vector<int64_t> rank;
   std::vector<double> scaling;
-  explicit LoraSlots(int64_t slots) : a(slots), b(slots), a_rows(slots), scaling(slots) {}
-  void set(int64_t slot, torch::Tensor a_packed, torch::Tensor b_packed, int64_t rows, double s);
+  std::vector<std::vector<LoraPart>> parts;
+  explicit LoraSlots(int64_t slots) : a(slots), rank(slots), scaling(slots), parts(slots) {}
+  void set(int64_t slot, torch::Tensor a_packed, int64_t r, double s, std::vector<LoraPart> b_parts) {
+    a.at(slot) = a_packed, rank[slot] = r, scaling[slot] = s, parts[slot] = std::move(b_parts);   // at: checked
+  }
   void add(torch::Tensor& y, const torch::Tensor& x, const LoraGroups& groups) const;
 };
 
