@@ -198,6 +198,8 @@ def check_quantization(cfg: "EngineConfig") -> str | None:
 def check_tensor_parallel(m: ModelConfig, size: int, device: str) -> None:
     """Before any process starts: every rank must get whole heads and an equal share of the MLP
     (Megatron's split, the paper's section 4.6), and on CUDA a device of its own."""
+    if m.moe is not None and size > 1:
+        raise ValueError(f"tensor_parallel_size={size}: nanopaged does not shard a mixture of experts' experts yet")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         if getattr(m, name) % size:
             raise ValueError(f"tensor_parallel_size={size} must divide the model's {name}={getattr(m, name)}")

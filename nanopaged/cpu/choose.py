@@ -76,7 +76,8 @@ def choose(config) -> FastPath:
     cannot run here and why. Nothing is built unless a fast path is a candidate."""
     asked = asked_batch_invariance(config.batch_invariant)
     linear = choose_linear(config.cpu_linear, config.device, config.dtype, invariant=asked is not False)
-    layers = choose_layers(config.cpu_kernels, config.device, linear, config.attention_backend, config.block_size)
+    layers = choose_layers(config.cpu_kernels, config.device, linear, config.attention_backend, config.block_size,
+                           dense=config.model_config.moe is None)
     attention = "cpu" if layers == "fused" else config.attention_backend
     attention = resolve_attention_backend(attention, config.device, config.dtype)
     if attention == "cpu":
@@ -146,12 +147,17 @@ def dpbf16_builds() -> bool:
     return available() is None and bool(cpu_ops().has_avx512_bf16)
 
 
-def choose_layers(name: str, device: str, linear: str, attention_backend: str, block_size: int = 16) -> str:
+def choose_layers(name: str, device: str, linear: str, attention_backend: str, block_size: int = 16,
+                  dense: bool = True) -> str:
     """auto: fused where the linears are packed (the path that is not held to Hugging Face token
-    for token anyway), the attention backend is left to choose and the kernels build."""
+    for token anyway), the attention backend is left to choose, the kernels build and the MLPs are
+    dense (a mixture of experts runs the reference layers: models/moe.py)."""
     candidate = device == "cpu" and linear != "reference" and attention_backend in ("auto", "cpu") and block_size >= 2
-    if name == "reference" or (name == "auto" and not candidate):
+    if name == "reference" or (name == "auto" and not (candidate and dense)):
         return "reference"
+    if not dense:
+        raise ValueError("cpu_kernels='fused' runs dense MLPs; a mixture-of-experts model runs the reference layers "
+                         "(cpu_kernels='auto' or 'reference')")
     from nanopaged.cpu.build import available     # only when the fast path is a candidate
     if name == "auto":
         return "fused" if available() is None else "reference"

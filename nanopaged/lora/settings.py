@@ -13,6 +13,9 @@ def check_lora_settings(cfg) -> None:
     check_range("max_cpu_loras", cfg.max_cpu_loras, cfg.max_loras, integer=True, optional=True)
     if cfg.max_cpu_loras is None:
         cfg.max_cpu_loras = cfg.max_loras
+    if cfg.model_config.moe is not None:
+        raise ValueError("enable_lora=True runs on dense models: nanopaged applies no adapter to a mixture of "
+                         "experts' experts")
     if cfg.tensor_parallel_size > 1:
         raise ValueError(f"enable_lora=True runs in one process: with tensor_parallel_size="
                          f"{cfg.tensor_parallel_size} the ranks hold slices of each linear, and nanopaged does "

@@ -10,18 +10,27 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-# architecture -> (q/k/v projections have a bias, per-head RMSNorm on q and k)
+if TYPE_CHECKING:
+    from nanopaged.models.moe import MoEConfig
+
+# architecture -> (q/k/v projections have a bias, RMSNorm on q and k: per "head", over the whole "projection")
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": (False, False),
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
-    "Qwen3ForCausalLM": (False, True),
+    "Qwen3ForCausalLM": (False, "head"),
+    "Qwen3MoeForCausalLM": (False, "head"),          # mixtures of experts: models/moe.py
+    "MixtralForCausalLM": (False, False),
+    "OlmoeForCausalLM": (False, "projection"),
 }
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # config.json's model_type -> its architecture, for configs that leave out "architectures"
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+               "olmoe": "OlmoeForCausalLM"}
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -41,8 +50,9 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
-    qk_norm: bool
+    qk_norm: bool | str                 # False, "head" or "projection"
     eos_token_ids: tuple[int, ...]
+    moe: MoEConfig | None = None        # the experts of a mixture-of-experts model (models/moe.py)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -65,7 +75,7 @@ class ModelConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only 'silu'")
         window = cfg.get("sliding_window")
-        if window is not None and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
+        if window is not None and cfg.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM")):
             raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported")
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         for name in REQUIRED_FIELDS:
@@ -95,6 +105,7 @@ class ModelConfig:
             qkv_bias=cfg.get("attention_bias", qkv_bias),
             qk_norm=qk_norm,
             eos_token_ids=eos_token_ids,
+            moe=_moe(cfg, arch),
         )
 
     def kv_bytes_per_token(self, bytes_per_value: int) -> int:
@@ -111,6 +122,13 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; nanopaged supports "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     return float(theta), (None if rope_type == "default" else {**params, "rope_type": rope_type})
+
+
+def _moe(cfg: dict, arch: str) -> MoEConfig | None:
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    from nanopaged.models.moe import moe_config       # read only for a mixture of experts
+    return moe_config(cfg, arch)
 
 
 def _as_tuple(x) -> tuple[int, ...]:

@@ -90,9 +90,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.qkv_proj.shard_sizes = [q_size, kv_size, kv_size]      # read by the loader
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:   # Qwen3: RMSNorm over each head's q and k before RoPE
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:   # Qwen3: RMSNorm over each head's q and k before RoPE; OLMoE: over the whole q and k
+            whole = cfg.qk_norm == "projection"
+            self.q_norm = RMSNorm(q_size if whole else self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(kv_size if whole else self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.backend = backend
         self.scale = self.head_dim ** -0.5
@@ -101,9 +102,11 @@ class Attention(nn.Module):
         n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         q_size, kv_size, _ = self.qkv_proj.shard_sizes
         qk, v = self.qkv_proj(x).split([q_size + kv_size, kv_size], dim=-1)
+        if self.qk_norm == "projection":
+            qk = torch.cat((self.q_norm(qk[:, :q_size]), self.k_norm(qk[:, q_size:])), dim=1)
         qk = qk.view(n, heads + kv_heads, self.head_dim)      # q's heads, then k's
         v = v.view(n, kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm == "head":
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         # One rotation for q's and k's heads together: the same cos/sin per position, half the ops.
         q, k = apply_rotary(qk, rope).split([heads, kv_heads], dim=1)
@@ -124,12 +127,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend) -> None:
+    def __init__(self, cfg: ModelConfig, backend, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        if cfg.moe is not None and index not in cfg.moe.dense_layers:   # a mixture of experts (models/moe.py)
+            from nanopaged.models.moe import SparseMoeBlock
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x, rope, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
@@ -142,7 +149,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg, max_len)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta):

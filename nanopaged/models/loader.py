@@ -19,6 +19,8 @@ PACKED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+# Mixtral's names for the same parts (its MoE block and each expert's gate, down and up projections)
+RENAMED = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
 def load_weights(model: nn.Module, folder: str | Path, read=None) -> None:
@@ -56,7 +58,8 @@ def _load_file(file: Path, params, loaded, model, read) -> None:
 
 
 def _load_one(params, name, tensor, loaded, model) -> None:
-    parts = name.split(".")
+    parts = [RENAMED.get(part, part) for part in name.split(".")]
+    name = ".".join(parts)
     for i, part in enumerate(parts):
         if part in PACKED:
             fused, shard = PACKED[part]

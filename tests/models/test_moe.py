@@ -1,0 +1,127 @@
+"""Mixtures of experts (nanopaged/models/moe.py): tiny random Qwen3-MoE, Mixtral and OLMoE models saved by
+transformers as they ship (experts stored one by one), greedy output token for token equal to Hugging Face
+in float32, alone and under chunked prefill, preemption and the prefix cache; the routing block against
+transformers' own on ties, an expert nobody chose, one token and many; every config this code does not
+compute refused by name."""
+import json
+
+import pytest
+import torch
+
+from conftest import EOS_TOKEN_ID, _randomize, _tiny_tokenizer, make_prompts
+from nanopaged import LLM, SamplingParams
+from nanopaged.models.config import ModelConfig
+from nanopaged.models.moe import MoEConfig, SparseMoeBlock
+
+COMMON = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID,
+              tie_word_embeddings=False, dtype="float32")
+
+
+def configs(vocab_size):
+    from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+    return {
+        # 8 experts, top-2 renormalised, head_dim 32, the middle layer dense (mlp_only_layers)
+        "qwen3_moe": Qwen3MoeConfig(vocab_size=vocab_size, **COMMON, head_dim=32, intermediate_size=96,
+                                    moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                    norm_topk_prob=True, mlp_only_layers=[1]),
+        # 4 experts, top-2, weights kept in float32
+        "mixtral": MixtralConfig(vocab_size=vocab_size, **COMMON, intermediate_size=48, num_local_experts=4,
+                                 num_experts_per_tok=2, sliding_window=None),
+        # 16 experts, top-4, not renormalised, q/k norm over the whole projection
+        "olmoe": OlmoeConfig(vocab_size=vocab_size, **COMMON, intermediate_size=32, num_experts=16,
+                             num_experts_per_tok=4),
+    }
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    tokenizer, root, dirs = _tiny_tokenizer(), tmp_path_factory.mktemp("moe"), {}
+    for name, config in configs(len(tokenizer)).items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _randomize(model)
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe"])
+def test_greedy_tokens_equal_hugging_face(moe_dirs, hf_greedy, name):
+    prompts = make_prompts(512, n=6, seed=7)
+    llm = LLM(moe_dirs[name], dtype="float32")
+    assert llm.get_stats()["cpu_kernels"] == "reference"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(moe_dirs[name], prompts, 12)
+
+
+def test_chunked_prefill_preemption_and_the_prefix_cache_keep_the_tokens(moe_dirs, hf_greedy):
+    prompts = make_prompts(512, n=6, seed=8, min_len=20, max_len=60)
+    prompts += [prompts[0][:40] + [9, 9]]                      # shares a prefix with the first
+    want = hf_greedy(moe_dirs["olmoe"], prompts, 12)
+    llm = LLM(moe_dirs["olmoe"], dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=24)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+
+
+def block_pair(experts, top_k, norm, tokens, tie=False):
+    """transformers' Qwen3-MoE block and nanopaged's with the same weights, and an input."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    config = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=experts, num_experts_per_tok=top_k,
+                            norm_topk_prob=norm)
+    torch.manual_seed(1)
+    theirs = Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.5)
+        if tie:
+            theirs.gate.weight[1:3] = theirs.gate.weight[0]     # experts 0, 1, 2 score alike for every token
+    ours = SparseMoeBlock(16, MoEConfig(experts, top_k, 8, norm, False, frozenset()))
+    with torch.no_grad():
+        ours.gate.weight.copy_(theirs.gate.weight)
+        for e, expert in enumerate(ours.experts):
+            expert.gate_up_proj.weight.copy_(theirs.experts.gate_up_proj[e])
+            expert.down_proj.weight.copy_(theirs.experts.down_proj[e])
+    return theirs, ours, torch.randn(1, tokens, 16)
+
+
+@pytest.mark.parametrize("experts, top_k, norm, tokens, tie", [
+    (8, 2, True, 1, False), (8, 2, False, 300, False), (6, 3, True, 40, True), (64, 2, False, 3, False)])
+def test_the_routing_block_equals_transformers(experts, top_k, norm, tokens, tie):
+    theirs, ours, x = block_pair(experts, top_k, norm, tokens, tie)
+    with torch.no_grad():
+        want, got = theirs(x)[0], ours(x[0])
+        chosen = ours.route(x[0])[1]
+    assert torch.equal(got, want)
+    if experts == 64:
+        assert len(chosen.unique()) < experts                  # experts no token chose are skipped
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("shared_expert_intermediate_size", 64, "shared experts"),
+    ("n_group", 4, "grouped top-k"),
+    ("clip_qkv", 8.0, "clip_qkv"),
+    ("num_experts_per_tok", 99, "num_experts_per_tok=99 is more than the 16 experts"),
+])
+def test_a_config_this_code_does_not_compute_is_refused_by_name(moe_dirs, field, value, named):
+    cfg = json.loads((__import__("pathlib").Path(moe_dirs["olmoe"]) / "config.json").read_text())
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_dict({**cfg, field: value})
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"cpu_kernels": "fused", "dtype": "bfloat16"}, "cpu_kernels='fused' runs dense MLPs"),
+    ({"tensor_parallel_size": 2}, "does not shard a mixture of experts"),
+    ({"enable_lora": True}, "enable_lora=True runs on dense models"),
+])
+def test_settings_moe_cannot_run_with_are_refused_by_name(moe_dirs, kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        LLM(moe_dirs["mixtral"], **{"dtype": "float32", **kwargs})
