@@ -186,11 +186,16 @@ def check_quantization(cfg: "EngineConfig") -> str | None:
     m, group = cfg.model_config, cfg.quantization_group_size
     widths = {"hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
               "heads x head_dim": m.num_attention_heads * m.head_dim}
+    if m.moe is not None:
+        widths["moe_intermediate_size"] = m.moe.intermediate_size
     for name, width in widths.items():
         if cfg.quantization == "int4" and width % group:
             raise ValueError(f"quantization_group_size={group} must divide the model's {name}={width}")
     if cfg.quantization != "gguf":
         return None
+    if m.moe is not None:
+        raise ValueError("quantization='gguf' reads dense models' GGUF files; a mixture of experts' stacked expert "
+                         "tensors are not read yet (use int4 or int8)")
     from nanopaged.models.gguf import find_gguf
     return find_gguf(cfg.model)
 

@@ -186,6 +186,15 @@ def quantized_linear(method: str, dense: nn.Linear, group_size: int, shipped: tu
     return Int8Linear(dense, *int8_codes(weight, weight.shape[1]))
 
 
+def layer_linears(layer: nn.Module) -> list[str]:
+    """A decoder layer's linears to quantize: LAYER_LINEARS, and in a mixture of experts each expert's
+    gate_up and down (models/moe.py; its router stays dense: one row per expert)."""
+    if not hasattr(layer.mlp, "experts"):
+        return list(LAYER_LINEARS)
+    return [*LAYER_LINEARS[:2], *(f"mlp.experts.{e}.{p}" for e in range(len(layer.mlp.experts))
+                                  for p in ("gate_up_proj", "down_proj"))]
+
+
 def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: str | None) -> dict:
     """Swap the decoder layers' linears for quantized ones, in place (before the dense weights are
     packed), the dense weights dropped. Returns what the load log and get_stats report: the method,
@@ -207,7 +216,7 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
     elif "lm_head" in found:
         left_dense.append(f"lm_head ({NO_Q8_KERNEL})")
     for i, layer in enumerate(model.model.layers):
-        for name in LAYER_LINEARS:
+        for name in layer_linears(layer):
             full = f"model.layers.{i}.{name}"
             if method == "gguf" and full not in found:
                 continue

@@ -4,6 +4,7 @@ in float32, alone and under chunked prefill, preemption and the prefix cache; th
 transformers' own on ties, an expert nobody chose, one token and many; every config this code does not
 compute refused by name."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def test_the_routing_block_equals_transformers(experts, top_k, norm, tokens, tie
     ("num_experts_per_tok", 99, "num_experts_per_tok=99 is more than the 16 experts"),
 ])
 def test_a_config_this_code_does_not_compute_is_refused_by_name(moe_dirs, field, value, named):
-    cfg = json.loads((__import__("pathlib").Path(moe_dirs["olmoe"]) / "config.json").read_text())
+    cfg = json.loads((Path(moe_dirs["olmoe"]) / "config.json").read_text())
     with pytest.raises(ValueError, match=named):
         ModelConfig.from_dict({**cfg, field: value})
 
@@ -125,3 +126,48 @@ def test_a_config_this_code_does_not_compute_is_refused_by_name(moe_dirs, field,
 def test_settings_moe_cannot_run_with_are_refused_by_name(moe_dirs, kwargs, named):
     with pytest.raises(ValueError, match=named):
         LLM(moe_dirs["mixtral"], **{"dtype": "float32", **kwargs})
+
+
+def test_bfloat16_is_close_to_hugging_face_by_vllms_rule(moe_dirs):
+    from conftest import check_logprobs_close, hf_greedy_logprobs, nanopaged_greedy
+    prompts = make_prompts(512, n=4, seed=9)
+    for name in ("qwen3_moe", "olmoe"):
+        llm = LLM(moe_dirs[name], dtype="bfloat16")
+        check_logprobs_close(nanopaged_greedy(llm, prompts, 8), hf_greedy_logprobs(moe_dirs[name], prompts, 8, "bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def dequantized_olmoe(moe_dirs, tmp_path_factory):
+    """The OLMoE folder with every linear nanopaged quantizes replaced by its int4 codes' dequantized values:
+    the dense model the int4 one stands for."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from nanopaged.cpu.quantized_linear import int4_codes
+    folder = tmp_path_factory.mktemp("olmoe-int4-dequantized")
+    model = AutoModelForCausalLM.from_pretrained(moe_dirs["olmoe"], dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layers." in name and ("proj" in name or "experts" in name) and p.dim() >= 2:
+                w = p.reshape(-1, p.shape[-1])
+                codes, scale, zero = int4_codes(w, 32)
+                deq = ((codes.float() - 8).reshape(w.shape[0], -1, 32) * scale[..., None].float()
+                       + zero[..., None].float()).reshape(w.shape)
+                p.copy_(deq.reshape(p.shape))
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(moe_dirs["olmoe"]).save_pretrained(folder)
+    return str(folder)
+
+
+def test_quantized_experts_stay_close_to_the_model_they_stand_for(moe_dirs, dequantized_olmoe):
+    """int8 against the dense model, int4 against its own dequantized weights (vLLM's rule both)."""
+    from conftest import check_logprobs_close, nanopaged_greedy
+    prompts = make_prompts(512, n=4, seed=10)
+    for method, dense_dir in (("int8", moe_dirs["olmoe"]), ("int4", dequantized_olmoe)):
+        llm = LLM(moe_dirs["olmoe"], dtype="bfloat16", quantization=method)
+        assert llm.get_stats()["quantization"]["quantized_linears"] == 3 * (2 + 2 * 16)   # attention, 16 experts x 2
+        check_logprobs_close(nanopaged_greedy(llm, prompts, 8), nanopaged_greedy(LLM(dense_dir, dtype="bfloat16"),
+                                                                                   prompts, 8))
+
+
+def test_a_moe_gguf_file_is_refused_by_name(moe_dirs):
+    with pytest.raises(ValueError, match="mixture of experts' stacked expert tensors"):
+        LLM(moe_dirs["olmoe"], dtype="bfloat16", quantization="gguf")
