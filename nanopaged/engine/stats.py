@@ -35,6 +35,14 @@ class EngineStats:
         # these count from here
         self.bases = {name: ext.stats.copy() for name, ext in self.engine.extensions.items()
                       if name in ("nanopaged.spec_decode", "nanopaged.lora")}
+        self._moe(reset=True)
+
+    def _moe(self, reset: bool = False) -> dict | None:
+        """A mixture of experts' load per expert (models/moe.py: expert_load); None for a dense model."""
+        if self.engine.config.model_config.moe is None:
+            return None
+        from nanopaged.models.moe import expert_load
+        return expert_load(self.engine.runner.model, reset)
 
     def since_reset(self, name: str):
         """An extension's counters since the last reset, where the engine has it; else None."""
@@ -113,6 +121,7 @@ class EngineStats:
             "spec_decode": spec.as_dict() if (spec := self.spec_decode_stats()) else None,
             # enable_lora: adapters in memory and in slots, folders read, slot loads and waits, active per step
             "lora": lora.as_dict() if (lora := self.since_reset("nanopaged.lora")) else None,
+            "moe": self._moe(),                                   # a mixture of experts: tokens per expert
         }
 
     def prefix_cache_hit_rate(self) -> float:

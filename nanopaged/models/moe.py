@@ -83,6 +83,7 @@ class SparseMoeBlock(nn.Module):
         self.moe = moe
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False)      # the router
         self.experts = nn.ModuleList(Expert(hidden, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.tokens_per_expert = [0] * moe.num_experts                 # the load each expert took (expert_load)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts (tokens, k) and their weights: softmax in float32, top-k, renormalised
@@ -100,4 +101,17 @@ class SparseMoeBlock(nn.Module):
             token, k = torch.where(chosen == expert)                 # the tokens that chose it, and at which rank
             y = self.experts[expert](x[token]) * weights[token, k, None]
             out.index_add_(0, token, y.to(x.dtype))
+            self.tokens_per_expert[expert] += len(token)
         return out
+
+
+def expert_load(model: nn.Module, reset: bool = False) -> dict:
+    """get_stats()["moe"]: the tokens each expert of each MoE layer took since the last reset, and how uneven
+    the load was (the busiest expert's tokens over the mean: 1.0 is perfectly even)."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    loads = [list(b.tokens_per_expert) for b in blocks]
+    if reset:
+        for b in blocks:
+            b.tokens_per_expert = [0] * b.moe.num_experts
+    busiest = [max(load) * len(load) / sum(load) for load in loads if sum(load)]
+    return {"tokens_per_expert": loads, "max_over_mean": max(busiest) if busiest else 0.0}

@@ -171,3 +171,16 @@ def test_quantized_experts_stay_close_to_the_model_they_stand_for(moe_dirs, dequ
 def test_a_moe_gguf_file_is_refused_by_name(moe_dirs):
     with pytest.raises(ValueError, match="mixture of experts' stacked expert tensors"):
         LLM(moe_dirs["olmoe"], dtype="bfloat16", quantization="gguf")
+
+
+def test_get_stats_counts_the_tokens_each_expert_took(moe_dirs):
+    llm = LLM(moe_dirs["qwen3_moe"], dtype="float32", enable_prefix_caching=False)
+    assert llm.get_stats()["moe"]["max_over_mean"] == 0.0    # nothing routed yet
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 3, GREEDY, use_tqdm=False)
+    load = llm.get_stats()["moe"]
+    computed = 3 * (4 + 12 - 1)                               # every prompt token and every output but the last
+    assert len(load["tokens_per_expert"]) == 2                # layers 0 and 2: layer 1 is dense (mlp_only_layers)
+    assert all(sum(layer) == 2 * computed for layer in load["tokens_per_expert"])     # top-2
+    assert load["max_over_mean"] >= 1.0 and all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    llm.reset_stats()
+    assert all(sum(layer) == 0 for layer in llm.get_stats()["moe"]["tokens_per_expert"])
