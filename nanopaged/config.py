@@ -215,12 +215,13 @@ def check_tensor_parallel(m: ModelConfig, size: int, device: str) -> None:
                              "CUDA devices here (one rank per device)")
 
 
-def check_memory_fits(nbytes: int, device: str, what: str) -> None:
+def check_memory_fits(nbytes: int, device: str, what: str,
+                      advice: str = "lower num_kv_blocks or kv_cache_memory_bytes") -> None:
     """A ValueError before allocating `nbytes` on `device` if they are not free there."""
     free = _free_memory(device)
     if free is not None and nbytes > free:
-        raise ValueError(f"{what} needs {nbytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB "
-                         f"of {device} memory is free; lower num_kv_blocks or kv_cache_memory_bytes")
+        raise ValueError(f"{what} needs {nbytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB of {device} memory "
+                         f"is free ({nbytes:,} bytes needed, {free:,} available); {advice}")
 
 
 def _free_memory(device: str) -> int | None:

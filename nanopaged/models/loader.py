@@ -8,6 +8,7 @@ as vLLM's `packed_modules_mapping` does. Every parameter must be loaded exactly 
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -45,6 +46,18 @@ def load_weights(model: nn.Module, folder: str | Path, read=None) -> None:
     if missing:
         raise ValueError(f"weights missing from {folder}: {', '.join(missing[:5])}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def weight_bytes(folder: str | Path, dtype: torch.dtype) -> int:
+    """The bytes the checkpoint's tensors take in `dtype`, from the files' headers alone (nothing is read)."""
+    total = 0
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+        except Exception:       # an unreadable file is load_weights' to report, by name
+            continue
+    return total * dtype.itemsize
 
 
 def _load_file(file: Path, params, loaded, model, read) -> None:

@@ -33,7 +33,7 @@ from nanopaged.core.scheduler import SchedulerOutput
 from nanopaged.cpu.choose import FastPath, choose
 from nanopaged.models.config import ModelConfig
 from nanopaged.models.llama import LlamaForCausalLM
-from nanopaged.models.loader import load_weights
+from nanopaged.models.loader import load_weights, weight_bytes
 from nanopaged.sampling_params import SamplingParams
 
 
@@ -67,8 +67,7 @@ class ModelRunner:
         self.device = device or torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.kv_cache_dtype = getattr(torch, KV_CACHE_DTYPES[config.kv_cache_dtype] or config.dtype)
-        # What runs in place of the reference: the kernels this machine and the settings choose
-        self.fast_path: FastPath = choose(config)
+        self.fast_path: FastPath = choose(config)     # what runs in place of the reference, on this machine
         self.before_forward: list = []    # called with (SchedulerOutput, ModelInput) before each forward
         self.backend = load_attention_backend(self.fast_path.attention_backend)
         self.model = self.load_model()
@@ -83,6 +82,8 @@ class ModelRunner:
             return LlamaForCausalLM(self.model_config, self.backend, self.config.max_model_len)
 
     def load_model(self) -> nn.Module:
+        check_memory_fits(weight_bytes(self.config.model, self.dtype), self.device.type, "the model's weights",
+                          "load a smaller model or dtype")      # before a tensor is made or read
         model = self.build_model().to(self.dtype)
         load_weights(model, self.config.model)
         self.fast_path.apply(model)       # the chosen fast layers swapped in (nanopaged/cpu/choose.py)

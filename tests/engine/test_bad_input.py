@@ -349,6 +349,22 @@ def test_a_kv_cache_larger_than_free_memory_is_refused_before_allocating(tiny_mo
         LLM(tiny_model_dirs["llama"], **kwargs)
 
 
+def test_weights_larger_than_free_memory_are_refused_before_a_tensor_is_read(tiny_model_dirs, monkeypatch):
+    """A model too large for the machine: a ValueError naming the bytes needed and free, before the model is built
+    or a weight read (here the machine is made small, and the loader must not run)."""
+    import torch
+    import nanopaged.config
+    import nanopaged.worker.model_runner as runner
+    from nanopaged.models.loader import weight_bytes
+    need = weight_bytes(tiny_model_dirs["llama"], torch.float32)
+    assert need == 2 * weight_bytes(tiny_model_dirs["llama"], torch.bfloat16) > 100_000
+    monkeypatch.setattr(nanopaged.config, "_free_memory", lambda device: need - 1)
+    monkeypatch.setattr(runner, "load_weights", lambda *a: pytest.fail("a weight was read"))
+    with pytest.raises(ValueError, match=rf"the model's weights needs .* GiB but only .* GiB of cpu memory is free "
+                                         rf"\({need:,} bytes needed, {need - 1:,} available\); load a smaller model"):
+        LLM(tiny_model_dirs["llama"], dtype="float32")
+
+
 def test_gpu_memory_utilization_true_is_refused(tiny_model_dirs):
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be a number, got True"):
         LLM(tiny_model_dirs["llama"], gpu_memory_utilization=True)
