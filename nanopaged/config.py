@@ -193,21 +193,22 @@ def check_quantization(cfg: "EngineConfig") -> str | None:
             raise ValueError(f"quantization_group_size={group} must divide the model's {name}={width}")
     if cfg.quantization != "gguf":
         return None
-    if m.moe is not None:
-        raise ValueError("quantization='gguf' reads dense models' GGUF files; a mixture of experts' stacked expert "
-                         "tensors are not read yet (use int4 or int8)")
-    from nanopaged.models.gguf import find_gguf
+    from nanopaged.models.demo_model import find_gguf
     return find_gguf(cfg.model)
 
 
 def check_tensor_parallel(m: ModelConfig, size: int, device: str) -> None:
     """Before any process starts: every rank must get whole heads and an equal share of the MLP
-    (Megatron's split, the paper's section 4.6), and on CUDA a device of its own."""
-    if m.moe is not None and size > 1:
-        raise ValueError(f"tensor_parallel_size={size}: nanopaged does not shard a mixture of experts' experts yet")
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        if getattr(m, name) % size:
-            raise ValueError(f"tensor_parallel_size={size} must divide the model's {name}={getattr(m, name)}")
+    (Megatron's split, the paper's section 4.6), an equal share of every expert's MLP too,
+    and on CUDA a device of its own."""
+    widths = {"num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_key_value_heads}
+    if m.moe is None or m.moe.dense_layers:       # some layer has a dense MLP of intermediate_size
+        widths["intermediate_size"] = m.intermediate_size
+    if m.moe is not None:                         # each expert is split as a dense MLP is
+        widths["moe_intermediate_size"] = m.moe.intermediate_size
+    for name, value in widths.items():
+        if value % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide the model's {name}={value}")
     if device == "cuda" and size > 1:
         import torch
         if size > torch.cuda.device_count():

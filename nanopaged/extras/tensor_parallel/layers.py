@@ -11,6 +11,8 @@ vocab_parallel_embedding.py):
     embed_tokens, lm_head    vocab-parallel: rank r keeps rows [r * V/N, (r + 1) * V/N) of the
                              vocabulary; the embedding all-reduces (one rank holds each token's
                              row, the others add zeros), the head gathers logits on rank 0
+    experts                  each expert split like a dense MLP, its down_proj not reduced; the
+                             router replicated, and one all-reduce of the block's sum (vLLM's FusedMoE)
 
 Each rank's model is built from a config with 1/N of the heads, KV heads, MLP width and
 vocabulary (`rank_config`), so the plain nn.Linear layers already have a rank's shapes;
@@ -28,16 +30,20 @@ from torch import nn
 from nanopaged.core.block_pool import cdiv
 from nanopaged.extras.tensor_parallel.parallel_state import RankGroup
 from nanopaged.models.config import ModelConfig
+from nanopaged.models.llama import RMSNorm
+from nanopaged.models.moe import MoEConfig, SparseMoeBlock
 
 
 def rank_config(m: ModelConfig, world_size: int) -> ModelConfig:
-    """The model one rank builds: 1/N of the heads, KV heads and MLP width (the config checked
-    that N divides them), and ceil(V / N) rows of the vocabulary (the last rank's tail is padding)."""
+    """The model one rank builds: 1/N of the heads, KV heads, MLP width and every expert's width
+    (the config checked that N divides them), and ceil(V / N) rows of the vocabulary (the last
+    rank's tail is padding). Every rank keeps every expert: only their widths are split."""
+    moe = None if m.moe is None else dataclasses.replace(m.moe, intermediate_size=m.moe.intermediate_size // world_size)
     return dataclasses.replace(
         m, num_attention_heads=m.num_attention_heads // world_size,
         num_key_value_heads=m.num_key_value_heads // world_size,
         intermediate_size=m.intermediate_size // world_size,
-        vocab_size=cdiv(m.vocab_size, world_size))
+        vocab_size=cdiv(m.vocab_size, world_size), moe=moe)
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -46,15 +52,48 @@ class ColumnParallelLinear(nn.Linear):
 
 
 class RowParallelLinear(nn.Linear):
-    """Y = sum_r X_r A_r: this rank's input features, then an all-reduce (vLLM: RowParallelLinear)."""
+    """Y = sum_r X_r A_r: this rank's input features, then an all-reduce (vLLM: RowParallelLinear).
+    An expert's down_proj skips it (reduce_results=False): its block all-reduces the sum of its experts."""
     tp_dim = 1        # cut along the input axis
 
-    def __init__(self, in_features: int, out_features: int, group: RankGroup) -> None:
+    def __init__(self, in_features: int, out_features: int, group: RankGroup, reduce_results: bool = True) -> None:
         super().__init__(in_features, out_features, bias=False)   # a bias would be added N times
+        self.group, self.reduce_results = group, reduce_results
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return self.group.all_reduce(y) if self.reduce_results else y
+
+
+class ParallelSparseMoeBlock(SparseMoeBlock):
+    """A mixture of experts whose every expert holds 1/N of its width: each rank's weighted sum over
+    the chosen experts is a partial sum, and one all-reduce adds them, not one per expert (vLLM:
+    FusedMoE's reduce_results). The router and its input are the same on every rank, so every rank
+    runs the same experts and no collective depends on the routing."""
+
+    def __init__(self, hidden: int, moe: MoEConfig, group: RankGroup) -> None:
+        super().__init__(hidden, moe)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(F.linear(x, self.weight))
+        return self.group.all_reduce(super().forward(x))
+
+
+class ParallelProjectionRMSNorm(RMSNorm):
+    """OLMoE's q/k RMSNorm over the whole projection, when each rank holds only its heads' part:
+    the mean square is over every rank's part, so the ranks all-reduce their sums of squares
+    (vLLM all-gathers q and k instead; this keeps the weight sharded and sends one value a token)."""
+    tp_dim = 0
+
+    def __init__(self, dim: int, eps: float, full_dim: int, group: RankGroup) -> None:
+        super().__init__(dim, eps)
+        self.full_dim, self.group = full_dim, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        mean_square = self.group.all_reduce(x.pow(2).sum(-1, keepdim=True)) / self.full_dim
+        return self.weight * (x * torch.rsqrt(mean_square + self.eps)).to(dtype)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -91,15 +130,13 @@ def parallelize(model: nn.Module, full: ModelConfig, group: RankGroup) -> None:
     Each new layer adopts the old one's parameters (same shapes), so nothing is allocated twice;
     the weights are loaded afterwards."""
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for owner, name in ((attn, "qkv_proj"), (mlp, "gate_up_proj")):
-            old = getattr(owner, name)
-            new = _adopt(old, ColumnParallelLinear, old.in_features, old.out_features, old.bias is not None)
-            new.shard_sizes = old.shard_sizes    # this rank's q/k/v (gate/up) widths, read by the loaders
-            setattr(owner, name, new)
-        for owner, name in ((attn, "o_proj"), (mlp, "down_proj")):
-            old = getattr(owner, name)
-            setattr(owner, name, _adopt(old, RowParallelLinear, old.in_features, old.out_features, group))
+        _split_pair(layer.self_attn, "qkv_proj", "o_proj", group)
+        if layer.self_attn.qk_norm == "projection":
+            _split_projection_norms(layer.self_attn, group)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp = _split_experts(layer.mlp, group)
+        else:                                 # a dense model, or a MoE model's dense layer
+            _split_pair(layer.mlp, "gate_up_proj", "down_proj", group)
     embed, head = model.model.embed_tokens, model.lm_head
     model.model.embed_tokens = _adopt(embed, VocabParallelEmbedding, embed.num_embeddings, embed.embedding_dim, group)
     model.lm_head = _adopt(head, ParallelLMHead, head.in_features, head.out_features, full.vocab_size, group)
@@ -107,10 +144,39 @@ def parallelize(model: nn.Module, full: ModelConfig, group: RankGroup) -> None:
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
+def _split_pair(owner: nn.Module, column: str, row: str, group: RankGroup, reduce_results: bool = True) -> None:
+    """Megatron's pair: `column` (qkv_proj, gate_up_proj) column-parallel, `row` (o_proj,
+    down_proj) row-parallel, in place on `owner`."""
+    old = getattr(owner, column)
+    new = _adopt(old, ColumnParallelLinear, old.in_features, old.out_features, old.bias is not None)
+    new.shard_sizes = old.shard_sizes        # this rank's q/k/v (gate/up) widths, read by the loaders
+    setattr(owner, column, new)
+    old = getattr(owner, row)
+    setattr(owner, row, _adopt(old, RowParallelLinear, old.in_features, old.out_features, group, reduce_results))
+
+
+def _split_experts(block: SparseMoeBlock, group: RankGroup) -> ParallelSparseMoeBlock:
+    """Every expert split as a dense MLP, without its own all-reduce; the router (`gate`) stays whole."""
+    for expert in block.experts:
+        _split_pair(expert, "gate_up_proj", "down_proj", group, reduce_results=False)
+    return _adopt(block, ParallelSparseMoeBlock, block.gate.in_features, block.moe, group)
+
+
+def _split_projection_norms(attn: nn.Module, group: RankGroup) -> None:
+    """q_norm and k_norm over the whole projection: each rank keeps its heads' weights."""
+    for name in ("q_norm", "k_norm"):
+        old = getattr(attn, name)
+        dim = old.weight.shape[0]
+        setattr(attn, name, _adopt(old, ParallelProjectionRMSNorm, dim, old.eps, dim * group.world_size, group))
+
+
 def _adopt(old: nn.Module, cls: type[nn.Module], *args) -> nn.Module:
-    """A `cls` built on the meta device (no memory) that takes over `old`'s parameters."""
+    """A `cls` built on the meta device (no memory) that takes over `old`'s parameters and
+    submodules (a MoE block's router and experts)."""
     with torch.device("meta"):
         new = cls(*args)
     for name, param in old.named_parameters(recurse=False):
         setattr(new, name, param)
+    for name, child in old.named_children():
+        setattr(new, name, child)
     return new

@@ -7,9 +7,13 @@ vllm/model_executor/layers/linear.py). Where a tensor goes is the plain loader's
 (models/loader.py: q/k/v and gate/up into their slice of the fused weight); which slice to
 read is the layer's `tp_dim` (layers.py):
 
-    tp_dim 0   rows  [r * n, (r + 1) * n)   column-parallel weights and biases, vocab rows
+    tp_dim 0   rows  [r * n, (r + 1) * n)   column-parallel weights and biases, vocab rows,
+                                            OLMoE's q/k norms
     tp_dim 1   cols  [r * n, (r + 1) * n)   row-parallel weights
-    none       the whole tensor             norms: every rank holds a copy
+    none       the whole tensor             norms, a MoE router: every rank holds a copy
+
+An expert's gate_proj, up_proj and down_proj are cut as a dense MLP's are (experts stored one
+by one, as they ship; Mixtral's w1/w3/w2 are renamed first, as the plain loader does).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from nanopaged.models.loader import PACKED, load_weights
+from nanopaged.models.loader import PACKED, RENAMED, load_weights
 
 
 def load_shard(model: nn.Module, folder: str | Path, rank: int) -> None:
@@ -31,7 +35,7 @@ def load_shard(model: nn.Module, folder: str | Path, rank: int) -> None:
 
 def shard_of(model: nn.Module, name: str) -> tuple[int | None, int]:
     """(axis to cut, rows or columns per rank) for a checkpoint tensor; (None, 0): read it whole."""
-    parts = name.split(".")
+    parts = [RENAMED.get(part, part) for part in name.split(".")]   # the model's names for Mixtral's
     try:
         for i, part in enumerate(parts):
             if part in PACKED:   # q_proj -> its width inside this rank's qkv_proj
