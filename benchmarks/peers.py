@@ -226,7 +226,7 @@ def run_llamacpp(model_dir: str, trace: Trace, config: EngineConfig, python: Pat
     """llama.cpp on the model's own GGUF file (benchmarks/llamacpp_peer.py, in its own environment):
     the trace one request at a time (it serves no batches), one request's decode speed, and the
     perplexity of `perplexity_ids` when given."""
-    from nanopaged.models.gguf import find_gguf
+    from nanopaged.models.demo_model import find_gguf
     gguf = find_gguf(model_dir)        # a ValueError (the row says it) for a folder with no GGUF
     longest = max(len(p) + n for p, n in zip(trace.prompts, trace.output_lens))
     job = {"gguf": gguf, "threads": torch.get_num_threads(), "eos": config.model_config.eos_token_ids[0],

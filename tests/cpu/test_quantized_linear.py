@@ -151,7 +151,8 @@ def test_the_gguf_blocks_as_shipped_are_the_weights_the_converter_wrote(demo_mod
     same file."""
     from safetensors import safe_open
     from nanopaged.models.config import ModelConfig
-    from nanopaged.models.gguf import find_gguf, load_gguf_linears
+    from nanopaged.models.demo_model import find_gguf
+    from nanopaged.models.gguf import load_gguf_linears
     found, dense = load_gguf_linears(find_gguf(demo_model_dir), ModelConfig.from_folder(demo_model_dir))
     assert len(found) == 30 * 4 + 1 and dense == []
     with safe_open(f"{demo_model_dir}/model.safetensors", "pt") as f:

@@ -182,8 +182,8 @@ def test_the_conversion_checks_the_folder_it_writes(tiny_model_dirs, tmp_path):
 
 def test_any_gguf_file_converts_once_and_keeps_a_link_to_its_source(monkeypatch, tmp_path):
     """`LLM("model.gguf")`: the folder is converted once, under the file's name, and remembers its
-    file, where quantization="gguf" finds the 4-bit blocks (models/gguf.py: find_gguf)."""
-    from nanopaged.models.gguf import find_gguf
+    file, where quantization="gguf" finds the 4-bit blocks (models/demo_model.py: find_gguf)."""
+    from nanopaged.models.demo_model import find_gguf
     monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path / "cache"))
     calls = []
     monkeypatch.setattr(demo_model, "_convert", fake_convert(calls))
