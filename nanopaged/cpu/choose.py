@@ -17,7 +17,8 @@ a ValueError that says why; only "auto" is decided here:
                  dpbf16 cannot run; reference elsewhere
     cpu_kernels  auto: fused beside a packed linear (packed or dpbf16) when the attention backend is
                  left to choose and the kernels build (the first time on a machine, they are
-                 compiled first); reference elsewhere, float32 included
+                 compiled first), a mixture's experts grouped (cpu/moe.py); reference elsewhere,
+                 float32 included
     attention    auto: cpu beside the fused layers (they attend with its kernel), else what
                  attention/backends.py says for the device (torch on CPU)
 
@@ -59,7 +60,7 @@ class FastPath:
 
     def apply(self, model: nn.Module) -> None:
         """Swap the chosen layers into a loaded model, in the one order that works: quantize, pack the
-        linears left dense, then describe every layer to the fused loop."""
+        linears left dense, group a mixture's experts, then describe every layer to the fused loop."""
         if self.quantization:
             from nanopaged.cpu.quantized_linear import quantize_linears
             self.quantized = quantize_linears(model, self.quantization, self.quantization_group_size, self.gguf_file)
@@ -76,8 +77,7 @@ def choose(config) -> FastPath:
     cannot run here and why. Nothing is built unless a fast path is a candidate."""
     asked = asked_batch_invariance(config.batch_invariant)
     linear = choose_linear(config.cpu_linear, config.device, config.dtype, invariant=asked is not False)
-    layers = choose_layers(config.cpu_kernels, config.device, linear, config.attention_backend, config.block_size,
-                           dense=config.model_config.moe is None)
+    layers = choose_layers(config.cpu_kernels, config.device, linear, config.attention_backend, config.block_size)
     attention = "cpu" if layers == "fused" else config.attention_backend
     attention = resolve_attention_backend(attention, config.device, config.dtype)
     if attention == "cpu":
@@ -147,17 +147,13 @@ def dpbf16_builds() -> bool:
     return available() is None and bool(cpu_ops().has_avx512_bf16)
 
 
-def choose_layers(name: str, device: str, linear: str, attention_backend: str, block_size: int = 16,
-                  dense: bool = True) -> str:
+def choose_layers(name: str, device: str, linear: str, attention_backend: str, block_size: int = 16) -> str:
     """auto: fused where the linears are packed (the path that is not held to Hugging Face token
-    for token anyway), the attention backend is left to choose, the kernels build and the MLPs are
-    dense (a mixture of experts runs the reference layers: models/moe.py)."""
+    for token anyway), the attention backend is left to choose and the kernels build; a mixture of
+    experts' experts then run grouped (cpu/moe.py)."""
     candidate = device == "cpu" and linear != "reference" and attention_backend in ("auto", "cpu") and block_size >= 2
-    if name == "reference" or (name == "auto" and not (candidate and dense)):
+    if name == "reference" or (name == "auto" and not candidate):
         return "reference"
-    if not dense:
-        raise ValueError("cpu_kernels='fused' runs dense MLPs; a mixture-of-experts model runs the reference layers "
-                         "(cpu_kernels='auto' or 'reference')")
     from nanopaged.cpu.build import available     # only when the fast path is a candidate
     if name == "auto":
         return "fused" if available() is None else "reference"

@@ -96,7 +96,10 @@ class FusedLlamaModel(nn.Module):
         described.q_norm = attn.q_norm.weight if attn.qk_norm else NO_WEIGHT
         described.k_norm = attn.k_norm.weight if attn.qk_norm else NO_WEIGHT
         described.qkv, described.o = describe(attn.qkv_proj), describe(attn.o_proj)
-        described.gate_up, described.down = describe(layer.mlp.gate_up_proj), describe(layer.mlp.down_proj)
+        if not hasattr(layer.mlp, "gate_up_proj"):     # a mixture of experts (cpu/moe.py): routed in Python
+            described.moe = layer.mlp
+        else:
+            described.gate_up, described.down = describe(layer.mlp.gate_up_proj), describe(layer.mlp.down_proj)
         return described
 
     def forward(self, input_ids, positions, kv_caches, meta):
@@ -117,7 +120,10 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def fuse_layers(model: nn.Module) -> int:
-    """Swap a loaded model's LlamaModel for the fused one (after quantizing and packing its linears,
-    whose layers it describes); how many layers."""
+    """Swap a loaded model's LlamaModel for the fused one, a mixture's experts grouped first (cpu/moe.py),
+    after quantizing and packing its linears, whose layers it describes; how many layers."""
+    if model.config.moe is not None:
+        from nanopaged.cpu.moe import group_experts
+        group_experts(model, describe)
     model.model = FusedLlamaModel(model.model)
     return len(model.model.layers)

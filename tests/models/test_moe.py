@@ -119,8 +119,6 @@ def test_a_config_this_code_does_not_compute_is_refused_by_name(moe_dirs, field,
 
 
 @pytest.mark.parametrize("kwargs, named", [
-    ({"cpu_kernels": "fused", "dtype": "bfloat16"}, "cpu_kernels='fused' runs dense MLPs"),
-    ({"tensor_parallel_size": 2}, "does not shard a mixture of experts"),
     ({"enable_lora": True}, "enable_lora=True runs on dense models"),
 ])
 def test_settings_moe_cannot_run_with_are_refused_by_name(moe_dirs, kwargs, named):
@@ -134,6 +132,27 @@ def test_bfloat16_is_close_to_hugging_face_by_vllms_rule(moe_dirs):
     for name in ("qwen3_moe", "olmoe"):
         llm = LLM(moe_dirs[name], dtype="bfloat16")
         check_logprobs_close(nanopaged_greedy(llm, prompts, 8), hf_greedy_logprobs(moe_dirs[name], prompts, 8, "bfloat16"))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe"])
+def test_grouped_experts_on_the_fused_path_keep_the_reference_answer_and_batch_invariance(moe_dirs, name):
+    """bfloat16 runs the fused layers with the experts grouped (cpu/moe.py) by default: close to the
+    reference layers by vLLM's rule, and a request's tokens and logprobs alone equal to those it gets in
+    a batch of others (tests/cpu/test_moe_experts.py holds the experts' values to the reference loop)."""
+    from conftest import check_logprobs_close, nanopaged_greedy
+    from nanopaged.cpu.choose import dpbf16_builds
+    if not dpbf16_builds():
+        pytest.skip("no AVX512-BF16 here: the fused path runs nanopaged's bfloat16 kernel")
+    prompts = make_prompts(512, n=6, seed=12, min_len=3, max_len=40)
+    fused = LLM(moe_dirs[name], dtype="bfloat16", max_num_batched_tokens=32)
+    assert fused.get_stats()["cpu_kernels"] == "fused" and fused.get_stats()["batch_invariant"]
+    batched = nanopaged_greedy(fused, prompts, 10)
+    reference = LLM(moe_dirs[name], dtype="bfloat16", cpu_kernels="reference")
+    check_logprobs_close(batched, nanopaged_greedy(reference, prompts, 10))
+    alone = [nanopaged_greedy(fused, [p], 10)[0] for p in prompts[:3]]     # alone, and from the prefix cache
+    assert alone == batched[:3]
+    load = fused.get_stats()["moe"]["tokens_per_expert"]            # counted by the grouped blocks too
+    assert load and all(sum(layer) % {"olmoe": 4}.get(name, 2) == 0 and sum(layer) > 0 for layer in load)
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +187,9 @@ def test_quantized_experts_stay_close_to_the_model_they_stand_for(moe_dirs, dequ
                                                                                    prompts, 8))
 
 
-def test_a_moe_gguf_file_is_refused_by_name(moe_dirs):
-    with pytest.raises(ValueError, match="mixture of experts' stacked expert tensors"):
+def test_quantization_gguf_on_a_moe_folder_without_its_file_names_what_is_missing(moe_dirs):
+    """GGUF files of mixtures run as they ship (tests/models/test_moe_gguf.py); a folder needs its file."""
+    with pytest.raises(ValueError, match=r"quantization='gguf' needs the model's GGUF file"):
         LLM(moe_dirs["olmoe"], dtype="bfloat16", quantization="gguf")
 
 

@@ -55,7 +55,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("input_norm", &Layer::input_norm).def_readwrite("post_norm", &Layer::post_norm)
       .def_readwrite("q_norm", &Layer::q_norm).def_readwrite("k_norm", &Layer::k_norm)
       .def_readwrite("qkv", &Layer::qkv).def_readwrite("o", &Layer::o)
-      .def_readwrite("gate_up", &Layer::gate_up).def_readwrite("down", &Layer::down);
+      .def_readwrite("gate_up", &Layer::gate_up).def_readwrite("down", &Layer::down)
+      .def_readwrite("moe", &Layer::moe);
+  py::class_<Experts>(m, "Experts", py::module_local())
+      .def(py::init<>())
+      .def_readwrite("gate_up", &Experts::gate_up).def_readwrite("down", &Experts::down)
+      .def("__call__", &Experts::operator(), py::arg("x"), py::arg("chosen"), py::arg("weights"));
   py::class_<Decoder>(m, "Decoder", py::module_local())
       .def(py::init<>())
       .def_readwrite("layers", &Decoder::layers).def_readwrite("heads", &Decoder::heads)

@@ -10,7 +10,9 @@
 // SiLU(gate) * up as its epilogue (linear_bf16_silu_mul), the down projection. Nine where the
 // epilogue cannot run (another linear kernel, or an intermediate size not a multiple of 64): the
 // projection, then silu_and_mul. The MLP's output joins the residual in the next layer's first
-// norm (add_rms_norm, vLLM's fused_add_rms_norm), the last layer's in one add after the loop.
+// norm (add_rms_norm, vLLM's fused_add_rms_norm), the last layer's in one add after the loop. A
+// mixture of experts' layer calls its block back instead of the MLP (nanopaged/cpu/moe.py routes in
+// torch, then runs its experts grouped, moe.cpp).
 #include <c10/util/ParallelGuard.h>
 #include "decoder.h"
 #include "ops.h"
@@ -103,7 +105,8 @@ torch::Tensor decoder_forward(const Decoder& dec, torch::Tensor x, torch::Tensor
     auto o = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, dec.scale,
                              share_prefixes);
     auto h = add_rms_norm(x, layer.o(o.view({n, q_width}), loras), layer.post_norm, dec.eps);   // x += o
-    mlp = layer.down(layer.gate_up.silu_mul(h, loras), loras);
+    const bool experts = layer.moe && !layer.moe.is_none();
+    mlp = experts ? layer.moe(h).cast<torch::Tensor>() : layer.down(layer.gate_up.silu_mul(h, loras), loras);
   }
   return mlp.defined() ? x.add_(mlp) : x;
 }

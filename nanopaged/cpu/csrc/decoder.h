@@ -42,9 +42,17 @@ struct Linear {
   torch::Tensor silu_mul(const torch::Tensor& x, const LoraGroups& groups) const;  // gate_up, SiLU(gate) * up
 };
 
+// A mixture of experts' experts (moe.cpp): each expert's gate/up and down projections; called with
+// the step's routing, the weighted sum of every token's chosen experts.
+struct Experts {
+  std::vector<Linear> gate_up, down;
+  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& chosen, const torch::Tensor& weights) const;
+};
+
 struct Layer {
   torch::Tensor input_norm, post_norm, q_norm, k_norm;     // q_norm, k_norm: Qwen3's, else empty
   Linear qkv, o, gate_up, down;
+  pybind11::object moe;              // a mixture of experts' MLP (nanopaged/cpu/moe.py), called back; else None
 };
 
 struct Decoder {

@@ -21,6 +21,7 @@
 //   linear_quantized.cpp pack_quantized, linear_quantized (4- and 8-bit weights)
 //   activations.cpp      silu_and_mul
 //   argmax.cpp           argmax_rows (the sampler's)
+//   moe.cpp              Experts: a mixture of experts' MLP, its experts grouped per step
 //   decoder.h, .cpp      the decoder layers, one after another, in one call
 //   bindings.cpp         the Python module
 #pragma once

@@ -73,7 +73,8 @@ static inline void rotate_head(T* x, const T* cos, const T* sin, int64_t D) {
 // One step's attention inputs, from the fused q/k/v projection's output:
 //   qkv (n, (heads + 2 kv_heads) D): q's heads, then k's, then v's, per row (any row stride)
 //   cos, sin (n, D): the rows' rotary tables, in qkv's dtype
-//   q_norm, k_norm (D,) or empty: Qwen3's RMSNorm over each q and k head, before the rotation
+//   q_norm, k_norm (D,) or empty: Qwen3's RMSNorm over each q and k head, before the rotation;
+//                  (heads D,) and (kv_heads D,): OLMoE's, over the whole q and the whole k
 // q's and k's heads are rotated in place; k and v are written to their slots of the pool,
 // k_cache and v_cache (blocks, block_size, kv_heads, D) in the kernels' order (kv_layout.h): slot s is
 // block s / block_size, token s % block_size (the paper's section 4.1; vLLM's reshape_and_cache).
@@ -97,7 +98,9 @@ void rotary_and_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == n, "slot_mapping: int64 (tokens,)");
   TORCH_CHECK(D % 2 == 0 && D <= 1024, "head_dim must be even and at most 1024");
   const bool norm = q_norm.defined() && q_norm.numel() > 0;
-  TORCH_CHECK(!norm || (q_norm.numel() == D && k_norm.numel() == D), "q_norm and k_norm must be (head_dim,)");
+  const bool whole = norm && q_norm.numel() == heads * D && heads > 1;
+  TORCH_CHECK(!norm || (q_norm.numel() == D && k_norm.numel() == D) || (whole && k_norm.numel() == kv_heads * D),
+              "q_norm and k_norm must be (head_dim,), or (heads x head_dim,) and (kv_heads x head_dim,)");
   auto slots = slot_mapping.contiguous();
   const int64_t row = qkv.stride(0);
   DISPATCH_MODEL_DTYPES(qkv.scalar_type(), "rotary_and_store", [&] {
@@ -113,9 +116,13 @@ void rotary_and_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, t
       at::parallel_for(0, n, grain(kRotaryCostPerValue * (heads + 2 * kv_heads) * D), [&](int64_t b, int64_t e) {
         for (int64_t t = b; t < e; ++t) {
           T* x = base + t * row;
+          if (whole) {
+            rms_norm_row(x, qn, x, heads * D, float(eps));
+            rms_norm_row(x + heads * D, kn, x + heads * D, kv_heads * D, float(eps));
+          }
           for (int64_t h = 0; h < heads + kv_heads; ++h) {   // q's heads, then k's
             T* head = x + h * D;
-            if (norm) rms_norm_row(head, h < heads ? qn : kn, head, D, float(eps));
+            if (norm && !whole) rms_norm_row(head, h < heads ? qn : kn, head, D, float(eps));
             rotate_head(head, cp + t * D, sp + t * D, D);
           }
           store_token(L, kc, vc, sl[t], x + heads * D, x + (heads + kv_heads) * D, D, D);
