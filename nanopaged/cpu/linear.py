@@ -71,8 +71,11 @@ def pack_linears(model: nn.Module, kernel: str = "packed") -> int:
     if kernel == "packed" and not packed_ops_available():
         logger.warning("cpu_linear='packed': this torch has no oneDNN packed linear; using F.linear")
         return 0
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
-    for name, linear in targets:
+    # names, not modules: each plain weight is freed as soon as its packed copy replaces it (a 7B mixture of
+    # experts holding both would need twice its size)
+    targets = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    for name in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, KERNELS[kernel](linear))
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, KERNELS[kernel](getattr(parent, child)))
     return len(targets)

@@ -166,3 +166,15 @@ def test_an_expert_width_two_ranks_cannot_split_is_refused_by_name(moe_dirs, tmp
         LLM(str(folder), dtype="float32", tensor_parallel_size=2)
     assert f"tensor_parallel_size=2 {message}" in str(e.value)
     assert not multiprocessing.active_children() and not dist.is_initialized()
+
+
+def test_weights_larger_than_the_machine_are_refused_before_any_rank_starts(moe_dirs, monkeypatch):
+    """On CPU every rank shares this machine's memory: the whole model must fit, checked before a process starts."""
+    import nanopaged.config
+    import nanopaged.extras.tensor_parallel.runner as tp_runner
+    from nanopaged.models.loader import weight_bytes
+    need = weight_bytes(moe_dirs["olmoe"], torch.float32)
+    monkeypatch.setattr(nanopaged.config, "_free_memory", lambda device: need - 1)
+    monkeypatch.setattr(tp_runner.ps, "host_store", lambda n: pytest.fail("a rank was started"))
+    with pytest.raises(ValueError, match=rf"the model's weights, over its 2 ranks needs .* \({need:,} bytes needed"):
+        LLM(moe_dirs["olmoe"], dtype="float32", tensor_parallel_size=2)

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanopaged.config import EngineConfig
+from nanopaged.config import EngineConfig, check_memory_fits
+from nanopaged.models.loader import weight_bytes
 from nanopaged.worker.model_runner import ModelRunnerOutput, per_request
 from nanopaged.core.scheduler import SchedulerOutput
 from nanopaged.extras.tensor_parallel import parallel_state as ps
@@ -128,6 +129,9 @@ class TensorParallelRunner(RankRunner):
             raise RuntimeError("a tensor-parallel LLM (or another torch.distributed job) is already running "
                                "in this process; delete it first (one default process group per process)")
         n = config.tensor_parallel_size
+        if config.device == "cpu":      # every rank in this machine's memory: their shares add up to the whole model
+            check_memory_fits(weight_bytes(config.model, getattr(torch, config.dtype)), "cpu",
+                              f"the model's weights, over its {n} ranks", "load a smaller model or dtype")
         self.workers = Workers(threads_before=torch.get_num_threads() if config.device == "cpu" else 0)
         self._finalizer = weakref.finalize(self, stop, self.workers)
         self.bytes_sent, self.steps_sent = 0, 0
