@@ -39,14 +39,8 @@ class GroupedMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:    # x: (tokens, hidden)
         weights, chosen = self.block.route(x)
-        count_tokens(self.block, chosen)
+        self.block.count(chosen)
         return self.experts(x, chosen.contiguous(), weights.contiguous())
-
-
-def count_tokens(block: SparseMoeBlock, chosen: torch.Tensor) -> None:
-    """The load each expert took (get_stats()["moe"]), as the reference loop counts it."""
-    counts = torch.bincount(chosen.flatten(), minlength=block.moe.num_experts).tolist()
-    block.tokens_per_expert = [a + b for a, b in zip(block.tokens_per_expert, counts)]
 
 
 def group_experts(model: nn.Module, describe: Callable) -> int:

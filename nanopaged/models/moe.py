@@ -83,7 +83,7 @@ class SparseMoeBlock(nn.Module):
         self.moe = moe
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False)      # the router
         self.experts = nn.ModuleList(Expert(hidden, moe.intermediate_size) for _ in range(moe.num_experts))
-        self.tokens_per_expert = [0] * moe.num_experts                 # the load each expert took (expert_load)
+        self.tokens_per_expert, self.last_step, self.steps = [0] * moe.num_experts, [0] * moe.num_experts, 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts (tokens, k) and their weights: softmax in float32, top-k, renormalised
@@ -94,24 +94,32 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.moe.weights_in_float32 else weights.to(x.dtype)), chosen
 
+    def count(self, chosen: torch.Tensor) -> None:
+        """The load each expert took, this step and since the last reset (expert_load)."""
+        self.last_step = torch.bincount(chosen.flatten(), minlength=self.moe.num_experts).tolist()
+        self.tokens_per_expert = [a + b for a, b in zip(self.tokens_per_expert, self.last_step)]
+        self.steps += 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:              # x: (tokens, hidden)
         weights, chosen = self.route(x)
+        self.count(chosen)
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():                      # ascending, as transformers adds them
             token, k = torch.where(chosen == expert)                 # the tokens that chose it, and at which rank
             y = self.experts[expert](x[token]) * weights[token, k, None]
             out.index_add_(0, token, y.to(x.dtype))
-            self.tokens_per_expert[expert] += len(token)
         return out
 
 
 def expert_load(model: nn.Module, reset: bool = False) -> dict:
-    """get_stats()["moe"]: the tokens each expert of each MoE layer took since the last reset, and how uneven
-    the load was (the busiest expert's tokens over the mean: 1.0 is perfectly even)."""
+    """get_stats()["moe"]: the tokens each expert of each MoE layer took since the last reset and in the last
+    step, the steps since the reset, and how uneven the load was (the busiest expert's tokens over the mean,
+    over every layer: 1.0 is perfectly even)."""
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    loads = [list(b.tokens_per_expert) for b in blocks]
+    out = {"tokens_per_expert": [list(b.tokens_per_expert) for b in blocks],
+           "last_step": [list(b.last_step) for b in blocks], "steps": blocks[0].steps if blocks else 0}
     if reset:
         for b in blocks:
-            b.tokens_per_expert = [0] * b.moe.num_experts
-    busiest = [max(load) * len(load) / sum(load) for load in loads if sum(load)]
-    return {"tokens_per_expert": loads, "max_over_mean": max(busiest) if busiest else 0.0}
+            b.tokens_per_expert, b.last_step, b.steps = [0] * b.moe.num_experts, [0] * b.moe.num_experts, 0
+    busiest = [max(load) * len(load) / sum(load) for load in out["tokens_per_expert"] if sum(load)]
+    return {**out, "max_over_mean": max(busiest) if busiest else 0.0}

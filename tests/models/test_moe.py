@@ -202,5 +202,17 @@ def test_get_stats_counts_the_tokens_each_expert_took(moe_dirs):
     assert len(load["tokens_per_expert"]) == 2                # layers 0 and 2: layer 1 is dense (mlp_only_layers)
     assert all(sum(layer) == 2 * computed for layer in load["tokens_per_expert"])     # top-2
     assert load["max_over_mean"] >= 1.0 and all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert load["steps"] == 12                                # one prefill step of the three, eleven decode steps
+    assert all(sum(layer) == 2 * 3 for layer in load["last_step"])     # the last step: one token of each request
     llm.reset_stats()
-    assert all(sum(layer) == 0 for layer in llm.get_stats()["moe"]["tokens_per_expert"])
+    reset = llm.get_stats()["moe"]
+    assert all(sum(layer) == 0 for layer in reset["tokens_per_expert"] + reset["last_step"]) and reset["steps"] == 0
+
+
+def test_a_bfloat16_model_is_built_in_bfloat16_not_in_float32_first(moe_dirs):
+    """OLMoE-1B-7B's 6.9B parameters take 28 GB in float32: the layers are made in the model's dtype, and the
+    process's default dtype is given back."""
+    llm = LLM(moe_dirs["olmoe"], dtype="bfloat16", cpu_kernels="reference")
+    model = llm.llm_engine.runner.build_model()
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
