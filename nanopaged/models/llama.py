@@ -169,6 +169,18 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @classmethod
+    def build(cls, cfg: ModelConfig, backend, max_len: int, device, dtype: torch.dtype) -> "LlamaForCausalLM":
+        """The layers on `device`, weights not loaded yet, made in `dtype`: built in float32 and then cast,
+        a 7B mixture of experts would first take twice its bfloat16 size."""
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                return cls(cfg, backend, max_len)
+        finally:
+            torch.set_default_dtype(default)
+
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         """Hidden states for every new token, (num_tokens, hidden)."""
         return self.model(input_ids, positions, kv_caches, meta)

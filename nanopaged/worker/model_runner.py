@@ -77,15 +77,9 @@ class ModelRunner:
 
     # ---- the model ----------------------------------------------------------------------
     def build_model(self) -> LlamaForCausalLM:
-        """The model's layers on the device, weights not loaded yet, made in the model's dtype: built in float32
-        and then cast, a 7B mixture of experts would first take twice its bfloat16 size."""
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                return LlamaForCausalLM(self.model_config, self.backend, self.config.max_model_len)
-        finally:
-            torch.set_default_dtype(default)
+        """The model's layers on the device, in its dtype, weights not loaded yet."""
+        return LlamaForCausalLM.build(self.model_config, self.backend, self.config.max_model_len, self.device,
+                                      self.dtype)
 
     def load_model(self) -> nn.Module:
         check_memory_fits(weight_bytes(self.config.model, self.dtype), self.device.type, "the model's weights",
