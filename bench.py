@@ -5,6 +5,7 @@
     python bench.py --json out.json --plot out.png
     python bench.py --workload spec              # speculative decoding (benchmarks/spec.py)
     python bench.py --workload lora --peers vllm # many LoRA adapters in one batch (benchmarks/lora.py)
+    python bench.py --random-weights olmoe-1b-7b --peers vllm   # a mixture of experts (benchmarks/moe.py)
 
 Throughput follows nano-vllm's bench.py: seeded random token-id prompts, input and output
 lengths uniform in a range, `ignore_eos=True`, one warm-up, then output tokens / wall time
@@ -33,6 +34,7 @@ from benchmarks.nanopaged_run import batch_invariance_cost, quantized_vs_dense, 
 from benchmarks.noise import noise_figures
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
 from benchmarks.lora import run_lora
+from benchmarks.moe import MOE_CONFIGS, print_moe, run_moe
 from benchmarks.report import (plot, print_cascade, print_lora, print_shared_prefix, print_sharing, print_spec,
                                print_structured, print_table)
 from benchmarks.quality import quality_figures, text_ids
@@ -52,7 +54,7 @@ from nanopaged.engine.input_processor import load_tokenizer
 DEFAULTS = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))
 # nano-vllm's bench.py: 256 requests, lengths uniform in 100..1024 (a GPU-sized run).
 PRESETS = {"nano-vllm": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))}
-WORKLOADS = ("throughput", "shared-prefix", "cascade", "sharing", "structured", "spec", "lora", "serve")   # serve: benchmarks/serve.py, its own flags
+WORKLOADS = ("throughput", "shared-prefix", "cascade", "sharing", "structured", "spec", "lora", "moe", "serve")   # serve: benchmarks/serve.py, its own flags
 # shared-prefix: each request = one system prompt (--prefix-len) + its own question.
 SHARED_PREFIX_DEFAULTS = dict(num_requests=64, input_len=(16, 48), output_len=(8, 16), prefix_len=256)
 # cascade: decode steps of 32 rows on one 1,024-token prefix, shared blocks read once or not.
@@ -63,7 +65,8 @@ OTHER_WORKLOADS = {"shared-prefix": (run_shared_prefix, print_shared_prefix),
                    "sharing": (run_sharing, print_sharing),
                    "structured": (run_structured, print_structured),
                    "spec": (run_spec, print_spec),
-                   "lora": (run_lora, print_lora)}
+                   "lora": (run_lora, print_lora),
+                   "moe": (run_moe, print_moe)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="throughput (vs peers, default); shared-prefix (prefix caching on vs off); "
                         "cascade (decode steps with shared prefixes read once vs not); "
                         "sharing (KV saved by n > 1 and beam search); spec (speculative decoding: "
-                        "benchmarks/spec.py); lora (1, 4, 16 adapters mixed vs the base model: benchmarks/lora.py)")
+                        "benchmarks/spec.py); lora (1, 4, 16 adapters mixed vs the base model: benchmarks/lora.py); "
+                        "moe (a mixture of experts against its active-weight floor: benchmarks/moe.py, the workload "
+                        "of --random-weights olmoe-1b-7b and qwen3-30b-a3b-12l)")
     p.add_argument("--prefix-len", type=int,
                    help="shared-prefix, cascade: tokens of the system prompt every request starts with "
                         "(default 256, cascade 1024)")
@@ -97,8 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"output tokens, uniform; default {DEFAULTS['output_len']}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="a local Hugging Face folder (default: the demo model)")
-    p.add_argument("--random-weights", choices=sorted(RANDOM_CONFIGS), metavar="CONFIG",
-                   help=f"build a model with random weights: {', '.join(RANDOM_CONFIGS)}")
+    p.add_argument("--random-weights", choices=sorted({*RANDOM_CONFIGS, *MOE_CONFIGS}), metavar="CONFIG",
+                   help=f"build a model with random weights: {', '.join([*RANDOM_CONFIGS, *MOE_CONFIGS])}")
     p.add_argument("--peers", "--peer",
                    help=f"comma-separated, from {', '.join(PEERS)}; 'none' for none (default hf,hf-paged; "
                         "spec: none, vllm the one it takes)")
@@ -158,13 +163,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in {**defaults, **PRESETS.get(args.preset, {})}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.random_weights in MOE_CONFIGS:
+        args.workload = "moe"           # too large for the throughput workload's many engines and the hf peers
+    if args.workload == "moe" and args.random_weights not in MOE_CONFIGS:
+        p.error(f"--workload moe takes --random-weights {' or '.join(MOE_CONFIGS)}")
     if args.peers is None:
-        args.peers = "none" if args.workload in ("spec", "lora") else "hf,hf-paged"
+        args.peers = "none" if args.workload in ("spec", "lora", "moe") else "hf,hf-paged"
     args.peers = [] if args.peers == "none" else [x.strip() for x in args.peers.split(",") if x.strip()]
     for peer in args.peers:
         if peer not in PEERS:
             p.error(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
-    if args.workload in ("spec", "lora") and set(args.peers) - {"vllm"}:
+    if args.workload in ("spec", "lora", "moe") and set(args.peers) - {"vllm"}:
         p.error(f"--workload {args.workload} takes --peers vllm or none, got {','.join(args.peers)}")
     try:
         args.ngram_k = [int(x) for x in args.ngram_k.split(",")]

@@ -18,6 +18,9 @@
     structured.py      --workload structured: what a JSON schema, a regex or a choice costs per token
     spec.py            --workload spec: speculative decoding where the answer repeats its prompt, and on random tokens
     spec_prompts.py    the spec workload's prompts: passages to repeat, or to fix typos in
+    lora.py            --workload lora: 1, 4 and 16 adapters mixed in one batch against the base model
+    moe.py             --workload moe: a mixture of experts at OLMoE's or Qwen3-30B-A3B's shape against its
+                       active-weight floor and vLLM
     quality.py         perplexity of a fixed English text: quantized weights against float32 and llama.cpp
     vllm_peer.py, llamacpp_peer.py, ctranslate2_peer.py   the scripts vLLM, llama.cpp and CTranslate2 run in
                        their own environments (peers.py starts them); besides their engine they import

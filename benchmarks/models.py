@@ -46,6 +46,9 @@ def build_random_model(name: str) -> Path:
     (Qwen3: 151936) is kept for its true cost, and make_trace draws ids below the tokenizer's.
     """
     folder = cache_dir() / "bench" / f"{name}-random-v2"   # v2: its own tokenizer
+    if name not in RANDOM_CONFIGS:                         # a mixture of experts, written layer by layer
+        from benchmarks.moe import write_random_moe
+        return write_once(folder, f"random weights for {name}", lambda tmp: write_random_moe(name, tmp))
 
     def write(tmp: Path) -> None:
         from transformers import AutoModelForCausalLM, Qwen3Config
@@ -61,9 +64,9 @@ def build_random_model(name: str) -> Path:
 
 
 def write_once(folder: Path, what: str, write: Callable[[Path], None]) -> Path:
-    """`folder`, a model folder made once: if it has no model.safetensors yet, `write` fills a
+    """`folder`, a model folder made once: if it has no config.json yet, `write` fills a
     temporary folder beside it, which is then renamed, so a half-written folder is never used."""
-    if (folder / "model.safetensors").is_file():
+    if (folder / "config.json").is_file():       # the folder exists only once it is whole (the rename below)
         return folder
     print(f"bench: writing {what} into {folder} (once)", file=sys.stderr)
     tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")

@@ -93,6 +93,22 @@ def copy_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
     return num_bytes / best
 
 
+def read_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
+    """Bytes read per second by a sum over num_bytes (it writes nothing): the rate a decode step that
+    streams its weights once can reach; a copy's (copy_bytes_per_s) also pays for its writes. The best
+    over fresh buffers of random values: on these VMs one buffer reads at 30 GB/s and the next at 50 (how
+    its pages are backed, not measured), and a floor takes the fastest."""
+    best = float("inf")
+    for _ in range(tries):
+        src = torch.rand(num_bytes // 4)
+        for _ in range(tries):
+            t = time.perf_counter()
+            src.sum()
+            best = min(best, time.perf_counter() - t)
+        del src
+    return num_bytes / best
+
+
 def measure_matmul_flops(device: str, dtype: torch.dtype) -> float:
     """Best FLOP/s of square matmuls on this machine: the ceiling the model's matmuls work under."""
     return max(measure_rows_matmul_flops(n, n, n, device, dtype, repeat=1, tries=4) for n in (1024, 2048))
