@@ -22,6 +22,9 @@ PACKED = {
 }
 # Mixtral's names for the same parts (its MoE block and each expert's gate, down and up projections)
 RENAMED = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+# a mixture's experts stacked in one tensor per projection, (experts, rows, cols), as transformers holds them:
+# expert e's slice is its fused gate_up (gate rows, then up rows) or its down
+STACKED_EXPERTS = ("gate_up_proj", "down_proj")
 
 
 def load_weights(model: nn.Module, folder: str | Path, read=None) -> None:
@@ -73,6 +76,12 @@ def _load_file(file: Path, params, loaded, model, read) -> None:
 def _load_one(params, name, tensor, loaded, model) -> None:
     parts = [RENAMED.get(part, part) for part in name.split(".")]
     name = ".".join(parts)
+    if parts[-2:-1] == ["experts"] and parts[-1] in STACKED_EXPERTS:
+        for e, weight in enumerate(tensor):
+            target = ".".join(parts[:-1] + [str(e), parts[-1], "weight"])
+            _copy(params, target, weight, slice(None))
+            loaded.update({(target, 0), (target, 1)} if parts[-1] == "gate_up_proj" else {(target, None)})
+        return
     for i, part in enumerate(parts):
         if part in PACKED:
             fused, shard = PACKED[part]

@@ -178,3 +178,10 @@ def test_weights_larger_than_the_machine_are_refused_before_any_rank_starts(moe_
     monkeypatch.setattr(tp_runner.ps, "host_store", lambda n: pytest.fail("a rank was started"))
     with pytest.raises(ValueError, match=rf"the model's weights, over its 2 ranks needs .* \({need:,} bytes needed"):
         LLM(moe_dirs["olmoe"], dtype="float32", tensor_parallel_size=2)
+
+
+def test_experts_stacked_in_one_tensor_are_refused_by_the_shard_loader_by_name():
+    from nanopaged.extras.tensor_parallel.shard_loader import shard_of
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj: tensor parallelism reads a mixture's experts "
+                                         r"stored one by one"):
+        shard_of(None, "model.layers.0.mlp.experts.gate_up_proj")

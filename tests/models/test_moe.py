@@ -216,3 +216,23 @@ def test_a_bfloat16_model_is_built_in_bfloat16_not_in_float32_first(moe_dirs):
     model = llm.llm_engine.runner.build_model()
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe"])
+def test_experts_stacked_in_one_tensor_load_as_experts_stored_one_by_one(moe_dirs, tmp_path, name):
+    """A checkpoint of transformers' own parameters: each layer's experts in one (experts, 2 x width, hidden)
+    gate_up_proj and one (experts, hidden, width) down_proj; the same greedy tokens as the folder that stores
+    them one by one (itself equal to Hugging Face's)."""
+    import shutil
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    state = AutoModelForCausalLM.from_pretrained(moe_dirs[name], dtype=torch.float32).state_dict()
+    assert any(k.endswith("experts.gate_up_proj") and v.dim() == 3 for k, v in state.items())
+    for f in Path(moe_dirs[name]).iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(512, n=3, seed=13)]
+    stacked = LLM(str(tmp_path), dtype="float32").generate(prompts, GREEDY, use_tqdm=False)
+    one_by_one = LLM(moe_dirs[name], dtype="float32").generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in stacked] == [o.outputs[0].token_ids for o in one_by_one]

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from nanopaged.models.loader import PACKED, RENAMED, load_weights
+from nanopaged.models.loader import PACKED, RENAMED, STACKED_EXPERTS, load_weights
 
 
 def load_shard(model: nn.Module, folder: str | Path, rank: int) -> None:
@@ -36,6 +36,9 @@ def load_shard(model: nn.Module, folder: str | Path, rank: int) -> None:
 def shard_of(model: nn.Module, name: str) -> tuple[int | None, int]:
     """(axis to cut, rows or columns per rank) for a checkpoint tensor; (None, 0): read it whole."""
     parts = [RENAMED.get(part, part) for part in name.split(".")]   # the model's names for Mixtral's
+    if parts[-2:-1] == ["experts"] and parts[-1] in STACKED_EXPERTS:
+        raise ValueError(f"{name}: tensor parallelism reads a mixture's experts stored one by one; this checkpoint "
+                         "stacks them in one tensor (load it with tensor_parallel_size=1)")
     try:
         for i, part in enumerate(parts):
             if part in PACKED:   # q_proj -> its width inside this rank's qkv_proj
