@@ -215,6 +215,19 @@ def engine_settings(args) -> dict:
     return settings
 
 
+def size_gpu_kv_cache(args, settings: dict, device: str) -> dict:
+    """On a GPU, each engine's KV cache holds the whole trace and no more. The bench builds several
+    engines in one process (the timed run, one request at a time, the variants), and an engine sized
+    from gpu_memory_utilization takes what the others hold as used: the second would get nothing.
+    On CPU the engine's own default already is a fixed budget."""
+    if "num_kv_blocks" in settings or device != "cuda":
+        return settings
+    block = settings.get("block_size", 16)
+    longest = (getattr(args, "prefix_len", None) or 0) + args.input_len[1] + args.output_len[1]
+    per_request = -(-longest // block)
+    return {**settings, "num_kv_blocks": args.num_requests * per_request}
+
+
 # ==== the trace, the timed runs, the figures =============================================
 
 def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
@@ -291,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     settings = engine_settings(args)
     model_dir = resolve_model(args)
+    settings = size_gpu_kv_cache(args, settings, EngineConfig(model_dir, **settings).device)
     if args.workload != "throughput":
         run, show = OTHER_WORKLOADS[args.workload]
         result = {"workload": args.workload, **run(args, model_dir, settings),

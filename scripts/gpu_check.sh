@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_check.sh             run it (from anywhere: it works in the repository root)
 #   bash scripts/gpu_check.sh --dry-run   print the plan and the output paths; run nothing
+#   bash scripts/gpu_check.sh --only 'gpu tests,bench'   run these steps alone (a rerun after a fix)
 #
 # The machine needs torch (CUDA), triton, transformers, tokenizers, pytest, xxhash and tqdm,
 # and nothing from a package index: nanopaged runs from the checkout (PYTHONPATH), pip is
@@ -17,11 +18,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 dry_run=0
-for arg in "$@"; do
-  case "$arg" in
+only=""
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dry-run) dry_run=1 ;;
-    *) echo "usage: bash scripts/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+    --only) only="${2:?--only needs a comma-separated list of step names}"; shift ;;
+    *) echo "usage: bash scripts/gpu_check.sh [--dry-run] [--only 'step,step']" >&2; exit 2 ;;
   esac
+  shift
 done
 
 out="${OUT:-/tmp}"
@@ -45,6 +49,23 @@ steps=(
 echo "gpu_check: log $log"
 echo "gpu_check: bench json $bench_json"
 echo "gpu_check: PYTHONPATH=$PYTHONPATH TRITON_INTERPRET=$TRITON_INTERPRET PIP_NO_INDEX=$PIP_NO_INDEX budget ${budget}s"
+if [ -n "$only" ]; then                  # keep the named steps, in their order; a wrong name is an error
+  IFS=',' read -ra wanted <<< "$only"
+  kept=()
+  for name in "${wanted[@]}"; do
+    found=0
+    for step in "${steps[@]}"; do
+      [ "${step%%|*}" = "$name" ] && found=1
+    done
+    [ "$found" -eq 1 ] || { echo "gpu_check: no step named '$name'" >&2; exit 2; }
+  done
+  for step in "${steps[@]}"; do
+    for name in "${wanted[@]}"; do
+      [ "${step%%|*}" = "$name" ] && kept+=("$step")
+    done
+  done
+  steps=("${kept[@]}")
+fi
 if [ "$dry_run" -eq 1 ]; then
   for step in "${steps[@]}"; do
     IFS='|' read -r name seconds cmd <<< "$step"

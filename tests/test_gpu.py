@@ -57,26 +57,6 @@ def test_demo_model_on_cuda_in_bfloat16(demo_model_dir):
     assert "Paris" in out[0].outputs[0].text
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("batch", ["decode_only", "mixed_with_prefix_context"])
-def test_paged_attention_in_half_precision_on_cuda(dtype, batch):
-    """The compiled kernel in bf16/fp16 against the float32 torch reference (the CPU tests
-    cannot check bf16: Triton's interpreter multiplies bf16 tl.dot operands as raw bits)."""
-    pytest.importorskip("triton")
-    from test_triton_kernels import BATCHES, make_batch
-    from nanopaged.attention.torch_backend import TorchAttentionBackend
-    from nanopaged.attention import triton_kernels as tk
-
-    q, k, v, pool, meta = make_batch(*BATCHES[batch], 16, 4, 2, 128)   # GQA 4, head_dim 128
-    pool_ref = pool.clone()
-    want = TorchAttentionBackend().forward(q, k, v, pool_ref[1, 0], pool_ref[1, 1], meta, 128 ** -0.5)
-    half = pool.to(dtype)
-    tk.store_kvcache(k.to(dtype), v.to(dtype), half[1, 0], half[1, 1], meta.slot_mapping)
-    got = tk.paged_attention(q.to(dtype), half[1, 0], half[1, 1], meta, 128 ** -0.5)
-    assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
-
-
 def test_every_sampling_rule_runs_on_cuda_and_a_seed_reproduces_it(tiny_model_dirs):
     """The sampler's tensors and generators must live on the logits' device (on CPU, a
     tensor or generator left on the default device goes unnoticed: see README, Developing)."""

@@ -138,3 +138,21 @@ def test_paged_attention_in_half_precision_accumulates_in_float32():
     got = tk.paged_attention(half(q), pool_h[1, 0], pool_h[1, 1], meta, 0.125)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", ["decode_only", "mixed_with_prefix_context"])
+def test_paged_attention_in_half_precision_on_cuda(dtype, batch):
+    """The compiled kernel in bf16/fp16 against the float32 torch reference (the CPU tests
+    cannot check bf16: Triton's interpreter multiplies bf16 tl.dot operands as raw bits)."""
+    from nanopaged.attention.torch_backend import TorchAttentionBackend
+
+    q, k, v, pool, meta = make_batch(*BATCHES[batch], 16, 4, 2, 128)   # GQA 4, head_dim 128
+    pool_ref = pool.clone()
+    want = TorchAttentionBackend().forward(q, k, v, pool_ref[1, 0], pool_ref[1, 1], meta, 128 ** -0.5)
+    half = pool.to(dtype)
+    tk.store_kvcache(k.to(dtype), v.to(dtype), half[1, 0], half[1, 1], meta.slot_mapping)
+    got = tk.paged_attention(q.to(dtype), half[1, 0], half[1, 1], meta, 128 ** -0.5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

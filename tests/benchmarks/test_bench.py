@@ -160,6 +160,17 @@ def test_preset_fills_the_trace_but_flags_win():
     assert args.num_requests == 8 and tuple(args.input_len) == (100, 1024)
 
 
+def test_on_a_gpu_each_engine_holds_the_trace_not_the_whole_gpu():
+    """Found on the first GPU run: the single-stream engine, built beside the timed one, found no memory."""
+    args = bench.parse_args(["--num-requests", "64", "--input-len", "100", "512", "--output-len", "100", "256",
+                             "--device", "cuda"])
+    settings = bench.engine_settings(args)
+    assert bench.size_gpu_kv_cache(args, settings, "cuda")["num_kv_blocks"] == 64 * 48   # 768 tokens in 16s
+    assert bench.size_gpu_kv_cache(args, {**settings, "block_size": 32}, "cuda")["num_kv_blocks"] == 64 * 24
+    assert bench.size_gpu_kv_cache(args, {**settings, "num_kv_blocks": 7}, "cuda")["num_kv_blocks"] == 7
+    assert "num_kv_blocks" not in bench.size_gpu_kv_cache(args, settings, "cpu")   # CPU: its fixed budget
+
+
 def test_published_figures_never_enter_the_ratios(tiny_run):
     result, _ = tiny_run
     assert "vllm" not in result["peers"] and not any("vllm" in k for k in result["ratios"])
