@@ -129,7 +129,7 @@ class OutputProcessor:
             request.output_token_ids.append(sample.token_id)
             state.cumulative_logprob += sample.logprob
             if sample.top_logprobs is not None:
-                state.logprobs.append(self._logprob_dict(sample.top_logprobs, request.sampling_params.detokenize))
+                state.logprobs.append(self.logprob_dict(sample.top_logprobs, request.sampling_params.detokenize))
             stop = check_stop(request, state.detokenizer, self.stop_rules)
             if stop is not None:
                 del tokens[i + 1:]
@@ -171,9 +171,9 @@ class OutputProcessor:
         logprobs = torch.log_softmax(logits[skip:].float(), dim=-1)
         k = request.sampling_params.prompt_logprobs
         tops = top_logprobs(logprobs, torch.tensor(targets[skip:], device=logprobs.device), [k] * logprobs.shape[0])
-        entries += [self._logprob_dict(top, request.sampling_params.detokenize) for top in tops]
+        entries += [self.logprob_dict(top, request.sampling_params.detokenize) for top in tops]
 
-    def _logprob_dict(self, top: list[tuple[int, float, int]], decode: bool) -> dict[int, Logprob]:
+    def logprob_dict(self, top: list[tuple[int, float, int]], decode: bool) -> dict[int, Logprob]:
         """decode=False (detokenize=False): no decoded tokens, as vLLM leaves them None."""
         return {t: Logprob(lp, rank, self.tokenizer.decode([t]) if decode else None) for t, lp, rank in top}
 

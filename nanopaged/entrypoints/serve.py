@@ -11,10 +11,15 @@ NANOPAGED_API_KEY) locks every route but /health and /metrics; the server's othe
 as vLLM's: `--enable-lora --lora-modules name=path ...`, each then a `model` name clients may ask
 for; `--allow-runtime-lora-updating` adds routes that load and unload adapters. The server
 itself is nanopaged/entrypoints/openai/ (docs/08_server.md); it needs `pip install -e '.[serve]'`.
+
+It runs as vLLM V1 lays it out (processes.py): an engine-core process and `--api-server-count`
+API-server processes over ZeroMQ; `--engine-in-process` runs the engine on a thread of the one
+HTTP process instead (the layout before, kept to measure the difference).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import ipaddress
 import json
 import os
@@ -25,7 +30,8 @@ from nanopaged.config import EngineConfig
 
 SETTINGS_OFF_IS_NONE = {"cpu_threads"}          # "auto" or None, spelled "none" on the command line
 API_KEY_ENV = "NANOPAGED_API_KEY"               # vLLM's is VLLM_API_KEY
-RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"   # vLLM's switch for the same routes, honoured here
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client", "zmq", "msgspec")   # the serve extra's imports   # vLLM's switch for the same routes, honoured here
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "address (0.0.0.0: every network) serves whoever reaches it: give --api-key too")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the ready line names it)")
     p.add_argument("--served-model-name", help="the name clients ask for (default: MODEL as given)")
+    p.add_argument("--api-server-count", type=_positive(int), default=1, metavar="N",
+                   help="API-server processes (HTTP, tokenizing, detokenizing) in front of the one engine-core "
+                        "process (default: %(default)s)")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine on a thread of the one HTTP process, no engine-core process (the old "
+                        "layout; with --api-server-count 1 only)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_limits(p.add_argument_group("access and limits (docs/08_server.md: Limits and access control)"))
@@ -50,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("lora_modules", "allow_runtime_lora_updating"):
         if getattr(args, flag) and not getattr(args, "enable_lora", False):
             p.error(f"--{flag.replace('_', '-')} needs --enable-lora (the engine applies adapters only then)")
+    if args.engine_in_process and args.api_server_count != 1:
+        p.error("--engine-in-process runs one HTTP process: --api-server-count must be 1")
+    if args.api_server_count > 1 and args.allow_runtime_lora_updating:
+        p.error("--allow-runtime-lora-updating needs --api-server-count 1 (each API server keeps its own table "
+                "of adapter names)")
     return args
 
 
@@ -181,82 +198,78 @@ def engine_settings(args: argparse.Namespace) -> dict:
     return {n: getattr(args, n) for n in names if hasattr(args, n)}
 
 
-def served_models(args: argparse.Namespace, engine, name: str, path: str):
-    """The base model, and --lora-modules' adapters (lora_int_id 1, 2, ... in order), each read now: a
-    folder that cannot be served stops the start, with the reason."""
-    from nanopaged.entrypoints.openai.protocol import OpenAIError
-    from nanopaged.entrypoints.openai.served_models import ServedModels
-    models = ServedModels(name, path, engine.config.max_model_len, engine.extensions.get("nanopaged.lora"))
-    for module in args.lora_modules or ():
-        if module.base_model_name not in (None, name):
-            raise ValueError(f"--lora-modules {module.name!r}: base_model_name {module.base_model_name!r} is not "
-                             f"the served model, {name!r}")
-        try:
-            models.load(module.name, module.path)
-        except OpenAIError as e:
-            raise ValueError(f"--lora-modules {module.name!r}: {e.message}") from None
-    return models
+def describe(args: argparse.Namespace, key: str | None):
+    """The ready line's (name, details), from the engine's resolved config and its KV blocks."""
+    from nanopaged.entrypoints.api_server import served_name
+
+    def details(config, num_kv_blocks: int) -> tuple[str, str]:
+        adapters = len(args.lora_modules or ())
+        return served_name(args), (f"{num_kv_blocks} KV blocks of {config.block_size} tokens, max_model_len "
+                                   f"{config.max_model_len}{f', {adapters} LoRA adapter(s)' if adapters else ''}"
+                                   f"{', API key required' if key else ''}")
+    return details
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
-        import uvicorn
-        from nanopaged.entrypoints.openai.app import build_app
-        from nanopaged.entrypoints.openai.limits import BodyLimits, with_head_timeout
-    except ImportError as e:
-        sys.exit(f"nanopaged serve needs the serve extra ({e.name} is missing): pip install -e '.[serve]'")
-    from nanopaged.models.demo_model import DEMO_MODEL
-    from nanopaged.entrypoints.openai.engine_loop import EngineLoop
-    from nanopaged.entrypoints.openai.metrics import ServerMetrics
-    from nanopaged.llm import LLM
-
-    name = args.served_model_name or args.model or DEMO_MODEL
+    missing = [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        sys.exit(f"nanopaged serve needs the serve extra ({', '.join(missing)} missing): pip install -e '.[serve]'")
     try:
         key = api_key(args)
-        llm = LLM(args.model, **engine_settings(args))
-        models = served_models(args, llm.llm_engine, name, args.model or DEMO_MODEL)
-    except ValueError as e:                     # a bad setting, model or adapter folder: say which, no traceback
+    except ValueError as e:
         sys.exit(f"nanopaged serve: {e}")
     warning = access_warning(args.host, args.port, key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    updating = runtime_lora_updating(args)
-    if updating:
+    if runtime_lora_updating(args):
         print("nanopaged: runtime LoRA updating is on: any client (with the API key, if one is set) may make "
               "the server read a folder of this machine as an adapter", file=sys.stderr, flush=True)
-    engine = llm.llm_engine
-    metrics = ServerMetrics(engine, llm.stats)
-    # The loop holds the LLM for its whole life: its lock, and its CPU thread governor.
-    engine_loop = EngineLoop(engine, metrics, hold=llm.one_call_at_a_time)
-    app = build_app(engine_loop, metrics, models, BodyLimits(args.max_request_body_bytes, args.timeout_request_body),
-                    api_key=key, runtime_lora_updating=updating)
-    adapters = len(models.table.adapters)
+    if args.engine_in_process:
+        serve_in_process(args, key)
+        status = 0
+    else:
+        from nanopaged.entrypoints.processes import serve_processes
+        try:
+            status = serve_processes(args, engine_settings(args), describe(args, key), key,
+                                     runtime_lora_updating(args))
+        except ValueError as e:                 # a bad setting, model or adapter folder: say which, no traceback
+            sys.exit(f"nanopaged serve: {e}")
+    print("nanopaged: stopped", flush=True)
+    sys.exit(status)
 
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets)
-            if self.started:                    # the socket listens: now say where
-                host, port = self.servers[0].sockets[0].getsockname()[:2]
-                print(f"nanopaged: serving {name!r} at http://{host}:{port}/v1 "
-                      f"({engine.scheduler.block_pool.num_blocks} KV blocks of {engine.config.block_size} "
-                      f"tokens, max_model_len {engine.config.max_model_len}"
-                      f"{f', {adapters} LoRA adapter(s)' if models.serves_adapters else ''}"
-                      f"{', API key required' if key else ''})", flush=True)
+
+def serve_in_process(args: argparse.Namespace, key: str | None) -> None:
+    """The one-process layout: the engine loop on a thread beside uvicorn's event loop."""
+    from nanopaged.entrypoints.api_server import served_models, uvicorn_server
+    from nanopaged.entrypoints.openai.app import build_app
+    from nanopaged.entrypoints.openai.engine_loop import EngineLoop
+    from nanopaged.entrypoints.openai.limits import BodyLimits
+    from nanopaged.entrypoints.openai.metrics import ServerMetrics
+    from nanopaged.llm import LLM
+
+    try:
+        llm = LLM(args.model, **engine_settings(args))
+        models = served_models(args, llm.llm_engine.extensions.get("nanopaged.lora"), llm.llm_engine.config.max_model_len)
+    except ValueError as e:                     # a bad setting, model or adapter folder: say which, no traceback
+        sys.exit(f"nanopaged serve: {e}")
+    engine, metrics = llm.llm_engine, ServerMetrics()
+    # The loop holds the LLM for its whole life: its lock, and its CPU thread governor.
+    engine_loop = EngineLoop(engine, metrics, hold=llm.one_call_at_a_time, stats=llm.stats)
+    app = build_app(engine_loop, metrics, models, BodyLimits(args.max_request_body_bytes, args.timeout_request_body),
+                    api_key=key, runtime_lora_updating=runtime_lora_updating(args))
+    name, details = describe(args, key)(engine.config, engine.scheduler.block_pool.num_blocks)
+
+    def started(host: str, port: int) -> None:
+        print(f"nanopaged: serving {name!r} at http://{host}:{port}/v1 ({details}; engine in process)", flush=True)
 
     engine_loop.start()
     try:
-        Server(uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-            lifespan="off",                     # no startup hooks; "on" logs a traceback on Ctrl-C
-            http=with_head_timeout(args.timeout_request_header),   # always h11, with a header deadline
-            timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
-            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)).run()
+        uvicorn_server(args, app, started).run()
     except KeyboardInterrupt:       # Ctrl-C: uvicorn shuts down gracefully, then may re-raise it
         pass
     finally:
         engine_loop.stop()
-    print("nanopaged: stopped", flush=True)
 
 
 def cli() -> None:

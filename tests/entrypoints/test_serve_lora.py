@@ -240,14 +240,13 @@ class FakeManager:
 
 
 def test_modules_take_ids_in_order_and_a_loaded_adapter_the_next_id_never_a_reused_one():
-    from types import SimpleNamespace
-
+    from nanopaged.entrypoints.api_server import served_models
     from nanopaged.entrypoints.openai.protocol import OpenAIError
-    from nanopaged.entrypoints.serve import parse_args, served_models
+    from nanopaged.entrypoints.serve import parse_args
     manager = FakeManager()
-    engine = SimpleNamespace(config=SimpleNamespace(max_model_len=64), extensions={"nanopaged.lora": manager})
-    args = parse_args(["serve", "/m", "--enable-lora", "--lora-modules", "a=/a", '{"name": "b", "path": "/b"}'])
-    models = served_models(args, engine, "base", "/m")
+    args = parse_args(["serve", "/m", "--served-model-name", "base", "--enable-lora", "--lora-modules", "a=/a",
+                       '{"name": "b", "path": "/b"}'])
+    models = served_models(args, manager, 64)
     assert {n: r.lora_int_id for n, r in models.adapters.items()} == {"a": 1, "b": 2} and manager.read == [1, 2]
     models.unload("b")
     assert manager.unloaded == [2] and models.load("b", "/b").lora_int_id == 3      # not 2: a running request may hold it
@@ -260,7 +259,7 @@ def test_modules_take_ids_in_order_and_a_loaded_adapter_the_next_id_never_a_reus
     assert refused.value.status == 404 and [c["id"] for c in models.table.cards] == ["base", "a", "b"]
     assert models.load("c", "/c").lora_int_id == 4                                   # a failed read took no id
 
-    args = parse_args(["serve", "/m", "--enable-lora", "--lora-modules", '{"name": "a", "path": "/a", '
-                       '"base_model_name": "other"}'])
+    args = parse_args(["serve", "/m", "--served-model-name", "base", "--enable-lora", "--lora-modules",
+                       '{"name": "a", "path": "/a", "base_model_name": "other"}'])
     with pytest.raises(ValueError, match="base_model_name 'other' is not the served model, 'base'"):
-        served_models(args, engine, "base", "/m")
+        served_models(args, manager, 64)

@@ -271,9 +271,12 @@ def test_stats_bar_and_metrics(tiny_model_dirs):
     assert llm.get_stats()["spec_decode"]["num_drafts"] == 0
     assert engine(tiny_model_dirs["llama"]).get_stats()["spec_decode"] is None
     pytest.importorskip("prometheus_client")
+    from nanopaged.entrypoints.core_messages import figures_of
     from nanopaged.entrypoints.openai.metrics import ServerMetrics
-    metrics = ServerMetrics(llm.llm_engine, llm.stats)
+    metrics = ServerMetrics()
+    metrics.engine(figures_of(llm.llm_engine, llm.stats))
     llm.generate(repeating_prompts(4), GREEDY, use_tqdm=False)
+    metrics.engine(figures_of(llm.llm_engine, llm.stats))
     text = metrics.exposition().decode()
     s = stats(llm)
     for name in ("drafts", "draft_tokens", "accepted_tokens"):

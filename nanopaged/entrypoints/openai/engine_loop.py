@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from nanopaged.core.request import Request
 from nanopaged.engine.input_processor import render_chat
 from nanopaged.engine.llm_engine import LLMEngine
+from nanopaged.entrypoints.core_messages import figures_of
 from nanopaged.entrypoints.openai.protocol import OpenAIError, ParsedRequest, field_named, in_request_terms
 from nanopaged.outputs import RequestOutput
 
@@ -70,11 +71,11 @@ class Submission:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, metrics=None, hold=contextlib.nullcontext) -> None:
-        """`metrics` (metrics.py) hears of arrivals and aborts and samples the engine after
-        every round; `hold` is a context the whole loop runs in (LLM.one_call_at_a_time:
-        the LLM's lock, and its CPU thread governor on this thread)."""
-        self.engine, self.metrics, self.hold = engine, metrics, hold
+    def __init__(self, engine: LLMEngine, metrics=None, hold=contextlib.nullcontext, stats=None) -> None:
+        """`metrics` (metrics.py) hears of arrivals, aborts and outputs, and gets the engine's
+        figures after every round (`stats`: the LLM's EngineStats); `hold` is a context the whole
+        loop runs in (LLM.one_call_at_a_time: the LLM's lock, and its CPU thread governor on this thread)."""
+        self.engine, self.metrics, self.hold, self.stats = engine, metrics, hold, stats
         # ("add", Submission, its processed requests) | ("abort", ids) | ("stop",)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.routes: dict[str, Submission] = {}              # engine thread only: request id -> its submission
@@ -144,7 +145,7 @@ class EngineLoop:
                     if self.engine.has_unfinished_requests():
                         self._step()
                     if self.metrics is not None:
-                        self.metrics.sample(self.engine)
+                        self.metrics.engine(figures_of(self.engine, self.stats))
         except BaseException as e:            # a bug in the loop itself: /health says so
             self.error = e
             logger.exception("the engine loop died")
@@ -232,6 +233,8 @@ class EngineLoop:
             by_submission.setdefault(submission, []).append(output)
             if output.finished:
                 del self.routes[output.request_id]
+        if self.metrics is not None:
+            self.metrics.outputs(outputs)
         for submission, items in by_submission.items():
             _post(submission, _put_all, submission.outputs, items)
 

@@ -6,11 +6,13 @@ small for the load (recompute is wasted work); a usage far below 1 means memory 
 The names are vLLM's (vllm/v1/metrics/loggers.py) under a `nanopaged:` prefix, so a vLLM
 dashboard maps across by renaming the prefix.
 
-Everything is written on the engine thread: the counters by a step observer (the
-engine's `observers` hook; the prefix-cache and preemption counts come from
-engine/stats.py, their one owner), the gauges after every round of the engine loop
-(engine_loop.py), request latencies from the arrival time the loop reports. The scraper
-only reads (prometheus-client is thread-safe). docs/08_server.md, "Metrics".
+Two feeds, in either process layout: the engine's figures (core_messages.Figures: the gauges
+as they are, the counts as totals, from engine/stats.py, their one owner), sent by the engine
+core a few times a second or taken by the in-process engine loop after every round; and the
+outputs handed to this server's clients, which time their requests from the arrival the loop
+reports. With several API servers, each one's latencies are its own clients'; the engine's
+figures are the same on all. The scraper only reads (prometheus-client is thread-safe).
+docs/08_server.md, "Metrics".
 """
 from __future__ import annotations
 
@@ -18,9 +20,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from nanopaged import spec_decode
-from nanopaged.engine.llm_engine import LLMEngine, StepRecord
-from nanopaged.engine.stats import EngineStats
+from nanopaged.entrypoints.core_messages import Figures
 
 PREFIX = "nanopaged:"
 # Seconds; wide enough for a 2-core CPU and a GPU alike.
@@ -31,9 +31,7 @@ TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, stats: EngineStats) -> None:
-        """Adds itself to `engine.observers`; must come after `stats` (it reads stats' counts)."""
-        self.stats = stats
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()    # the server's own: no clash with other registries
         r = dict(registry=self.registry)
         self.running = Gauge(PREFIX + "num_requests_running", "Sequences in the running set.", **r)
@@ -57,23 +55,13 @@ class ServerMetrics:
                              "From a request's arrival to its last token.", buckets=LATENCY_BUCKETS, **r)
         self.arrival: dict[str, float] = {}        # request id -> monotonic arrival time
         self.first_token: dict[str, float] = {}    # request id -> monotonic time of its first token
-        self.seen = (0, 0, 0)                      # stats' (preemptions, queries, hits) at the last step
-        self.spec = spec_decode.of(engine)         # speculative_config: vLLM's four counters
-        if self.spec is not None:
-            name = PREFIX + "spec_decode_num_"
-            self.spec_counters = (
-                Counter(name + "drafts", "Verify steps of a request with drafts.", **r),
-                Counter(name + "draft_tokens", "Draft tokens verified.", **r),
-                Counter(name + "accepted_tokens", "Draft tokens accepted.", **r))
-            self.spec_per_pos = Counter(name + "accepted_tokens_per_pos", "Draft tokens accepted, by position.",
-                                        ["position"], **r)
-            self.spec_seen = self.spec.stats.copy()
-        engine.observers.append(self)
+        self.seen = Figures(0, 0, 0.0, 0, 0, 0, 0)  # the totals at the last figures
+        self.spec_counters = None                  # speculative decoding's, made at its first figures
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    # ---- told by the engine loop ---------------------------------------------------------------
+    # ---- told by the engine loop (or the engine core's client) -----------------------------------
     def arrived(self, request_id: str, arrival_time: float) -> None:
         self.arrival[request_id] = arrival_time
 
@@ -82,34 +70,42 @@ class ServerMetrics:
         self.arrival.pop(request_id, None)
         self.first_token.pop(request_id, None)
 
-    def sample(self, engine: LLMEngine) -> None:
-        """The gauges, after every round of the loop (an abort changes them without a step)."""
-        scheduler = engine.scheduler
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.kv_usage.set(scheduler.block_pool.usage())
+    def engine(self, figures: Figures) -> None:
+        """The gauges as they are; each counter moves by what its total grew since the last figures."""
+        self.running.set(figures.running)
+        self.waiting.set(figures.waiting)
+        self.kv_usage.set(figures.kv_usage)
+        old = self.seen
+        for counter, new, was in ((self.preemptions, figures.preemptions, old.preemptions),
+                                  (self.prefix_queries, figures.prefix_queries, old.prefix_queries),
+                                  (self.prefix_hits, figures.prefix_hits, old.prefix_hits),
+                                  (self.generation_tokens, figures.generation_tokens, old.generation_tokens)):
+            if new > was:
+                counter.inc(new - was)
+        if figures.spec is not None:
+            self._count_spec(figures.spec, old.spec)
+        self.seen = figures
 
-    def _count_spec(self) -> None:
-        new = self.spec.stats.since(self.spec_seen)
-        for counter, n in zip(self.spec_counters, (new.num_drafts, new.num_draft_tokens, new.num_accepted_tokens)):
-            counter.inc(n)
-        for pos, n in enumerate(new.accepted_per_pos):
-            self.spec_per_pos.labels(position=str(pos)).inc(n)
-        self.spec_seen = self.spec.stats.copy()
+    def _count_spec(self, spec: list, old: list | None) -> None:
+        """vLLM's four counters: drafts, draft tokens, accepted tokens, accepted by position."""
+        if self.spec_counters is None:
+            name, r = PREFIX + "spec_decode_num_", dict(registry=self.registry)
+            self.spec_counters = (
+                Counter(name + "drafts", "Verify steps of a request with drafts.", **r),
+                Counter(name + "draft_tokens", "Draft tokens verified.", **r),
+                Counter(name + "accepted_tokens", "Draft tokens accepted.", **r),
+                Counter(name + "accepted_tokens_per_pos", "Draft tokens accepted, by position.", ["position"], **r))
+        old = old or [0, 0, 0, []]
+        for counter, new, was in zip(self.spec_counters, spec[:3], old[:3]):
+            counter.inc(max(0, new - was))
+        for pos, new in enumerate(spec[3]):
+            was = old[3][pos] if pos < len(old[3]) else 0
+            self.spec_counters[3].labels(position=str(pos)).inc(max(0, new - was))
 
-    # ---- a step observer -----------------------------------------------------------------------
-    def __call__(self, step: StepRecord) -> None:
+    def outputs(self, outputs: list) -> None:
+        """The latencies of this server's requests, from the outputs handed to their clients."""
         now = time.monotonic()
-        s = self.stats
-        counts = (s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits)
-        for counter, new, old in zip((self.preemptions, self.prefix_queries, self.prefix_hits), counts, self.seen):
-            if new > old:
-                counter.inc(new - old)
-        self.seen = counts
-        self.generation_tokens.inc(step.num_tokens)
-        if self.spec is not None:
-            self._count_spec()
-        for output in step.outputs:
+        for output in outputs:
             rid = output.request_id
             if rid not in self.arrival:            # not a server request
                 continue

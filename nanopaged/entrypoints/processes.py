@@ -1,0 +1,171 @@
+"""The server's processes, as vLLM V1 lays them out: who starts them, watches them, stops them.
+
+    supervisor (this process)   opens the listening socket, starts the others, watches them
+    engine core (1)             engine_core.py: scheduler, runner, block pool; no text work
+    API servers (N)             api_server.py: HTTP, tokenizing, detokenizing; N = --api-server-count
+
+Faults end cleanly, never in a hang: if the engine core dies, every API server sees its life
+line close (a pipe only the core writes to), ends the requests in flight with an error and
+answers /health with 503; the supervisor gives them a moment to say so, stops them and exits
+1. If an API server dies, the engine core aborts that server's requests (ClientGone) and the
+others serve on; with none left, the supervisor exits 1. SIGINT or SIGTERM stops every process
+and exits 0; a child whose supervisor is killed stops itself (it checks its parent). Processes
+are spawned, not forked: torch's thread pools are not fork-safe. vLLM: vllm/v1/utils.py
+(APIServerProcessManager), vllm/v1/engine/utils.py. docs/08_server.md, "Processes".
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from multiprocessing.connection import wait
+
+import zmq
+
+from nanopaged.entrypoints import core_messages as m
+from nanopaged.entrypoints.api_server import run_api_server
+from nanopaged.entrypoints.engine_core import run_engine_core
+
+GRACE_S = 2.0            # after the engine core died: time for the API servers to answer with the error
+STOP_S = 10.0            # a process that has not stopped by then is killed
+
+
+def serve_processes(args, settings: dict, describe, key: str | None, updating: bool) -> int:
+    """Run the server until a signal (exit status 0) or a fault (1). `describe(config, num_kv_blocks)`:
+    the ready line's (served name, details). A ValueError if it cannot start, saying why."""
+    ctx = multiprocessing.get_context("spawn")
+    folder = tempfile.mkdtemp(prefix="nanopaged-")
+    address = f"ipc://{folder}/engine-core"
+    core, info = start_engine_core(ctx, args.model, settings, address)
+    if core is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise ValueError(info)
+    supervisor = Supervisor(ctx, core, address, folder)
+    try:
+        return supervisor.run(args, info, describe, key, updating)
+    finally:
+        supervisor.stop_all()
+
+
+def start_engine_core(ctx, model, settings: dict, address: str):
+    """The engine-core process, once its model is loaded: (process, its info) or (None, why not)."""
+    ready_r, ready_w = ctx.Pipe(duplex=False)
+    life_r, life_w = ctx.Pipe(duplex=False)
+    core = ctx.Process(target=run_engine_core, args=(model, settings, address, ready_w, life_w),
+                       name="nanopaged-engine-core")
+    core.start()
+    ready_w.close()
+    life_w.close()                     # from here on only the core holds the life line's write end
+    if not wait([ready_r, core.sentinel]) or not ready_r.poll():
+        core.join()
+        return None, f"the engine core exited with status {core.exitcode} while loading"
+    answer = ready_r.recv()
+    if answer[0] == "error":
+        core.join()
+        return None, answer[1]
+    core.lifeline = life_r
+    return core, answer[1:]
+
+
+class Supervisor:
+    def __init__(self, ctx, core, address: str, folder: str) -> None:
+        self.ctx, self.core, self.address, self.folder = ctx, core, address, folder
+        self.api_servers: dict[str, multiprocessing.Process] = {}
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)   # to tell the core of deaths, and to stop it
+        self.socket.setsockopt(zmq.IDENTITY, b"supervisor")
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.connect(address)
+        self.wake_r, self.wake_w = os.pipe()
+        self.signal = None
+
+    def run(self, args, info: tuple, describe, key: str | None, updating: bool) -> int:
+        listener = socket.create_server((args.host, args.port), reuse_port=False)
+        started_r, started_w = self.ctx.Pipe(duplex=False)
+        for i in range(args.api_server_count):
+            name = f"api-{i}"
+            self.api_servers[name] = self.ctx.Process(
+                target=run_api_server, name=f"nanopaged-{name}",
+                args=(name, args, listener, self.address, self.core.lifeline, info, started_w, key, updating))
+            self.api_servers[name].start()
+        started_w.close()
+        error = self.wait_started(started_r)
+        if error is not None:
+            raise ValueError(error)
+        host, port = listener.getsockname()[:2]
+        listener.close()                  # the API servers hold it now
+        name, details = describe(*info[:2])
+        print(f"nanopaged: serving {name!r} at http://{host}:{port}/v1 ({details}; {args.api_server_count} API "
+              f"server(s), engine core pid {self.core.pid})", flush=True)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.on_signal)
+        return self.watch()
+
+    def wait_started(self, started) -> str | None:
+        """None once every API server listens; else why one did not start."""
+        waiting = set(self.api_servers)
+        while waiting:
+            ready = wait([started, self.core.sentinel, *(p.sentinel for p in self.api_servers.values())])
+            if started in ready:
+                try:
+                    what, text = started.recv()
+                except EOFError:
+                    return "an API server exited before it started"
+                if what == "error":
+                    return text
+                waiting.discard(text)
+            elif self.core.sentinel in ready:
+                return f"the engine core exited with status {self.core.exitcode}"
+            else:
+                dead = [n for n, p in self.api_servers.items() if not p.is_alive()]
+                return f"API server {dead[0]} exited with status {self.api_servers[dead[0]].exitcode} while starting"
+        return None
+
+    def on_signal(self, sig, frame) -> None:
+        self.signal = sig
+        os.write(self.wake_w, b"s")
+
+    def watch(self) -> int:
+        """Until a signal (0) or a fault (1)."""
+        while True:
+            sentinels = {p.sentinel: n for n, p in self.api_servers.items()}
+            ready = wait([self.wake_r, self.core.sentinel, *sentinels])
+            if self.signal is not None:
+                return 0
+            if self.core.sentinel in ready:
+                print(f"nanopaged: the engine core died (exit status {self.core.exitcode}); every request in "
+                      "flight ended with an error; stopping", file=sys.stderr, flush=True)
+                wait([p.sentinel for p in self.api_servers.values()], timeout=GRACE_S)
+                return 1
+            for sentinel in ready:
+                name = sentinels.get(sentinel)
+                if name is not None:
+                    process = self.api_servers.pop(name)
+                    print(f"nanopaged: API server {name} died (exit status {process.exitcode}); the engine "
+                          f"core aborted its requests; {len(self.api_servers)} serve on", file=sys.stderr, flush=True)
+                    self.socket.send(m.encode(m.ClientGone(name)))
+            if not self.api_servers:
+                return 1
+
+    def stop_all(self) -> None:
+        """API servers first (they finish what they can), then the engine core; nothing left behind."""
+        for p in self.api_servers.values():
+            if p.is_alive():
+                p.terminate()                            # SIGTERM: uvicorn's graceful shutdown
+        for p in self.api_servers.values():
+            _join(p)
+        if self.core.is_alive():
+            self.socket.send(m.encode(m.Shutdown()))
+            _join(self.core)
+        self.socket.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _join(process) -> None:
+    process.join(STOP_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
