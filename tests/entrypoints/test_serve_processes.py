@@ -227,3 +227,49 @@ def test_what_crosses_the_socket_is_plain_data_and_nothing_else_is_read():
         m.core_decoder.decode(b"\x93not msgpack")
     with pytest.raises(ValueError, match="unknown sampling parameters"):
         m.params_from_wire({"temperature": 0, "__reduce__": "os.system"})
+
+
+@pytest.mark.parametrize("flags", [
+    ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'],
+    ["--tensor-parallel-size", "2", "--cpu-threads", "none"]], ids=["ngram-drafts", "tensor-parallel-2"])
+def test_the_engine_core_drives_drafts_and_tensor_parallel_ranks(tiny_model_dirs, make_prompts, flags):
+    prompts = make_prompts(512, n=3, seed=9, min_len=4, max_len=30)
+    with start_nanopaged(tiny_model_dirs["llama"], [*ENGINE_ARGS, *flags], served_model_name="tiny",
+                         timeout_s=180) as s:
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        got = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
+               for p in prompts]
+        children = descendants(s.process.pid)
+        if "--tensor-parallel-size" in flags:           # the second rank is the engine core's child
+            assert any(p in descendants(core_pid(s)) for p in children)
+    offline = LLM(tiny_model_dirs["llama"], **SETTINGS)
+    expected = offline.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert got == [e.outputs[0].text for e in expected]
+    assert not any(alive(p) for p in children)
+
+
+def test_one_api_servers_flood_does_not_starve_another_on_the_engine_cores_socket(tmp_path):
+    """The engine core reads its ROUTER socket's peers in turn (ZeroMQ's fair queueing): a request that
+    one API server sends after another server queued a hundred is read among the first few."""
+    import zmq
+    from nanopaged.entrypoints import core_messages as m
+    ctx = zmq.Context.instance()
+    core = ctx.socket(zmq.ROUTER)
+    core.bind(f"ipc://{tmp_path}/core")
+    servers = {}
+    for name in ("api-0", "api-1"):
+        servers[name] = ctx.socket(zmq.DEALER)
+        servers[name].setsockopt(zmq.IDENTITY, name.encode())
+        servers[name].connect(f"ipc://{tmp_path}/core")
+    for i in range(100):
+        servers["api-0"].send(m.encode(m.Abort([f"flood-{i}"])))
+    servers["api-1"].send(m.encode(m.Abort(["the other one"])))
+    time.sleep(0.5)                                  # everything has reached the core's queue
+    order = []
+    while core.poll(1000):
+        client, payload = core.recv_multipart()
+        order.append((client, m.core_decoder.decode(payload).request_ids[0]))
+    assert len(order) == 101 and order.index((b"api-1", "the other one")) <= 2
+    for s in (core, *servers.values()):
+        s.close(linger=0)
