@@ -252,6 +252,21 @@ def test_an_unknown_model_is_a_404_as_in_vllm(server):
                                                  "type": "NotFoundError", "param": "model", "code": 404}
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", '{"model": "\\ud800", "prompt": "hi"}'),
+    ("/v1/completions", '{"prompt": "hi \\udfff there", "max_tokens": 2}'),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 2}'),
+    ("/v1/completions", '{"prompt": "hi", "\\ud800": 1}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "\\ud83d", "content": "x"}]}')])
+def test_a_lone_surrogate_anywhere_is_answered_below_500(server, path, body):
+    """JSON may escape half of a UTF-16 pair; Python then holds a string UTF-8 cannot encode. Every such
+    request is answered (2xx or 4xx), never a 500 from an error message that cannot be written."""
+    status, answer = post(server, path, body.encode())
+    assert status < 500, answer
+    assert json.dumps(answer).encode()
+
+
 def test_the_server_answers_after_bad_requests(server, client):
     for body, _ in BAD_COMPLETIONS[:5]:
         post(server, "/v1/completions", body)

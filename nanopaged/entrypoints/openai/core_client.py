@@ -177,11 +177,17 @@ class CoreClient:
             except ValueError as e:                   # an id already in use (the server's are uuid4s)
                 self._refuse(submission, OpenAIError(str(e)))
                 return
+            try:
+                wire = m.encode(m.AddRequest(rid, samples[0].prompt_token_ids, m.params_to_wire(r.params),
+                                             samples[0].cache_salt, m.lora_to_wire(r.lora_request)))
+            except (TypeError, ValueError) as e:      # a value MessagePack cannot carry: this request's fault
+                self.outputs.abort(rid)
+                self._refuse(submission, OpenAIError(f"the request cannot be sent to the engine: {e}"))
+                return
             self.routes[rid] = submission
             self.in_core.add(rid)
             self.accepting.setdefault(submission, set()).add(rid)
-            self._send(m.AddRequest(rid, samples[0].prompt_token_ids, m.params_to_wire(r.params),
-                                    samples[0].cache_salt, m.lora_to_wire(r.lora_request)))
+            self.socket.send(wire)
 
     def _refuse(self, submission: Submission, error: OpenAIError) -> None:
         """All or none: a submission one of whose requests was refused gives back the others."""

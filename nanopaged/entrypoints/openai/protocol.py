@@ -72,7 +72,8 @@ class OpenAIError(Exception):
 
 
 def cut(text: str, limit: int = MAX_ERROR_CHARS) -> str:
-    """`text` if it is short, else its start and its end with its length said."""
+    """`text` if it is short, else its start and its end with its length said; always writable as UTF-8."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     if len(text) <= limit:
         return text
     return f"{text[:limit * 3 // 4]} ... {text[-(limit // 8):]} [cut: {len(text)} characters]"
@@ -112,7 +113,37 @@ def parse_body(raw: bytes) -> dict:
     if _nests_deeper_than(body, MAX_JSON_DEPTH):
         raise OpenAIError(f"the request body nests more than {MAX_JSON_DEPTH} levels deep; at most "
                           f"{MAX_JSON_DEPTH} are allowed")
+    where = _lone_surrogate(body)
+    if where is not None:
+        raise OpenAIError(f"{where} holds a lone UTF-16 surrogate (an escape like \\ud800 without its pair): "
+                          "not a character; send the pair, or the character itself", param=where)
     return body
+
+
+def _lone_surrogate(body: dict) -> str | None:
+    """The path of the first key or string with half a UTF-16 pair, which JSON's escapes allow and
+    UTF-8 cannot write (every answer quoting it, and the socket to the engine core, would fail)."""
+    stack = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, child in items:
+            here = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"
+            if isinstance(key, str) and not _encodable(key):
+                return path.lstrip(".") or "body"
+            if isinstance(child, str) and not _encodable(child):
+                return here.lstrip(".")
+            if isinstance(child, (dict, list)):
+                stack.append((child, here))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _nests_deeper_than(value, limit: int) -> bool:
