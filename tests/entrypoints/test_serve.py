@@ -252,6 +252,40 @@ def test_an_unknown_model_is_a_404_as_in_vllm(server):
                                                  "type": "NotFoundError", "param": "model", "code": 404}
 
 
+def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(server, offline):
+    tokenizer = offline.get_tokenizer()
+    text = "The sea is calm tonight, and the tide is full."
+    status, answer = post(server, "/tokenize", {"model": MODEL_NAME, "prompt": text, "return_token_strs": True})
+    assert status == 200 and answer["tokens"] == tokenizer.encode(text)
+    assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == offline.llm_engine.config.max_model_len
+    assert answer["token_strs"] == tokenizer.convert_ids_to_tokens(answer["tokens"])
+    status, back = post(server, "/detokenize", {"model": MODEL_NAME, "tokens": answer["tokens"]})
+    assert status == 200 and back == {"prompt": tokenizer.decode(answer["tokens"])}
+    assert post(server, "/tokenize", {"prompt": text, "add_special_tokens": False})[1]["tokens"] == \
+        tokenizer.encode(text, add_special_tokens=False)
+    messages = [{"role": "user", "content": "Hello there"}]
+    status, chat = post(server, "/tokenize", {"messages": messages})
+    expected = offline.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+    assert status == 200 and chat["tokens"] == expected and chat["token_strs"] is None
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt"),
+    ("/tokenize", {}, 400, "messages"),
+    ("/tokenize", {"prompt": 3}, 400, "prompt"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/tokenize", {"prompt": "x", "return_token_strs": "yes"}, 400, "return_token_strs"),
+    ("/tokenize", {"prompt": "x", "temperature": 0}, 400, "temperature"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+    ("/detokenize", {"tokens": [True]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [1], "model": "gpt-4"}, 404, "model")])
+def test_bad_tokenize_and_detokenize_requests_name_their_field(server, path, body, status, param):
+    got, answer = post(server, path, body)
+    assert got == status and answer["error"]["param"] == param, answer
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", '{"model": "\\ud800", "prompt": "hi"}'),
     ("/v1/completions", '{"prompt": "hi \\udfff there", "max_tokens": 2}'),

@@ -23,9 +23,10 @@ from nanopaged.entrypoints.openai.engine_loop import EngineLoop, Submission
 from nanopaged.entrypoints.openai.limits import BodyLimits, ClientLeft, RequireApiKey, log_client_left, read_body
 from nanopaged.entrypoints.openai.metrics import ServerMetrics
 from nanopaged.entrypoints.openai.protocol import (OpenAIError, ParsedRequest, parse_body, parse_lora_update,
-                                                   parse_request)
+                                                   parse_request, requested_model)
 from nanopaged.entrypoints.openai.responses import ResponseBuilder
 from nanopaged.entrypoints.openai.served_models import ServedModels
+from nanopaged.entrypoints.openai.tokenize import detokenize, tokenize
 
 logger = logging.getLogger("nanopaged.entrypoints.serve")
 ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
@@ -65,6 +66,18 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedMod
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict:
+        body = await asyncio.to_thread(parse_body, await read_body(request, body_limits))
+        requested_model(body.get("model"), models.name, models.adapters)        # a wrong name: vLLM's 404
+        return await asyncio.to_thread(tokenize, body, engine_loop.tokenizer, models.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict:
+        body = await asyncio.to_thread(parse_body, await read_body(request, body_limits))
+        requested_model(body.get("model"), models.name, models.adapters)
+        return await asyncio.to_thread(detokenize, body, engine_loop.tokenizer)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

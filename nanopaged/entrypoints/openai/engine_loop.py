@@ -76,6 +76,7 @@ class EngineLoop:
         figures after every round (`stats`: the LLM's EngineStats); `hold` is a context the whole
         loop runs in (LLM.one_call_at_a_time: the LLM's lock, and its CPU thread governor on this thread)."""
         self.engine, self.metrics, self.hold, self.stats = engine, metrics, hold, stats
+        self.tokenizer = engine.tokenizer                     # /tokenize reads it (encode and decode only)
         # ("add", Submission, its processed requests) | ("abort", ids) | ("stop",)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.routes: dict[str, Submission] = {}              # engine thread only: request id -> its submission

@@ -167,7 +167,7 @@ def parse_request(body: dict, kind: str, served_model_name: str,
     if unknown:
         raise OpenAIError(f"unsupported field {shown(unknown[0])}: this server honours only "
                           f"{sorted(allowed)}", param=unknown[0])
-    lora_request = _model(body.get("model"), served_model_name, adapters)
+    lora_request = requested_model(body.get("model"), served_model_name, adapters)
     fields = {k: v for k, v in body.items() if v is not None}   # JSON null means "the default"
     stream = _bool(fields, "stream", False)
     include_usage = _stream_options(fields, stream)
@@ -191,7 +191,7 @@ def parse_request(body: dict, kind: str, served_model_name: str,
                          constraint_field, lora_request)
 
 
-def _model(model, served_model_name: str, adapters: Mapping[str, LoRARequest] | None) -> LoRARequest | None:
+def requested_model(model, served_model_name: str, adapters: Mapping[str, LoRARequest] | None) -> LoRARequest | None:
     """The LoRA adapter `model` names, or None for the base model (its served name, or no `model`
     at all, as vLLM). Another name is a 404, as in vLLM."""
     if model is None or model == served_model_name:
