@@ -13,8 +13,8 @@
     noise.py           the timed runs again beside a busy process on one core (--noise)
     figures.py         ratios to the peers, where step time goes, the targets, published figures
     workloads.py       the other workloads: prefix caching on vs off, sharing inside a request
-    serve.py           --workload serve: streaming clients at a Poisson rate against nanopaged serve and
-                       transformers serve
+    serve.py           --workload serve: streaming clients at Poisson rates against nanopaged serve, its
+                       in-process layout, vllm serve and transformers serve (vllm bench serve's figures)
     structured.py      --workload structured: what a JSON schema, a regex or a choice costs per token
     spec.py            --workload spec: speculative decoding where the answer repeats its prompt, and on random tokens
     spec_prompts.py    the spec workload's prompts: passages to repeat, or to fix typos in
