@@ -21,7 +21,8 @@ from nanopaged.sampling_params import RequestOutputKind, SamplingParams  # noqa:
 _ON_FIRST_USE = {"BeamSearchParams": "nanopaged.extras.beam_search", "BeamSearchOutput": "nanopaged.extras.beam_search",
                  "BeamSearchSequence": "nanopaged.extras.beam_search", "DEMO_MODEL": "nanopaged.models.demo_model",
                  "TextPrompt": "nanopaged.inputs", "TokensPrompt": "nanopaged.inputs",
-                 "StructuredOutputsParams": "nanopaged.structured_output.params", "LoRARequest": "nanopaged.lora.request"}
+                 "StructuredOutputsParams": "nanopaged.structured_output.params", "LoRARequest": "nanopaged.lora.request",
+                 "PoolingParams": "nanopaged.pooling_params", "EmbeddingRequestOutput": "nanopaged.pooling.outputs"}
 
 
 def __getattr__(name: str):
@@ -32,6 +33,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
-           "CompletionOutput", "TextPrompt", "TokensPrompt", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "DEMO_MODEL", "StructuredOutputsParams", "LoRARequest"]
+           "CompletionOutput", *_ON_FIRST_USE]
 __version__ = "0.1.0"

@@ -77,6 +77,8 @@ class EngineConfig:
     max_loras: int = 1                      # adapters in one step, at most (their slots)
     max_lora_rank: int = 16                 # the largest adapter rank accepted
     max_cpu_loras: int | None = None        # adapters kept read in memory, least recently used evicted; None: max_loras
+    runner: str = "generate"                # pooling: embeddings, prefill without sampling (pooling/); auto: generate
+    pooler_config: dict | None = None       # pooling: {"pooling_type": LAST|MEAN|CLS, "normalize"}; None: the model's
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
     gguf_file: str | None = field(init=False, default=None)     # quantization="gguf": the file's path
 
@@ -116,6 +118,9 @@ class EngineConfig:
         if self.enable_lora:     # vLLM reads the other three only then, too
             from nanopaged.lora.settings import check_lora_settings
             check_lora_settings(self)
+        if self.runner != "generate" or self.pooler_config is not None:   # read only when asked for
+            from nanopaged.pooling.config import check_pooling
+            check_pooling(self)
 
     def _resolve_defaults(self) -> None:
         if self.device == "auto":

@@ -115,13 +115,17 @@ class LLM:
             return self._run([samples[0].request_id for samples in requests], use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them; the arguments
-        in vLLM's order (`lora_request` as in generate)."""
+        in vLLM's order (`lora_request` as in generate; `tools`: OpenAI's function tools, for the template)."""
         one = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
         if not isinstance(conversations, (list, tuple)):
             raise ValueError(f"messages must be a conversation or a list of them, got {type(messages).__name__}")
+        if tools is not None:            # checked, with each assistant's tool calls (entrypoints/openai/tools.py)
+            from nanopaged.entrypoints.openai.tools import chat_with_tools
+            conversations = [chat_with_tools(conv, tools) for conv in conversations]
         tokenizer = self.llm_engine.tokenizer
         prompts = [render_chat(tokenizer, conv, chat_template) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
@@ -175,6 +179,11 @@ class LLM:
         from nanopaged.extras.beam_search import beam_search
         with self.one_call_at_a_time():
             return beam_search(self.llm_engine, prompts, params, lora_request)
+
+    def embed(self, prompts, pooling_params=None, use_tqdm: bool = True, lora_request=None) -> list:
+        """vLLM's EmbeddingRequestOutput per prompt, with runner="pooling" (nanopaged/pooling/embed.py)."""
+        from nanopaged.pooling.embed import embed
+        return embed(self, prompts, pooling_params, use_tqdm, lora_request)
 
     def get_stats(self) -> dict:
         return self.stats.as_dict()

@@ -42,9 +42,9 @@ NOT_IMPLEMENTED = [
     (("rope_theta",), (None,), "reads the model folder's config as it is"),
     (("generation_config",), ("auto",), "reads the EOS ids of the model folder's generation_config.json"),
     (("model_impl",), ("auto",), "has one implementation of each model (models/llama.py)"),
-    (("runner", "convert", "task"), (None, "auto", "generate", "none"),
-     "generates text only (no pooling, embedding or scoring)"),
-    (("pooler_config", "override_pooler_config"), (None,), "generates text only (no pooling)"),
+    (("convert", "task"), (None, "auto", "generate", "none"),
+     "generates or embeds (runner='pooling'; task='embed' and convert='embed' say the same), no other task"),
+    (("override_pooler_config",), (None,), "takes pooler_config (vLLM's newer name)"),
     (("override_attention_dtype",), (None,), "computes attention in the model's dtype"),
     (("logprobs_mode",), ("raw_logprobs",), "reports logprobs of the raw model distribution (vLLM's default)"),
     (("max_parallel_loading_workers", "safetensors_load_strategy", "pt_load_map_location", "use_tqdm_on_load"),
@@ -187,6 +187,8 @@ def engine_settings(kwargs: dict, own: set[str]) -> dict:
     """The EngineConfig settings that `kwargs` (nanopaged's settings and vLLM's engine arguments) ask
     for; a ValueError for an argument that asks for what nanopaged does not do, or that nobody knows."""
     settings, unknown = {}, []
+    if kwargs.get("task") in ("embed", "embedding") or kwargs.get("convert") == "embed":   # vLLM's other names
+        kwargs = {**kwargs, "task": None, "convert": None, "runner": kwargs.get("runner") or "pooling"}
     for name, value in kwargs.items():
         if name in own:
             if not (value is None and name in NONE_IS_DEFAULT):
@@ -245,7 +247,7 @@ class VllmModelConfig:
         self.tokenizer_mode, self.trust_remote_code, self.generation_config = "auto", False, "auto"
         self.revision = self.tokenizer_revision = None
         self.quantization = config.quantization
-        self.runner_type, self.is_multimodal_model = "generate", False
+        self.runner_type, self.is_multimodal_model = config.runner, False
 
     @cached_property
     def hf_config(self):

@@ -164,15 +164,18 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def render_chat(tokenizer, conversation, chat_template: str | None = None) -> dict:
-    """One conversation as a prompt, through the model's chat template, after checking it.
+    """One conversation as a prompt, through the model's chat template, after checking it. With tools it
+    comes as {"messages", "tools"}: OpenAI's function tools, for the template to show (openai/tools.py).
 
     A message is {"role", "content"}; content is a string or, as vLLM (and OpenAI) accept,
     a list of parts of which the text parts ({"type": "text", "text": ...}) are joined.
     """
+    tools = conversation.get("tools") if isinstance(conversation, dict) else None
+    conversation = conversation.get("messages") if isinstance(conversation, dict) else conversation
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"a conversation is a non-empty list of messages, got {conversation!r}")
     messages = [_message(m) for m in conversation]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
                                          chat_template=chat_template)
     # The template already wrote the special tokens; do not add a BOS again.
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

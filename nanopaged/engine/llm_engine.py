@@ -57,7 +57,8 @@ class TokenSelection(Protocol):
 # runs when a request first sets the field, and returns what `prepare`s each such request.
 FIELD_EXTENSIONS = {"structured_outputs": "nanopaged.structured_output"}
 # EngineConfig fields that do the same: installed when the engine is built, if set
-CONFIG_EXTENSIONS = {"speculative_config": "nanopaged.spec_decode", "enable_lora": "nanopaged.lora"}
+CONFIG_EXTENSIONS = {"speculative_config": "nanopaged.spec_decode", "enable_lora": "nanopaged.lora",
+                     "pooler_config": "nanopaged.pooling"}
 
 
 @dataclass

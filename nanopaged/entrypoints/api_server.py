@@ -70,7 +70,8 @@ def run_api_server(name: str, args, sock, address: str, lifeline, core: tuple, s
         client.stop()
         raise SystemExit(1) from None
     app = build_app(client, metrics, models, BodyLimits(args.max_request_body_bytes, args.timeout_request_body),
-                    api_key=key, runtime_lora_updating=updating)
+                    api_key=key, runtime_lora_updating=updating,
+                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     server = uvicorn_server(args, app, lambda host, port: started.send(("started", name)))
     server.ignore_sigint = True
     try:

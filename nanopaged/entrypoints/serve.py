@@ -9,7 +9,8 @@ free port, and the line printed when the server is ready names it. `--api-key KE
 NANOPAGED_API_KEY) locks every route but /health and /metrics; the server's other limits
 (body size, timeouts, concurrency) are flags with defaults, listed by `--help`. LoRA adapters,
 as vLLM's: `--enable-lora --lora-modules name=path ...`, each then a `model` name clients may ask
-for; `--allow-runtime-lora-updating` adds routes that load and unload adapters. The server
+for; `--allow-runtime-lora-updating` adds routes that load and unload adapters. Tool calling, as vLLM's:
+`--enable-auto-tool-choice --tool-call-parser hermes` lets a request's tool_choice be "auto". The server
 itself is nanopaged/entrypoints/openai/ (docs/08_server.md); it needs `pip install -e '.[serve]'`.
 
 It runs as vLLM V1 lays it out (processes.py): an engine-core process and `--api-server-count`
@@ -54,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_limits(p.add_argument_group("access and limits (docs/08_server.md: Limits and access control)"))
     add_lora(p.add_argument_group("LoRA adapters, with --enable-lora (docs/08_server.md: LoRA adapters)"))
+    add_tool_calling(p.add_argument_group("tool calling (docs/08_server.md: Tool calling)"))
     engine = p.add_argument_group("engine settings (README: Engine settings)")
     for f in fields(EngineConfig):
         if f.init and f.name != "model":
@@ -62,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("lora_modules", "allow_runtime_lora_updating"):
         if getattr(args, flag) and not getattr(args, "enable_lora", False):
             p.error(f"--{flag.replace('_', '-')} needs --enable-lora (the engine applies adapters only then)")
+    check_tool_calling(p, args)
     if args.engine_in_process and args.api_server_count != 1:
         p.error("--engine-in-process runs one HTTP process: --api-server-count must be 1")
     if args.api_server_count > 1 and args.allow_runtime_lora_updating:
@@ -101,6 +104,25 @@ def _lora_module(text: str) -> LoRAModule:
     if not name or not path:
         raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {text!r}")
     return LoRAModule(name, path)
+
+
+def add_tool_calling(group) -> None:
+    from nanopaged.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto" (the default of a request with tools): the model may call '
+                            "a tool in its own format, which --tool-call-parser reads; without it, such a request "
+                            "is a 400")
+    group.add_argument("--tool-call-parser", metavar="NAME",
+                       help=f"how the model writes its tool calls: {', '.join(TOOL_PARSERS)}")
+
+
+def check_tool_calling(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """vLLM's rules: a parser this server has, and --enable-auto-tool-choice only with one."""
+    from nanopaged.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
+        p.error(f"--tool-call-parser {args.tool_call_parser!r} is not a tool parser; choose from {list(TOOL_PARSERS)}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        p.error("--enable-auto-tool-choice requires --tool-call-parser")
 
 
 def runtime_lora_updating(args: argparse.Namespace) -> bool:
@@ -257,7 +279,8 @@ def serve_in_process(args: argparse.Namespace, key: str | None) -> None:
     # The loop holds the LLM for its whole life: its lock, and its CPU thread governor.
     engine_loop = EngineLoop(engine, metrics, hold=llm.one_call_at_a_time, stats=llm.stats)
     app = build_app(engine_loop, metrics, models, BodyLimits(args.max_request_body_bytes, args.timeout_request_body),
-                    api_key=key, runtime_lora_updating=runtime_lora_updating(args))
+                    api_key=key, runtime_lora_updating=runtime_lora_updating(args),
+                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     name, details = describe(args, key)(engine.config, engine.scheduler.block_pool.num_blocks)
 
     def started(host: str, port: int) -> None:

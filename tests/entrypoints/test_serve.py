@@ -232,7 +232,10 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "prompt": "hi"}, "prompt"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "retrieval"}]}, "tools"),
+    # a request with tools asks for tool_choice "auto" (vLLM's default), which needs --enable-auto-tool-choice
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice"),
 ]
 
 

@@ -2,13 +2,19 @@
 
     protocol.py      OpenAI request bodies -> prompts and SamplingParams; OpenAI's error body
     served_models.py the model names served: the base model, LoRA adapters (loaded, unloaded)
-    limits.py        who may ask (--api-key) and how much: body size, JSON type, header deadline
-    engine_loop.py   the one thread that owns the LLMEngine and steps it (prompts are tokenized
-                     on input threads beside it); per-request output queues
+    limits.py        who may ask (--api-key, or x-api-key) and how much: body size, JSON type, header deadline
+    engine_loop.py   the engine on a thread of this process (--engine-in-process); per-request output queues
+    core_client.py   the same interface, the engine in the engine-core process (the default layout)
     responses.py     RequestOutputs -> whole responses and streamed chunks
+    tools.py         tools and tool_choice: checked, rendered, constrained ("required", a named function)
+    tool_parsers.py  tool calls found in the text, whole or streamed (hermes, llama3_json)
+    tokenize.py      /tokenize and /detokenize
+    embeddings.py    /v1/embeddings (a pooling engine)
+    anthropic_api.py /v1/messages: Anthropic's Messages API as a translation of the chat route
     app.py           the FastAPI routes and Server-Sent Events
-    metrics.py       /metrics: Prometheus figures with vLLM's names, from a step observer
+    metrics.py       /metrics: Prometheus figures with vLLM's names, from the engine's figures
 
-Needs the `serve` extra (`pip install -e '.[serve]'`: fastapi, uvicorn, prometheus-client);
-nothing else in nanopaged imports this package. The command line is nanopaged/entrypoints/serve.py.
+Needs the `serve` extra (`pip install -e '.[serve]'`: fastapi, uvicorn, prometheus-client, pyzmq,
+msgspec); nothing else in nanopaged imports this package. The command line is
+nanopaged/entrypoints/serve.py; the processes, nanopaged/entrypoints/processes.py.
 """

@@ -7,7 +7,8 @@ sends one `data: {...}` event per chunk as the steps come (responses.py), then
 `data: [DONE]`. A client that goes away mid-request aborts it: its blocks go back to the
 pool at once, for the clients still there. A request's `model` may name a LoRA adapter
 (served_models.py), which two more routes load and unload while the server runs, when it was
-started to allow that. vLLM: vllm/entrypoints/openai/api_server.py. docs/08_server.md.
+started to allow that. `/v1/messages` is Anthropic's Messages API over the same path
+(anthropic_api.py). vLLM: vllm/entrypoints/openai/api_server.py. docs/08_server.md.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from nanopaged.entrypoints.openai import anthropic_api
+from nanopaged.entrypoints.openai.embeddings import register_embeddings
 from nanopaged.entrypoints.openai.engine_loop import EngineLoop, Submission
 from nanopaged.entrypoints.openai.limits import BodyLimits, ClientLeft, RequireApiKey, log_client_left, read_body
 from nanopaged.entrypoints.openai.metrics import ServerMetrics
@@ -33,9 +36,11 @@ ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
 
 
 def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedModels, body_limits: BodyLimits,
-              api_key: str | None = None, runtime_lora_updating: bool = False) -> FastAPI:
+              api_key: str | None = None, runtime_lora_updating: bool = False,
+              tool_parser: str | None = None) -> FastAPI:
     """The routes; with `api_key`, every one but /health and /metrics needs it (limits.py). The LoRA
-    load and unload routes exist only with `runtime_lora_updating` on a server that serves adapters."""
+    load and unload routes exist only with `runtime_lora_updating` on a server that serves adapters.
+    `tool_parser`: the parser of tool_choice "auto" (--enable-auto-tool-choice), or None (refused)."""
     app = FastAPI(title="nanopaged", description="an OpenAI-compatible server on nanopaged's engine")
     if api_key is not None:
         app.add_middleware(RequireApiKey, api_key=api_key)
@@ -83,6 +88,8 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedMod
     async def completions(request: Request) -> Response:
         return await serve(request, "completion")
 
+    register_embeddings(app, engine_loop, models, body_limits)          # POST /v1/embeddings (embeddings.py)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serve(request, "chat")
@@ -91,6 +98,21 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedMod
         raw = await read_body(request, body_limits)
         # Off the event loop: parsing a few megabytes of JSON takes tens of milliseconds.
         parsed = await asyncio.to_thread(parse, raw, kind)
+        return await run(request, parsed, kind)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(request: Request) -> Response:
+        """Anthropic's Messages API: rewritten as a chat request, answered in Anthropic's shapes."""
+        try:
+            raw = await read_body(request, body_limits)
+            parsed = await asyncio.to_thread(lambda: parse_request(
+                anthropic_api.to_chat_body(parse_body(raw)), "chat", models.name, models.adapters, tool_parser))
+            return await run(request, parsed, "chat", anthropic=True)
+        except OpenAIError as e:
+            return JSONResponse(anthropic_api.error_body(e), status_code=e.status, headers=e.headers)
+
+    async def run(request: Request, parsed: ParsedRequest, kind: str, anthropic: bool = False) -> Response:
+        """A parsed request through the engine: streamed, or whole once every output is in."""
         response_id = ID_PREFIX[kind] + uuid.uuid4().hex
         request_ids = [f"{response_id}-{i}" for i in range(len(parsed.prompts))]
         submission = Submission(parsed, request_ids, asyncio.get_running_loop())
@@ -102,12 +124,14 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedMod
             engine_loop.abort(request_ids)          # cancelled while queueing: nothing may linger
             raise
         if parsed.stream:
-            return StreamingResponse(sse_events(engine_loop, submission, builder),
-                                     media_type="text/event-stream")
-        return await whole_response(request, engine_loop, submission, builder)
+            events = (anthropic_events(engine_loop, submission, builder) if anthropic
+                      else sse_events(engine_loop, submission, builder))
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await whole_response(request, engine_loop, submission, builder,
+                                    anthropic_api.to_message if anthropic else None)
 
     def parse(raw: bytes, kind: str) -> ParsedRequest:
-        return parse_request(parse_body(raw), kind, models.name, models.adapters)
+        return parse_request(parse_body(raw), kind, models.name, models.adapters, tool_parser)
 
     if models.serves_adapters and runtime_lora_updating:
         # vLLM's routes and answers; off the event loop, like parsing: reading a folder takes a while,
@@ -138,7 +162,7 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedMod
 
 
 async def whole_response(request: Request, engine_loop: EngineLoop, submission: Submission,
-                         builder: ResponseBuilder) -> JSONResponse:
+                         builder: ResponseBuilder, shape=None) -> JSONResponse:
     """Wait for every output, watching for the client leaving meanwhile (then abort)."""
     async def collect() -> list:
         finals = {}
@@ -158,7 +182,8 @@ async def whole_response(request: Request, engine_loop: EngineLoop, submission: 
             engine_loop.abort(submission.request_ids)
     if not collecting.done() or collecting.cancelled():
         return JSONResponse({}, status_code=499)     # nobody is listening; nginx's "client closed"
-    return JSONResponse(builder.response(collecting.result()))
+    response = builder.response(collecting.result())
+    return JSONResponse(response if shape is None else shape(response))
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -193,3 +218,29 @@ async def sse_events(engine_loop: EngineLoop, submission: Submission, builder: R
 
 def event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def anthropic_events(engine_loop: EngineLoop, submission: Submission, builder: ResponseBuilder):
+    """Anthropic's stream: the chat chunks of sse_events, rewritten as its events (anthropic_api.py)."""
+    writer, done, started = anthropic_api.EventWriter(builder.model, builder.id), False, False
+    try:
+        try:
+            async for output in submission.results():
+                if not started:
+                    started = True
+                    for text in writer.start(len(output.prompt_token_ids)):
+                        yield text
+                stop = output.outputs[0].stop_reason if output.finished else None
+                for chunk in builder.chunks(output):
+                    for text in writer.chunk(chunk, stop):
+                        yield text
+        except OpenAIError as e:                     # the engine failed: Anthropic's error event
+            yield anthropic_api.event("error", anthropic_api.error_body(e))
+            done = True
+            return
+        for text in writer.end(builder.usage()["completion_tokens"]):
+            yield text
+        done = True
+    finally:
+        if not done:
+            engine_loop.abort(submission.request_ids)

@@ -42,7 +42,8 @@ class ClientLeft(Exception):
 # ---- who may ask ------------------------------------------------------------------------------
 class RequireApiKey:
     """ASGI middleware: a request for any path but OPEN_PATHS must carry `Authorization: Bearer
-    KEY`, else it is a 401 with OpenAI's error body, before any route (or body) is read."""
+    KEY` (or Anthropic's `x-api-key: KEY`), else it is a 401 with OpenAI's error body, before any
+    route (or body) is read."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
@@ -53,16 +54,24 @@ class RequireApiKey:
             await self.app(scope, receive, send)
             return
         error = OpenAIError("a missing or wrong API key: send the header 'Authorization: Bearer <key>' "
-                            "with the key the server was started with", status=401, code="invalid_api_key")
+                            "(or 'x-api-key: <key>') with the key the server was started with", status=401,
+                            code="invalid_api_key")
         await JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
             scope, receive, send)
 
     def authorized(self, headers: Headers) -> bool:
+        """`Authorization: Bearer KEY` (OpenAI's clients), or `x-api-key: KEY` (Anthropic's)."""
         scheme, _, token = headers.get("authorization", "").partition(" ")
+        bearer = self.matches(token) and scheme.lower() == "bearer"
+        return self.matches(headers.get("x-api-key")) or bearer
+
+    def matches(self, token: str | None) -> bool:
+        if token is None:
+            return False
         # Digests are all 32 bytes, so compare_digest takes the same time whatever the key's
         # length and wherever a guess first differs: timing tells an attacker nothing.
         digest = hashlib.sha256(token.encode("latin-1")).digest()   # the header's own bytes
-        return hmac.compare_digest(digest, self.key_digest) and scheme.lower() == "bearer"
+        return hmac.compare_digest(digest, self.key_digest)
 
 
 # ---- how much one request may send -------------------------------------------------------------

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nanopaged.entrypoints.openai.tools import ToolCalling, chat_messages, check_tool_choice, constraint
 from nanopaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ SAMPLING_FIELDS = {"n": "n", "temperature": "temperature", "top_p": "top_p", "st
 COMMON_FIELDS = {"model", "stream", "stream_options", "user", "max_tokens", "logprobs", "response_format",
                  "structured_outputs", *SAMPLING_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
 STREAM_OPTIONS = {"include_usage"}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}     # OpenAI's response_format.json_schema
@@ -94,8 +95,9 @@ class ParsedRequest:
     stream: bool
     include_usage: bool              # stream_options.include_usage: a last chunk with the usage
     top_logprobs: int | None         # alternatives shown per token; None: no logprobs
-    constraint_field: str | None = None   # "response_format" or "structured_outputs": what a compile error names
+    constraint_field: str | None = None   # "response_format", "structured_outputs" or "tools": what compile errors name
     lora_request: LoRARequest | None = None   # the LoRA adapter `model` named; None: the base model
+    tool_calling: ToolCalling | None = None   # chat with tools: how to read the output (tools.py)
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -159,9 +161,10 @@ def _nests_deeper_than(value, limit: int) -> bool:
 
 
 def parse_request(body: dict, kind: str, served_model_name: str,
-                  adapters: Mapping[str, LoRARequest] | None = None) -> ParsedRequest:
+                  adapters: Mapping[str, LoRARequest] | None = None, tool_parser: str | None = None) -> ParsedRequest:
     """A completion or chat body as prompts and SamplingParams; OpenAIError (400) if it is wrong.
-    `adapters`: the LoRA adapters a server started with --enable-lora serves, by name (served_models.py)."""
+    `adapters`: the LoRA adapters a server started with --enable-lora serves, by name (served_models.py);
+    `tool_parser`: the parser of tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser), or None."""
     allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
     unknown = sorted(set(body) - allowed)
     if unknown:
@@ -171,24 +174,28 @@ def parse_request(body: dict, kind: str, served_model_name: str,
     fields = {k: v for k, v in body.items() if v is not None}   # JSON null means "the default"
     stream = _bool(fields, "stream", False)
     include_usage = _stream_options(fields, stream)
+    tool_calling = None
     if kind == "completion":
         prompts = _completion_prompts(body.get("prompt"))
         max_tokens_field = "max_tokens"
         top_logprobs = _int(fields, "logprobs")
     else:
-        prompts = [_conversation(body.get("messages"))]
+        tool_calling = _tool_calling(fields, tool_parser)
+        prompts = [_conversation(body.get("messages"), tool_calling)]
         max_tokens_field = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
         top_logprobs = _chat_logprobs(fields)
     max_tokens_given = max_tokens_field in fields
     max_tokens = fields.get(max_tokens_field, DEFAULT_MAX_TOKENS[kind])
     kwargs = {name: fields[field] for field, name in SAMPLING_FIELDS.items() if field in fields}
     constraint_field, kwargs["structured_outputs"] = _constraint(fields)
+    if constraint(tool_calling) is not None:
+        constraint_field, kwargs["structured_outputs"] = _tool_constraint(tool_calling, kwargs["structured_outputs"])
     try:
         params = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=top_logprobs)
     except ValueError as e:
         raise OpenAIError(str(e), param=field_named(str(e), max_tokens_field, constraint_field)) from e
     return ParsedRequest(kind, prompts, params, max_tokens_given, stream, include_usage, top_logprobs,
-                         constraint_field, lora_request)
+                         constraint_field, lora_request, tool_calling)
 
 
 def requested_model(model, served_model_name: str, adapters: Mapping[str, LoRARequest] | None) -> LoRARequest | None:
@@ -238,6 +245,8 @@ def in_request_terms(message: str, constraint_field: str | None) -> str:
     """An engine error about the schema, in the words of the request that gave it through response_format."""
     if constraint_field == "response_format":
         return message.replace("structured_outputs.json ", "response_format.json_schema.schema ", 1)
+    if constraint_field == "tools":
+        return message.replace("structured_outputs.json ", "the tools' parameters schema (tool_choice) ", 1)
     return message
 
 
@@ -259,6 +268,22 @@ def _constraint(fields: dict):
                           f"{sorted(STRUCTURED_OUTPUTS_FIELDS)}", param="structured_outputs")
     return "structured_outputs", _structured_outputs({k: v for k, v in given.items() if v is not None},
                                                      "structured_outputs")
+
+
+def _tool_calling(fields: dict, tool_parser: str | None) -> ToolCalling | None:
+    try:
+        return check_tool_choice(fields.get("tools"), fields.get("tool_choice"), tool_parser)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="tool_choice" if str(e).startswith("tool_choice") else "tools") from None
+
+
+def _tool_constraint(calling: ToolCalling, given):
+    """("tools", the constraint) of tool_choice "required" or a named function: the tools' schemas, in
+    compact JSON (a program reads the arguments; and no run of whitespace can fill max_tokens)."""
+    if given is not None:
+        raise OpenAIError(f"tool_choice {calling.choice!r} constrains the output itself: give it or "
+                          "response_format / structured_outputs, not both", param="tool_choice")
+    return "tools", _structured_outputs({"json": constraint(calling), "disable_any_whitespace": True}, "tools")
 
 
 def _response_format(value):
@@ -310,12 +335,19 @@ def _completion_prompts(prompt) -> list:
                       f"or a list of lists of token ids, got {shown(prompt)}", param="prompt")
 
 
-def _conversation(messages) -> list:
+def _conversation(messages, tool_calling: ToolCalling | None) -> list | dict:
+    """The messages, with the tools for the template if there are any (input_processor.py: render_chat)."""
     if messages is None:
         raise OpenAIError("the field 'messages' is required", param="messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError(f"messages must be a non-empty list of messages, got {shown(messages)}",
                           param="messages")
+    try:
+        messages = chat_messages(messages)          # an assistant's tool calls, as templates read them
+    except ValueError as e:
+        raise OpenAIError(str(e), param="messages") from None
+    if tool_calling is not None and tool_calling.tools:
+        return {"messages": messages, "tools": tool_calling.tools}
     return messages            # each message is checked with the chat template (engine thread)
 
 

@@ -6,6 +6,8 @@ string could still be completing, the last len(longest stop) - 1 characters are 
 back, because the engine cuts a matched stop string out of the text; sent text is never
 taken back, so the concatenated stream equals the whole response. Shapes follow OpenAI's
 API reference and vLLM's vllm/entrypoints/openai/serving_completion.py and serving_chat.py.
+A chat request with tools has its output read for tool calls (tools.py, tool_parsers.py): a
+message's `tool_calls`, a stream's `delta.tool_calls`, and finish_reason "tool_calls".
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from nanopaged.entrypoints.openai.protocol import ParsedRequest
+from nanopaged.entrypoints.openai.tool_parsers import ToolCallStream
 from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
 
 MIN_LOGPROB = -9999.0
@@ -25,6 +28,7 @@ class ChoiceState:
     tokens: int = 0
     text_offset: int = 0         # completions' logprobs: where the next token's text starts
     done: bool = False
+    tools: ToolCallStream | None = None     # a chat with tools: what the stream has sent of its calls
 
 
 class ResponseBuilder:
@@ -35,7 +39,9 @@ class ResponseBuilder:
         self.n = request.params.n
         self.prompt_index = {rid: i for i, rid in enumerate(request_ids)}
         self.holdback = max((len(s) for s in request.params.stop), default=1) - 1
-        self.choices = {i: ChoiceState() for i in range(len(request_ids) * self.n)}
+        self.tool_calling = request.tool_calling
+        self.choices = {i: ChoiceState(tools=None if self.tool_calling is None else self.tool_calling.stream())
+                        for i in range(len(request_ids) * self.n)}
         self.prompt_tokens: dict[int, int] = {}          # prompt index -> its tokens
         self.completion_tokens: dict[int, int] = {}      # choice index -> tokens generated
 
@@ -62,13 +68,21 @@ class ResponseBuilder:
                           "logprobs": self._logprobs(c, 0, len(c.token_ids), 0),
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if self.chat:
-                    choice["message"] = {"role": "assistant", "content": c.text}
+                    choice["message"] = self._message(c.text)
+                    choice["finish_reason"] = finish_reason(c.finish_reason, "tool_calls" in choice["message"])
                 else:
                     choice["text"] = c.text
                 choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+
+    def _message(self, text: str) -> dict:
+        """The assistant's message: its text, or the text before its tool calls (null if none) and the calls."""
+        if self.tool_calling is None:
+            return {"role": "assistant", "content": text}
+        content, calls = self.tool_calling.extract(text)
+        return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
     # ---- a stream ------------------------------------------------------------------------------
     def first_chunks(self) -> list[dict]:
@@ -91,7 +105,10 @@ class ResponseBuilder:
             end = len(c.text) if finished else max(state.chars, len(c.text) - self.holdback)
             text = c.text[state.chars:end]
             new_tokens = len(c.token_ids) > state.tokens and c.logprobs is not None
-            if not (text or new_tokens or finished):
+            delta = {"content": text} if text or not finished else {}
+            if state.tools is not None:          # a chat with tools: the text read for calls as far as it goes
+                delta = state.tools.delta(c.text[:end], finished)
+            if not ((delta if state.tools is not None else text) or new_tokens or finished):
                 continue
             logprobs = self._logprobs(c, state.tokens, len(c.token_ids), state.text_offset)
             if logprobs is not None and not self.chat:
@@ -99,7 +116,8 @@ class ResponseBuilder:
             state.chars, state.tokens, state.done = end, len(c.token_ids), finished
             choice = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason}
             if self.chat:
-                choice["delta"] = {"content": text} if text or not finished else {}
+                choice["delta"] = delta
+                choice["finish_reason"] = finish_reason(c.finish_reason, state.tools is not None and state.tools.called)
             else:
                 choice["text"], choice["stop_reason"] = text, c.stop_reason
             chunks.append(self._chunk(choice))
@@ -135,6 +153,11 @@ class ResponseBuilder:
                 "top_logprobs": [{(lp.decoded_token or ""): finite(lp.logprob) for lp in _by_rank(entries)}
                                  for _, entries in steps],
                 "text_offset": offsets}
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """A choice that ended with tool calls says so (OpenAI's "tool_calls"); one cut by max_tokens stays "length"."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def finite(logprob: float) -> float:

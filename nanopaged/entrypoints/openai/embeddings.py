@@ -1,0 +1,122 @@
+"""POST /v1/embeddings: OpenAI's embeddings API on a `--runner pooling` server (vLLM's route and answers).
+
+A body's `input` (a string, strings, token ids, lists of token ids) becomes one pooling request per
+prompt, with PoolingParams; they go through the engine loop as completions do (engine_loop.py), and
+the answer is OpenAI's list of embeddings, each a list of floats or, with `encoding_format: "base64"`,
+the base64 of its little-endian float32 bytes. `dimensions` is honoured for a Matryoshka model and
+refused by name for any other, as vLLM does. In the default layout (the engine in its own process) the
+vectors do not cross the socket yet: the route answers 501, asking for --engine-in-process.
+The pooling itself: nanopaged/pooling/, docs/08_server.md "Embeddings".
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+
+from nanopaged.entrypoints.openai.engine_loop import EngineLoop, Submission
+from nanopaged.entrypoints.openai.limits import BodyLimits, read_body
+from nanopaged.entrypoints.openai.protocol import OpenAIError, ParsedRequest, parse_body, requested_model, shown
+from nanopaged.pooling_params import PoolingParams
+
+EMBEDDING_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
+ENCODING_FORMATS = ("float", "base64")
+
+
+def register_embeddings(app: FastAPI, engine_loop, models, body_limits: BodyLimits) -> None:
+    """Add the route to the app (app.py: build_app); `engine_loop` is the in-process EngineLoop, or the
+    default layout's CoreClient (openai/core_client.py)."""
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict:
+        body = await asyncio.to_thread(parse_body, await read_body(request, body_limits))
+        config = engine_loop.engine.config if isinstance(engine_loop, EngineLoop) else engine_loop.config
+        if config.runner != "pooling":
+            raise OpenAIError(f"this server runs runner={config.runner!r}: /v1/embeddings needs a model served "
+                              "with --runner pooling (vLLM: the model does not support the Embeddings API)")
+        if not isinstance(engine_loop, EngineLoop):
+            raise OpenAIError("/v1/embeddings needs `nanopaged serve --engine-in-process` for now: in the default "
+                              "layout the pooled vectors do not cross the engine core's socket yet",
+                              status=501, type="not_implemented")
+        parsed, encoding = parse_embedding_request(body, models, config)
+        response_id = "embd-" + uuid.uuid4().hex
+        request_ids = [f"{response_id}-{i}" for i in range(len(parsed.prompts))]
+        submission = Submission(parsed, request_ids, asyncio.get_running_loop())
+        finals = {}
+        try:
+            await engine_loop.submit(submission)
+            async for output in submission.results():
+                if output.finished:
+                    finals[output.request_id] = output
+        except OpenAIError as e:
+            if e.param == "prompt":              # the engine loop's name for what this route calls input
+                e.param = "input"
+            raise
+        finally:
+            if len(finals) < len(request_ids):  # refused, failed, or the handler cancelled: nothing may linger
+                engine_loop.abort(request_ids)
+        return embedding_response([finals[rid] for rid in request_ids], encoding, response_id,
+                                  body.get("model") or models.name)
+
+
+def parse_embedding_request(body: dict, models, config) -> tuple[ParsedRequest, str]:
+    """(the requests' prompts and PoolingParams, the encoding format); OpenAIError naming the field."""
+    unknown = sorted(set(body) - EMBEDDING_FIELDS)
+    if unknown:
+        raise OpenAIError(f"unsupported field {shown(unknown[0])}: this route honours only "
+                          f"{sorted(EMBEDDING_FIELDS)}", param=unknown[0])
+    lora_request = requested_model(body.get("model"), models.name, models.adapters)
+    prompts = input_prompts(body.get("input"))
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ENCODING_FORMATS:
+        raise OpenAIError(f"encoding_format must be one of {list(ENCODING_FORMATS)}, got {shown(encoding)}",
+                          param="encoding_format")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise OpenAIError(f"user must be a string, got {shown(body['user'])}", param="user")
+    try:
+        params = PoolingParams(dimensions=body.get("dimensions"))
+        params.verify(config.model_config.hidden_size, config.pooler_config.matryoshka_dimensions)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="dimensions") from None
+    return ParsedRequest(kind="embedding", prompts=prompts, params=params, max_tokens_given=False, stream=False,
+                         include_usage=False, top_logprobs=None, lora_request=lora_request), encoding
+
+
+def input_prompts(value) -> list:
+    """OpenAI's four forms of `input`: a string, strings, token ids, lists of token ids; none empty."""
+    is_id = lambda t: isinstance(t, int) and not isinstance(t, bool)      # noqa: E731
+    if isinstance(value, str) and value:
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) and v for v in value):
+            return list(value)
+        if all(is_id(t) for t in value):
+            return [{"prompt_token_ids": list(value)}]
+        if all(isinstance(v, list) and v and all(is_id(t) for t in v) for v in value):
+            return [{"prompt_token_ids": list(v)} for v in value]
+    if value is None:
+        raise OpenAIError("the field 'input' is required", param="input")
+    raise OpenAIError("input must be a non-empty string, a non-empty list of them, a non-empty list of token ids "
+                      f"or a list of such lists, got {shown(value)}", param="input")
+
+
+def embedding_response(outputs: list, encoding: str, response_id: str, model: str) -> dict:
+    """OpenAI's answer: {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], ...}."""
+    if any(getattr(o, "pooled", None) is None for o in outputs):
+        raise OpenAIError("a request ended without its embedding (aborted)", status=500, type="internal_server_error")
+    num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return {"id": response_id, "object": "list", "created": int(time.time()), "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encode(o.pooled.tolist(), encoding)}
+                     for i, o in enumerate(outputs)],
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+
+def encode(vector: list[float], encoding: str) -> list[float] | str:
+    """"float": the list itself; "base64": its little-endian float32 bytes, as OpenAI sends them."""
+    if encoding == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")

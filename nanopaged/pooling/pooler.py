@@ -1,0 +1,85 @@
+"""The pooler: a pooling request's hidden states, chunk by chunk, become one vector.
+
+It sits in the engine's token-selection seat (engine/llm_engine.py: TokenSelection). The runner
+hands it every row of the step (`read_every_row`) and the model's "logits" are its hidden states
+(the pooling extension took the lm_head off), so it sees each request's rows for the positions
+[num_computed_tokens, + rows) of this step: `update` has not advanced the counter yet. A prompt
+longer than the step's budget comes in several chunks (chunked prefill):
+
+    LAST   the hidden state of the prompt's last token, in its final chunk
+    MEAN   the sum over every chunk, divided by the prompt's length at the end
+    CLS    the hidden state of position 0, in its first chunk
+
+A request whose prompt is complete gets its vector, and one placeholder token in place of a sampled
+one: it carries the request through `Scheduler.update` and `check_stop` (max_tokens=1) to its finish,
+which frees its blocks. vLLM: vllm/model_executor/layers/pooler.py. docs/04_scheduler.md, "Pooling".
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from nanopaged.core.request import Request, SampledToken
+from nanopaged.worker.model_runner import ModelInput, ModelRunnerOutput
+
+PLACEHOLDER = SampledToken(0)     # never shown: EmbeddingRequestOutput has no tokens
+
+
+def read_every_row(out, inputs: ModelInput) -> None:
+    """The runner's before_forward hook: every row of the step is read out, not only each request's
+    last (mean pooling needs them all; the pooler takes what its type needs)."""
+    inputs.sample_rows = list(range(len(inputs.input_ids)))
+    inputs.sample_requests = [request for request, num_new in out.scheduled for _ in range(num_new)]
+
+
+class Pooler:
+    def __init__(self, pooling_type: str, normalize: bool) -> None:
+        self.pooling_type, self.normalize = pooling_type, normalize
+        self.partial: dict[Request, torch.Tensor] = {}     # a request's vector so far (MEAN: its sum)
+        self.finished: dict[str, torch.Tensor] = {}        # request id -> its vector, this step only
+
+    def __call__(self, runner_output: ModelRunnerOutput) -> dict[Request, list[SampledToken]]:
+        hidden, start, done = runner_output.logits, 0, {}
+        self.finished = {}                                  # the output processor took the last step's
+        for request, rows in itertools.groupby(runner_output.requests):
+            num_rows = len(list(rows))
+            self._take(request, hidden[start:start + num_rows], request.num_computed_tokens)
+            start += num_rows
+            if request.num_computed_tokens + num_rows == request.num_prompt_tokens:
+                self.finished[request.request_id] = self._finish(request)
+                done[request] = [PLACEHOLDER]
+        return done
+
+    def _take(self, request: Request, rows: torch.Tensor, first: int) -> None:
+        """Rows for positions [first, first + len(rows)) of the prompt."""
+        last = first + rows.shape[0] == request.num_prompt_tokens
+        if self.pooling_type == "LAST" and last:
+            self.partial[request] = rows[-1].float()
+        elif self.pooling_type == "CLS" and first == 0:
+            self.partial[request] = rows[0].float().clone()       # not a view keeping the step's rows
+        elif self.pooling_type == "MEAN":
+            # first == 0: a new prompt, or one recomputed after a preemption (no prefix cache with MEAN)
+            assert first == 0 or request in self.partial, "a MEAN sum continues only from its own chunks"
+            before = self.partial.get(request) if first > 0 else None
+            self.partial[request] = rows.float().sum(0) + (0 if before is None else before)
+
+    def _finish(self, request: Request) -> torch.Tensor:
+        """The pooled vector, cut to `dimensions` and normalised as the request asks (vLLM's order)."""
+        vector = self.partial.pop(request)
+        if self.pooling_type == "MEAN":
+            vector = vector / request.num_prompt_tokens
+        params = request.sampling_params.pooling_params
+        if params.dimensions is not None:
+            vector = vector[:params.dimensions]
+        normalize = self.normalize if params.normalize is None else params.normalize
+        return (F.normalize(vector, p=2, dim=-1) if normalize else vector).cpu()
+
+    # ---- the rest of the token-selection seat -------------------------------------------------
+    def add(self, samples: list[Request]) -> None:
+        pass
+
+    def forget(self, request: Request) -> None:
+        """Finished or aborted: nothing of it is kept."""
+        self.partial.pop(request, None)
