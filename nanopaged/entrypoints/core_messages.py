@@ -38,6 +38,7 @@ class AddRequest(msgspec.Struct, tag=True):
     params: dict                      # SamplingParams' fields (params_to_wire)
     cache_salt: str | None = None
     lora: list | None = None          # [name, int id, path]
+    pooling: dict | None = None       # an embedding request: PoolingParams' fields (params is then {})
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -82,6 +83,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     samples: list[SampleDelta]
     num_cached_tokens: int
     prompt_logprobs: list[list[list] | None] | None = None    # the entries new since the last delta
+    embedding: list[float] | None = None     # a pooling engine's vector, once its request is done
 
 
 class Outputs(msgspec.Struct, tag=True):
@@ -162,6 +164,16 @@ def core_params(fields: dict) -> SamplingParams:
     server detokenizes and finds stop strings, then aborts the request in the core)."""
     return params_from_wire(fields, detokenize=False, stop=None, include_stop_str_in_output=False,
                             output_kind="DELTA")
+
+
+def pooling_from_wire(fields: dict):
+    """PoolingParams again (its own checks run); a ValueError for a field it does not have."""
+    from nanopaged.pooling_params import PoolingParams
+    known = {f.name for f in dataclasses.fields(PoolingParams)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown pooling parameters {unknown}")
+    return PoolingParams(**fields)
 
 
 def lora_to_wire(lora: LoRARequest | None) -> list | None:

@@ -124,8 +124,9 @@ class EngineCore:
         prompt = {"prompt_token_ids": message.prompt_token_ids}
         if message.cache_salt is not None:
             prompt["cache_salt"] = message.cache_salt
-        return self.engine.process_request(message.request_id, prompt, m.core_params(message.params),
-                                           m.lora_from_wire(message.lora))
+        params = (m.pooling_from_wire(message.pooling) if message.pooling is not None
+                  else m.core_params(message.params))
+        return self.engine.process_request(message.request_id, prompt, params, m.lora_from_wire(message.lora))
 
     def queue_checked(self) -> None:
         """Queue the checked requests in the order they arrived (a later one waits for an earlier)."""
@@ -178,7 +179,9 @@ class EngineCore:
             sent = self.prompt_sent.get(output.request_id, 0)
             prompt = [None if e is None else _top(e) for e in output.prompt_logprobs[sent:]]
             self.prompt_sent[output.request_id] = len(output.prompt_logprobs)
-        return m.RequestDelta(output.request_id, samples, output.num_cached_tokens, prompt)
+        pooled = getattr(output, "pooled", None)          # a pooling engine's vector (pooling/processors.py)
+        return m.RequestDelta(output.request_id, samples, output.num_cached_tokens, prompt,
+                              None if pooled is None else pooled.tolist())
 
     def adapter(self, message: m.Adapter) -> m.AdapterDone:
         """Read and check an adapter, or drop one (by its id alone) once no request uses it."""

@@ -1,8 +1,8 @@
-"""POST /v1/embeddings with the openai client, on `nanopaged serve --engine-in-process --runner pooling`.
+"""POST /v1/embeddings with the openai client, on `nanopaged serve --runner pooling`, in both layouts
+(the engine-core process, the vectors crossing its socket; and --engine-in-process).
 
 The vectors equal LLM.embed's (float and base64, one input or many, strings or token ids); every bad
-request is a 4xx naming its field; a generating server names the runner; the default layout (the
-engine in its own process) answers 501, asking for --engine-in-process.
+request is a 4xx naming its field; a generating server names the runner.
 """
 import asyncio
 import base64
@@ -23,16 +23,16 @@ from benchmarks.serve import start_nanopaged  # noqa: E402
 from nanopaged import LLM  # noqa: E402
 
 SETTINGS = dict(block_size=4, num_kv_blocks=64, dtype="float32")
-ENGINE_ARGS = ["--engine-in-process", "--runner", "pooling", "--block-size", "4", "--num-kv-blocks", "64",
-               "--dtype", "float32"]
+ENGINE_ARGS = ["--runner", "pooling", "--block-size", "4", "--num-kv-blocks", "64", "--dtype", "float32"]
 MODEL_NAME = "tiny-embed"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dirs):
+@pytest.fixture(scope="module", params=["processes", "in-process"])
+def server(tiny_model_dirs, request):
+    layout = ["--engine-in-process"] if request.param == "in-process" else []
     with pytest.MonkeyPatch.context() as env:
         env.delenv("NANOPAGED_API_KEY", raising=False)
-        with start_nanopaged(tiny_model_dirs["llama"], ENGINE_ARGS, served_model_name=MODEL_NAME,
+        with start_nanopaged(tiny_model_dirs["llama"], [*ENGINE_ARGS, *layout], served_model_name=MODEL_NAME,
                              timeout_s=120) as s:
             yield s
 
@@ -161,11 +161,9 @@ async def call(app, body: bytes) -> tuple[int, dict]:
     return status, json.loads(b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body"))
 
 
-@pytest.mark.parametrize("runner, status, words", [("generate", 400, "runner='generate'"),
-                                                   ("pooling", 501, "--engine-in-process")])
-def test_the_route_without_an_in_process_pooling_engine(runner, status, words):
-    """A generating server names the runner; the default layout (a CoreClient: only its config is read
-    here) says the route needs --engine-in-process for now."""
+@pytest.mark.parametrize("runner, status, words", [("generate", 400, "runner='generate'")])
+def test_the_route_on_a_generating_server_names_the_runner(runner, status, words):
+    """A generating server (a CoreClient: only its config is read here) names the runner."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 

@@ -47,6 +47,9 @@ class CoreClient:
         only the engine core writes to (end of file: it died)."""
         self.name, self.config, self.tokenizer, self.metrics = name, config, tokenizer, metrics
         self.input_processor = InputProcessor(config, tokenizer, num_kv_blocks)
+        if config.runner == "pooling":           # PoolingParams in, as the engine core's own processor takes them
+            from nanopaged.pooling.processors import PoolingInputProcessor
+            self.input_processor = PoolingInputProcessor(config, tokenizer, num_kv_blocks)
         self.outputs = OutputProcessor(tokenizer)              # socket thread only, from here on
         self.outputs.stop_rules.append(self._core_stopped)
         self.core_stops = weakref.WeakKeyDictionary()          # sample -> its length when the core stopped it
@@ -178,8 +181,11 @@ class CoreClient:
                 self._refuse(submission, OpenAIError(str(e)))
                 return
             try:
-                wire = m.encode(m.AddRequest(rid, samples[0].prompt_token_ids, m.params_to_wire(r.params),
-                                             samples[0].cache_salt, m.lora_to_wire(r.lora_request)))
+                pooling = r.kind == "embedding"          # r.params are PoolingParams (openai/embeddings.py)
+                wire = m.encode(m.AddRequest(rid, samples[0].prompt_token_ids,
+                                             {} if pooling else m.params_to_wire(r.params), samples[0].cache_salt,
+                                             m.lora_to_wire(r.lora_request),
+                                             m.params_to_wire(r.params) if pooling else None))
             except (TypeError, ValueError) as e:      # a value MessagePack cannot carry: this request's fault
                 self.outputs.abort(rid)
                 self._refuse(submission, OpenAIError(f"the request cannot be sent to the engine: {e}"))
@@ -262,6 +268,8 @@ class CoreClient:
             if delta.request_id in self.routes:
                 self._apply(delta, sampled)
         outputs, _ = self.outputs.process(sampled)
+        vectors = {d.request_id: d.embedding for d in message.deltas if d.embedding is not None}
+        outputs = [_with_vector(o, vectors[o.request_id]) if o.request_id in vectors else o for o in outputs]
         if self.metrics is not None:
             self.metrics.outputs(outputs)
         by_submission: dict[Submission, list] = {}
@@ -321,6 +329,15 @@ class CoreClient:
                 command[1].set_result(str(error.message))
         for done in self.adapters.values():
             done.set_result(str(error.message))
+
+
+def _with_vector(output, embedding: list[float]):
+    """A pooling request's output with its vector, as the in-process engine hands it out."""
+    import dataclasses
+    import torch
+    from nanopaged.pooling.processors import PooledRequestOutput
+    fields = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
+    return PooledRequestOutput(**fields, pooled=torch.tensor(embedding, dtype=torch.float32))
 
 
 def _as_openai_error(message: str, r) -> OpenAIError:

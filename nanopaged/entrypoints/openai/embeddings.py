@@ -4,8 +4,8 @@ A body's `input` (a string, strings, token ids, lists of token ids) becomes one 
 prompt, with PoolingParams; they go through the engine loop as completions do (engine_loop.py), and
 the answer is OpenAI's list of embeddings, each a list of floats or, with `encoding_format: "base64"`,
 the base64 of its little-endian float32 bytes. `dimensions` is honoured for a Matryoshka model and
-refused by name for any other, as vLLM does. In the default layout (the engine in its own process) the
-vectors do not cross the socket yet: the route answers 501, asking for --engine-in-process.
+refused by name for any other, as vLLM does. In the default layout the engine core sends each vector
+with its request's last delta (core_messages.py: RequestDelta.embedding).
 The pooling itself: nanopaged/pooling/, docs/08_server.md "Embeddings".
 """
 from __future__ import annotations
@@ -38,10 +38,6 @@ def register_embeddings(app: FastAPI, engine_loop, models, body_limits: BodyLimi
         if config.runner != "pooling":
             raise OpenAIError(f"this server runs runner={config.runner!r}: /v1/embeddings needs a model served "
                               "with --runner pooling (vLLM: the model does not support the Embeddings API)")
-        if not isinstance(engine_loop, EngineLoop):
-            raise OpenAIError("/v1/embeddings needs `nanopaged serve --engine-in-process` for now: in the default "
-                              "layout the pooled vectors do not cross the engine core's socket yet",
-                              status=501, type="not_implemented")
         parsed, encoding = parse_embedding_request(body, models, config)
         response_id = "embd-" + uuid.uuid4().hex
         request_ids = [f"{response_id}-{i}" for i in range(len(parsed.prompts))]
