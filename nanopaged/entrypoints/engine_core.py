@@ -86,13 +86,14 @@ class EngineCore:
             return True
         while True:
             try:
-                client, payload = self.socket.recv_multipart(zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return True
             try:
+                client, payload = frames              # the sender's name (ROUTER adds it), the message
                 message = m.core_decoder.decode(payload)
             except Exception as e:                    # not one of ours: say so, keep serving
-                logger.error("dropped a malformed message from %r: %s", client, e)
+                logger.error("dropped a malformed message from %r: %s", frames[0], e)
                 continue
             if isinstance(message, m.Shutdown):
                 return False

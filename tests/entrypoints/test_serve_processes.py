@@ -273,3 +273,36 @@ def test_one_api_servers_flood_does_not_starve_another_on_the_engine_cores_socke
     assert len(order) == 101 and order.index((b"api-1", "the other one")) <= 2
     for s in (core, *servers.values()):
         s.close(linger=0)
+
+
+def test_the_engine_core_drops_a_malformed_message_and_serves_on(tiny_model_dirs, tmp_path):
+    """A peer that sends three frames, or bytes that are not one of the messages, is logged and
+    skipped; the next request is answered as before."""
+    import threading
+
+    import zmq
+    from nanopaged.entrypoints import core_messages as m
+    from nanopaged.entrypoints.engine_core import EngineCore
+    llm = LLM(tiny_model_dirs["llama"], **SETTINGS)
+    core = EngineCore(llm, f"ipc://{tmp_path}/core")
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.IDENTITY, b"api-0")
+    peer.connect(f"ipc://{tmp_path}/core")
+    peer.send_multipart([b"one", b"two"])                       # with the name: three frames
+    peer.send(b"\x93not msgpack")
+    peer.send(m.encode(m.Accepted("not for the core")))
+    peer.send(m.encode(m.AddRequest("r", [5, 6, 7], m.params_to_wire(SamplingParams(temperature=0, max_tokens=3)))))
+    answers = []
+    while peer.poll(20000):
+        answers.append(m.client_decoder.decode(peer.recv()))
+        if any(isinstance(a, m.Outputs) and a.deltas[0].samples[0].finish_reason for a in answers):
+            break
+    peer.send(m.encode(m.Shutdown()))
+    loop.join(timeout=10)
+    peer.close(linger=0)
+    assert isinstance(answers[0], m.Accepted) and not loop.is_alive()
+    tokens = [t for a in answers if isinstance(a, m.Outputs) for t in a.deltas[0].samples[0].token_ids]
+    assert tokens == llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=3),
+                                  use_tqdm=False)[0].outputs[0].token_ids
