@@ -123,8 +123,8 @@ class LLM:
         conversations = [messages] if one else messages
         if not isinstance(conversations, (list, tuple)):
             raise ValueError(f"messages must be a conversation or a list of them, got {type(messages).__name__}")
-        if tools is not None:            # checked, with each assistant's tool calls (entrypoints/openai/tools.py)
-            from nanopaged.entrypoints.openai.tools import chat_with_tools
+        if tools is not None:            # checked, with each assistant's tool calls (engine/chat_tools.py)
+            from nanopaged.engine.chat_tools import chat_with_tools
             conversations = [chat_with_tools(conv, tools) for conv in conversations]
         tokenizer = self.llm_engine.tokenizer
         prompts = [render_chat(tokenizer, conv, chat_template) for conv in conversations]

@@ -11,7 +11,8 @@ import pytest
 
 from nanopaged.entrypoints.openai.tool_parsers import (HermesToolParser, Llama3JsonToolParser, NamedToolCall,
                                                        RequiredToolCalls, ToolCallStream, extract_tool_calls)
-from nanopaged.entrypoints.openai.tools import chat_messages, check_tool_choice, constraint
+from nanopaged.engine.chat_tools import chat_messages
+from nanopaged.entrypoints.openai.tools import check_tool_choice, constraint
 
 
 def streamed(parser, text: str, step: int = 1) -> tuple[str | None, list[dict], list[dict]]:

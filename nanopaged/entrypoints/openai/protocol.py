@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanopaged.entrypoints.openai.tools import ToolCalling, chat_messages, check_tool_choice, constraint
+from nanopaged.engine.chat_tools import chat_messages
+from nanopaged.entrypoints.openai.tools import ToolCalling, check_tool_choice, constraint
 from nanopaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
