@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from nanopaged.entrypoints.openai.protocol import OpenAIError, shown
+from nanopaged.entrypoints.openai.protocol import OpenAIError, only_fields, shown
 
 FIELDS = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k",
           "stream", "tools", "tool_choice", "metadata"}
@@ -26,9 +26,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 # ---- the request ------------------------------------------------------------------------------
 def to_chat_body(body: dict) -> dict:
     """The OpenAI chat body that asks for the same thing; OpenAIError (400) naming the field if not."""
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise OpenAIError(f"unknown field {unknown[0]!r}; /v1/messages takes {sorted(FIELDS)}", param=unknown[0])
+    only_fields(body, FIELDS)
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise OpenAIError(f"max_tokens is required, a positive integer; got {shown(max_tokens)}", param="max_tokens")

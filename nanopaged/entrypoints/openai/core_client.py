@@ -33,7 +33,7 @@ from nanopaged.engine.input_processor import InputProcessor, render_chat
 from nanopaged.engine.output_processor import OutputProcessor
 from nanopaged.entrypoints import core_messages as m
 from nanopaged.entrypoints.openai.engine_loop import (INPUT_THREADS, Submission, _post, _put_all,
-                                                      _refuse_past_context, _settle)
+                                                      _refuse_past_context, _settle, drain)
 from nanopaged.entrypoints.openai.protocol import OpenAIError, field_named, in_request_terms
 
 logger = logging.getLogger("nanopaged.entrypoints.serve")
@@ -151,11 +151,7 @@ class CoreClient:
 
     def _take_commands(self) -> bool:
         os.read(self.wake_r, 4096)
-        while True:
-            try:
-                command = self.commands.get_nowait()
-            except queue.Empty:
-                return True
+        for command in drain(self.commands):
             if command[0] == "stop":
                 return False
             if command[0] == "add":
@@ -167,6 +163,7 @@ class CoreClient:
                 self._send(command[2])
             else:
                 self._send(command[1])
+        return True
 
     def _send(self, message) -> None:
         self.socket.send(m.encode(message))
@@ -318,11 +315,7 @@ class CoreClient:
                 _post(submission, _settle, submission.accepted, error)
             _post(submission, submission.outputs.put_nowait, error)
         self.routes.clear()
-        while True:
-            try:
-                command = self.commands.get_nowait()
-            except queue.Empty:
-                break
+        for command in drain(self.commands):
             if command[0] == "add":
                 _post(command[1], _settle, command[1].accepted, error)
             elif command[0] == "adapter":

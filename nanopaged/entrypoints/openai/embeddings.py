@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 
 from nanopaged.entrypoints.openai.engine_loop import EngineLoop, Submission
 from nanopaged.entrypoints.openai.limits import BodyLimits, read_body
-from nanopaged.entrypoints.openai.protocol import OpenAIError, ParsedRequest, parse_body, requested_model, shown
+from nanopaged.entrypoints.openai.protocol import (OpenAIError, ParsedRequest, only_fields, parse_body,
+                                                   prompt_forms, requested_model, shown)
 from nanopaged.pooling_params import PoolingParams
 
 EMBEDDING_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
@@ -61,12 +62,9 @@ def register_embeddings(app: FastAPI, engine_loop, models, body_limits: BodyLimi
 
 def parse_embedding_request(body: dict, models, config) -> tuple[ParsedRequest, str]:
     """(the requests' prompts and PoolingParams, the encoding format); OpenAIError naming the field."""
-    unknown = sorted(set(body) - EMBEDDING_FIELDS)
-    if unknown:
-        raise OpenAIError(f"unsupported field {shown(unknown[0])}: this route honours only "
-                          f"{sorted(EMBEDDING_FIELDS)}", param=unknown[0])
+    only_fields(body, EMBEDDING_FIELDS)
     lora_request = requested_model(body.get("model"), models.name, models.adapters)
-    prompts = input_prompts(body.get("input"))
+    prompts = prompt_forms(body.get("input"), "input", non_empty_text=True)
     encoding = body.get("encoding_format") or "float"
     if encoding not in ENCODING_FORMATS:
         raise OpenAIError(f"encoding_format must be one of {list(ENCODING_FORMATS)}, got {shown(encoding)}",
@@ -80,24 +78,6 @@ def parse_embedding_request(body: dict, models, config) -> tuple[ParsedRequest, 
         raise OpenAIError(str(e), param="dimensions") from None
     return ParsedRequest(kind="embedding", prompts=prompts, params=params, max_tokens_given=False, stream=False,
                          include_usage=False, top_logprobs=None, lora_request=lora_request), encoding
-
-
-def input_prompts(value) -> list:
-    """OpenAI's four forms of `input`: a string, strings, token ids, lists of token ids; none empty."""
-    is_id = lambda t: isinstance(t, int) and not isinstance(t, bool)      # noqa: E731
-    if isinstance(value, str) and value:
-        return [value]
-    if isinstance(value, list) and value:
-        if all(isinstance(v, str) and v for v in value):
-            return list(value)
-        if all(is_id(t) for t in value):
-            return [{"prompt_token_ids": list(value)}]
-        if all(isinstance(v, list) and v and all(is_id(t) for t in v) for v in value):
-            return [{"prompt_token_ids": list(v)} for v in value]
-    if value is None:
-        raise OpenAIError("the field 'input' is required", param="input")
-    raise OpenAIError("input must be a non-empty string, a non-empty list of them, a non-empty list of token ids "
-                      f"or a list of such lists, got {shown(value)}", param="input")
 
 
 def embedding_response(outputs: list, encoding: str, response_id: str, model: str) -> dict:

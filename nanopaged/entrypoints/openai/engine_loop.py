@@ -158,31 +158,21 @@ class EngineLoop:
         stream, queued ones instead of their acceptance."""
         for submission in set(self.routes.values()):
             _post(submission, submission.outputs.put_nowait, error)
-        while True:
-            try:
-                command = self.inbox.get_nowait()
-            except queue.Empty:
-                return
+        for command in drain(self.inbox):
             if command[0] == "add":
                 _post(command[1], _settle, command[1].accepted, error)
 
     def _take_commands(self, block: bool) -> bool:
         """Carry out every queued command (waiting for one if the engine is idle); False on stop."""
-        try:
-            command = self.inbox.get() if block else self.inbox.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
+        commands = [self.inbox.get()] if block else []
+        for command in commands + drain(self.inbox):
             if command[0] == "stop":
                 return False
             if command[0] == "add":
                 self._add(command[1], command[2])
             else:
                 self._abort(command[1])
-            try:
-                command = self.inbox.get_nowait()
-            except queue.Empty:
-                return True
+        return True
 
     def _add(self, submission: Submission, batches: list[list[Request]]) -> None:
         """Queue a submission's processed requests, all or none; the engine thread's only part."""
@@ -249,6 +239,16 @@ def _refuse_past_context(batches: list, r: ParsedRequest, max_model_len: int) ->
             raise ValueError(f"max_tokens={r.params.max_tokens} plus the prompt's {first.num_prompt_tokens} "
                              f"tokens is more than max_model_len={max_model_len}; ask for at most "
                              f"{first.max_tokens} tokens")
+
+
+def drain(q: queue.SimpleQueue) -> list:
+    """Everything waiting in `q` now, without waiting for more."""
+    items = []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
 
 
 def _post(submission: Submission, fn, *args) -> None:

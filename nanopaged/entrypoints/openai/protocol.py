@@ -166,18 +166,14 @@ def parse_request(body: dict, kind: str, served_model_name: str,
     """A completion or chat body as prompts and SamplingParams; OpenAIError (400) if it is wrong.
     `adapters`: the LoRA adapters a server started with --enable-lora serves, by name (served_models.py);
     `tool_parser`: the parser of tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser), or None."""
-    allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise OpenAIError(f"unsupported field {shown(unknown[0])}: this server honours only "
-                          f"{sorted(allowed)}", param=unknown[0])
+    only_fields(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS)
     lora_request = requested_model(body.get("model"), served_model_name, adapters)
     fields = {k: v for k, v in body.items() if v is not None}   # JSON null means "the default"
     stream = _bool(fields, "stream", False)
     include_usage = _stream_options(fields, stream)
     tool_calling = None
     if kind == "completion":
-        prompts = _completion_prompts(body.get("prompt"))
+        prompts = prompt_forms(body.get("prompt"), "prompt")
         max_tokens_field = "max_tokens"
         top_logprobs = _int(fields, "logprobs")
     else:
@@ -212,14 +208,19 @@ def requested_model(model, served_model_name: str, adapters: Mapping[str, LoRARe
     return adapters[model]
 
 
+def only_fields(body: dict, allowed) -> None:
+    """A 400 naming the first field of `body` this route does not honour, before anything else is read."""
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise OpenAIError(f"unsupported field {shown(unknown[0])}: this route honours only {sorted(allowed)}",
+                          param=unknown[0])
+
+
 def parse_lora_update(body: dict, route: str) -> tuple[str, str | None]:
     """(lora_name, lora_path) of a body for /v1/load_lora_adapter (both needed, as vLLM) or
     /v1/unload_lora_adapter (lora_name only: lora_path None)."""
     allowed = ("lora_name", "lora_path") if route == "load" else ("lora_name",)
-    unknown = sorted(set(body) - set(allowed))
-    if unknown:
-        raise OpenAIError(f"unsupported field {shown(unknown[0])}: this route takes only {list(allowed)}",
-                          param=unknown[0])
+    only_fields(body, allowed)
     for name in allowed:
         if not isinstance(body.get(name), str) or not body[name]:
             raise OpenAIError(f"{' and '.join(repr(a) for a in allowed)} must be given, as non-empty strings; "
@@ -319,21 +320,25 @@ def _structured_outputs(kwargs: dict, field: str):
         raise OpenAIError(str(e), param=field) from None
 
 
-def _completion_prompts(prompt) -> list:
-    """OpenAI's four prompt forms: a string, strings, token ids, lists of token ids."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return list(prompt)
-        if all(_is_int(t) for t in prompt):
-            return [{"prompt_token_ids": list(prompt)}]
-        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
-            return [{"prompt_token_ids": list(p)} for p in prompt]
-    if prompt is None:
-        raise OpenAIError("the field 'prompt' is required", param="prompt")
-    raise OpenAIError("prompt must be a string, a non-empty list of strings, a list of token ids "
-                      f"or a list of lists of token ids, got {shown(prompt)}", param="prompt")
+def prompt_forms(value, field: str, non_empty_text: bool = False) -> list:
+    """OpenAI's four prompt forms (a string, strings, token ids, lists of token ids) as prompts; `field`
+    names it in the 400 (completions' `prompt`, embeddings' `input`, which takes no empty text)."""
+    def text(v) -> bool:
+        return isinstance(v, str) and (bool(v) or not non_empty_text)
+    if text(value):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(text(v) for v in value):
+            return list(value)
+        if all(_is_int(t) for t in value):
+            return [{"prompt_token_ids": list(value)}]
+        if all(isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value):
+            return [{"prompt_token_ids": list(v)} for v in value]
+    if value is None:
+        raise OpenAIError(f"the field {field!r} is required", param=field)
+    some = "non-empty " if non_empty_text else ""
+    raise OpenAIError(f"{field} must be a {some}string, a non-empty list of {some}strings, a non-empty list of "
+                      f"token ids or a list of such lists, got {shown(value)}", param=field)
 
 
 def _conversation(messages, tool_calling: ToolCalling | None) -> list | dict:

@@ -7,7 +7,7 @@ TokenizeResponse, DetokenizeRequest). Both run in the API server, never in the e
 from __future__ import annotations
 
 from nanopaged.engine.input_processor import render_chat
-from nanopaged.entrypoints.openai.protocol import OpenAIError, shown
+from nanopaged.entrypoints.openai.protocol import OpenAIError, only_fields, shown
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                    "return_token_strs", "continue_final_message", "chat_template_kwargs"}
@@ -17,7 +17,7 @@ DETOKENIZE_FIELDS = {"model", "tokens"}
 def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
     """{"count", "max_model_len", "tokens", "token_strs"} for a prompt, or for chat messages through the
     model's chat template (which writes its own special tokens, so none are added again)."""
-    _only(body, TOKENIZE_FIELDS)
+    only_fields(body, TOKENIZE_FIELDS)
     if ("prompt" in body) == ("messages" in body):
         raise OpenAIError("give either 'prompt' or 'messages'", param="prompt" if "prompt" in body else "messages")
     for flag in ("add_special_tokens", "add_generation_prompt", "return_token_strs"):
@@ -44,7 +44,7 @@ def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
 
 def detokenize(body: dict, tokenizer) -> dict:
     """{"prompt": text} for a list of token ids of this vocabulary."""
-    _only(body, DETOKENIZE_FIELDS)
+    only_fields(body, DETOKENIZE_FIELDS)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise OpenAIError(f"tokens must be a list of token ids, got {shown(tokens)}", param="tokens")
@@ -53,8 +53,3 @@ def detokenize(body: dict, tokenizer) -> dict:
         raise OpenAIError(f"token ids {bad[:5]} are outside the vocabulary of {len(tokenizer)}", param="tokens")
     return {"prompt": tokenizer.decode(tokens)}
 
-
-def _only(body: dict, known: set[str]) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise OpenAIError(f"unknown field {unknown[0]!r}; this route takes {sorted(known)}", param=unknown[0])
