@@ -40,11 +40,11 @@ def serve_processes(args, settings: dict, describe, key: str | None, updating: b
     ctx = multiprocessing.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="nanopaged-")
     address = f"ipc://{folder}/engine-core"
-    core, info = start_engine_core(ctx, args.model, settings, address)
+    core, lifeline, info = start_engine_core(ctx, args.model, settings, address)
     if core is None:
         shutil.rmtree(folder, ignore_errors=True)
         raise ValueError(info)
-    supervisor = Supervisor(ctx, core, address, folder)
+    supervisor = Supervisor(ctx, core, lifeline, address, folder)
     try:
         return supervisor.run(args, info, describe, key, updating)
     finally:
@@ -52,7 +52,8 @@ def serve_processes(args, settings: dict, describe, key: str | None, updating: b
 
 
 def start_engine_core(ctx, model, settings: dict, address: str):
-    """The engine-core process, once its model is loaded: (process, its info) or (None, why not)."""
+    """The engine-core process, once its model is loaded: (process, the life line's read end, its info),
+    or (None, None, why not)."""
     ready_r, ready_w = ctx.Pipe(duplex=False)
     life_r, life_w = ctx.Pipe(duplex=False)
     core = ctx.Process(target=run_engine_core, args=(model, settings, address, ready_w, life_w),
@@ -62,18 +63,17 @@ def start_engine_core(ctx, model, settings: dict, address: str):
     life_w.close()                     # from here on only the core holds the life line's write end
     if not wait([ready_r, core.sentinel]) or not ready_r.poll():
         core.join()
-        return None, f"the engine core exited with status {core.exitcode} while loading"
+        return None, None, f"the engine core exited with status {core.exitcode} while loading"
     answer = ready_r.recv()
     if answer[0] == "error":
         core.join()
-        return None, answer[1]
-    core.lifeline = life_r
-    return core, answer[1:]
+        return None, None, answer[1]
+    return core, life_r, answer[1:]
 
 
 class Supervisor:
-    def __init__(self, ctx, core, address: str, folder: str) -> None:
-        self.ctx, self.core, self.address, self.folder = ctx, core, address, folder
+    def __init__(self, ctx, core, lifeline, address: str, folder: str) -> None:
+        self.ctx, self.core, self.lifeline, self.address, self.folder = ctx, core, lifeline, address, folder
         self.api_servers: dict[str, multiprocessing.Process] = {}
         self.socket = zmq.Context.instance().socket(zmq.DEALER)   # to tell the core of deaths, and to stop it
         self.socket.setsockopt(zmq.IDENTITY, b"supervisor")
@@ -89,7 +89,7 @@ class Supervisor:
             name = f"api-{i}"
             self.api_servers[name] = self.ctx.Process(
                 target=run_api_server, name=f"nanopaged-{name}",
-                args=(name, args, listener, self.address, self.core.lifeline, info, started_w, key, updating))
+                args=(name, args, listener, self.address, self.lifeline, info, started_w, key, updating))
             self.api_servers[name].start()
         started_w.close()
         error = self.wait_started(started_r)
@@ -144,9 +144,10 @@ class Supervisor:
                 name = sentinels.get(sentinel)
                 if name is not None:
                     process = self.api_servers.pop(name)
-                    print(f"nanopaged: API server {name} died (exit status {process.exitcode}); the engine "
-                          f"core aborted its requests; {len(self.api_servers)} serve on", file=sys.stderr, flush=True)
                     self.socket.send(m.encode(m.ClientGone(name)))
+                    process.join(STOP_S)                 # its sentinel fires a moment before its status is there
+                    print(f"nanopaged: API server {name} died (exit status {process.exitcode}); the engine "
+                          f"core aborts its requests; {len(self.api_servers)} serve on", file=sys.stderr, flush=True)
             if not self.api_servers:
                 return 1
 

@@ -165,7 +165,7 @@ def test_an_api_server_killed_loses_its_requests_and_the_other_serves_on(tiny_mo
         victim, survivor = sorted(pids, key=lambda p: len(by_server[p]))   # both hold some requests
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 20
-        while "aborted" not in s.log.read_text() and time.monotonic() < deadline:
+        while "running request(s) were aborted" not in s.log.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
         log = s.log.read_text()
         assert f"its {len(by_server[victim])} running request(s) were aborted" in log, log[-2000:]
