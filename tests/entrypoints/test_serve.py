@@ -138,6 +138,35 @@ def test_greedy_chat_streamed_equals_whole_equals_offline(client, offline):
     assert whole.usage.prompt_tokens == len(expected.prompt_token_ids)
 
 
+def test_return_token_ids_gives_the_tokens_beside_the_text(server, offline):
+    """vLLM's extra field `return_token_ids`: each choice's token ids (and the prompt's), whole or
+    streamed (a stream's chunks carry the tokens new in each); the text is unchanged."""
+    prompt = "Once upon a time"
+    expected = offline.generate(prompt, greedy(12), use_tqdm=False)[0]
+    status, body = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 12,
+                                                     "temperature": 0, "return_token_ids": True})
+    [choice] = body["choices"]
+    assert status == 200 and choice["text"] == expected.outputs[0].text
+    assert choice["token_ids"] == list(expected.outputs[0].token_ids)
+    assert choice["prompt_token_ids"] == list(expected.prompt_token_ids)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = offline.chat(messages, greedy(8), use_tqdm=False)[0]
+    status, body = post(server, "/v1/chat/completions", {"model": MODEL_NAME, "messages": messages,
+                                                          "max_tokens": 8, "temperature": 0, "return_token_ids": True})
+    assert body["choices"][0]["token_ids"] == list(chat.outputs[0].token_ids)
+    assert body["prompt_token_ids"] == list(chat.prompt_token_ids)
+    request = urllib.request.Request(server.base_url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 12,
+                                                      "temperature": 0, "stream": True,
+                                                      "return_token_ids": True}).encode())
+    with urllib.request.urlopen(request, timeout=30) as r:
+        chunks = [json.loads(line[6:]) for line in r.read().decode().splitlines()
+                  if line.startswith("data: {")]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == list(expected.outputs[0].token_ids)
+    status, body = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "return_token_ids": 1})
+    assert status == 400 and body["error"]["param"] == "return_token_ids"
+
+
 def test_token_id_prompts_and_several_prompts_number_the_choices(client, offline, make_prompts):
     prompts = make_prompts(512, n=2, seed=3)
     whole = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=12, temperature=0)

@@ -36,8 +36,10 @@ SAMPLING_FIELDS = {"n": "n", "temperature": "temperature", "top_p": "top_p", "st
                    "skip_special_tokens": "skip_special_tokens"}
 # `user` is OpenAI's end-user tag for abuse monitoring: it changes no output, so it is accepted.
 # A constraint on the output: OpenAI's `response_format`, or vLLM's extra field `structured_outputs`.
+# vLLM's `return_token_ids`: each choice carries its token ids (and the prompt's), for clients that
+# need the tokens, not only the text (a Ray Data processor's rows: nanopaged/extras/ray_data/).
 COMMON_FIELDS = {"model", "stream", "stream_options", "user", "max_tokens", "logprobs", "response_format",
-                 "structured_outputs", *SAMPLING_FIELDS}
+                 "structured_outputs", "return_token_ids", *SAMPLING_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
 STREAM_OPTIONS = {"include_usage"}
@@ -99,6 +101,7 @@ class ParsedRequest:
     constraint_field: str | None = None   # "response_format", "structured_outputs" or "tools": what compile errors name
     lora_request: LoRARequest | None = None   # the LoRA adapter `model` named; None: the base model
     tool_calling: ToolCalling | None = None   # chat with tools: how to read the output (tools.py)
+    return_token_ids: bool = False   # vLLM's extra field: token ids beside the text
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -192,7 +195,7 @@ def parse_request(body: dict, kind: str, served_model_name: str,
     except ValueError as e:
         raise OpenAIError(str(e), param=field_named(str(e), max_tokens_field, constraint_field)) from e
     return ParsedRequest(kind, prompts, params, max_tokens_given, stream, include_usage, top_logprobs,
-                         constraint_field, lora_request, tool_calling)
+                         constraint_field, lora_request, tool_calling, _bool(fields, "return_token_ids", False))
 
 
 def requested_model(model, served_model_name: str, adapters: Mapping[str, LoRARequest] | None) -> LoRARequest | None:

@@ -72,10 +72,17 @@ class ResponseBuilder:
                     choice["finish_reason"] = finish_reason(c.finish_reason, "tool_calls" in choice["message"])
                 else:
                     choice["text"] = c.text
+                if self.request.return_token_ids:
+                    choice["token_ids"] = list(c.token_ids)
+                    if not self.chat:
+                        choice["prompt_token_ids"] = list(output.prompt_token_ids)
                 choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+        if self.chat and self.request.return_token_ids:      # vLLM: the chat's prompt, once, beside the choices
+            body["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+        return body
 
     def _message(self, text: str) -> dict:
         """The assistant's message: its text, or the text before its tool calls (null if none) and the calls."""
@@ -113,8 +120,10 @@ class ResponseBuilder:
             logprobs = self._logprobs(c, state.tokens, len(c.token_ids), state.text_offset)
             if logprobs is not None and not self.chat:
                 state.text_offset += sum(len(t) for t in logprobs["tokens"])
-            state.chars, state.tokens, state.done = end, len(c.token_ids), finished
             choice = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason}
+            if self.request.return_token_ids:          # the tokens new in this chunk
+                choice["token_ids"] = list(c.token_ids[state.tokens:])
+            state.chars, state.tokens, state.done = end, len(c.token_ids), finished
             if self.chat:
                 choice["delta"] = delta
                 choice["finish_reason"] = finish_reason(c.finish_reason, state.tools is not None and state.tools.called)
