@@ -277,3 +277,31 @@ def test_torchrun_starts_the_ranks_itself(tiny_model_dirs, tmp_path):
         [{"prompt_token_ids": p} for p in [[5, 6, 7], [9, 8, 7, 6, 5, 4]]],
         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert line == f"TOKENS {[o.outputs[0].token_ids for o in one]}"
+
+
+def test_torchrun_across_two_nodes_equals_one_rank(tiny_model_dirs, tmp_path):
+    """The multi-machine launch as it runs on two machines (docs/09_tensor_parallel.md): one torchrun
+    per node, `--nnodes 2 --node-rank 0|1 --nproc-per-node 1`, meeting at the master's address (here
+    loopback, each node a separate torchrun process); TP=2 across the nodes equals TP=1."""
+    script = tmp_path / "tp.py"
+    script.write_text(TORCHRUN_PROGRAM)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               str(script), tiny_model_dirs["llama"]],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for rank in (0, 1)]
+    try:
+        results = [node.communicate(timeout=150) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(err[-2000:] for _, err in results)
+    [line] = [x for x in results[0][0].splitlines() if x.startswith("TOKENS")]
+    assert not any(x.startswith("TOKENS") for x in results[1][0].splitlines())     # node 1 only serves steps
+    one = LLM(tiny_model_dirs["llama"], dtype="float32").generate(
+        [{"prompt_token_ids": p} for p in [[5, 6, 7], [9, 8, 7, 6, 5, 4]]],
+        SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert line == f"TOKENS {[o.outputs[0].token_ids for o in one]}"

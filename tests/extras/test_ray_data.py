@@ -1,0 +1,278 @@
+"""Ray Data (nanopaged/extras/ray_data/, docs/14_ray_data.md): a dataset through engine replicas.
+
+Without a cluster: the configs' checks, and one replica driven in-process (its engine stays full
+across the batches in flight; bad rows become errors). With a cluster of two nodes started here as
+Ray does it on real machines (`ray start --head` and `ray start --address`, two processes on
+loopback, each with its own CPU count and a custom resource): one replica per node equals
+LLM.generate row for row; a replica killed mid-dataset loses no row and doubles none; the same
+processor through a running `nanopaged serve`, and Ray's own HttpRequestProcessorConfig against it.
+"""
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pyarrow = pytest.importorskip("pyarrow", reason="the ray extra: pip install -e '.[ray]'")
+ray = pytest.importorskip("ray", reason="the ray extra: pip install -e '.[ray]'")
+
+from nanopaged import LLM, SamplingParams  # noqa: E402
+from nanopaged.extras.ray_data import EngineProcessorConfig, ServerProcessorConfig, build_processor  # noqa: E402
+from nanopaged.extras.ray_data.replica import EngineReplica  # noqa: E402
+from nanopaged.extras.ray_data.rows import table_of  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = dict(dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=16)
+PROMPTS = [[5 + i, 9, 17 + i % 7, 33, 40 + i % 11][: 2 + i % 4] for i in range(24)]
+MAX_TOKENS = [4 + (i * 5) % 13 for i in range(24)]
+
+
+def rows(n=24):
+    return [{"id": i, "prompt_token_ids": PROMPTS[i],
+             "sampling_params": {"temperature": 0.0, "max_tokens": MAX_TOKENS[i]}} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dirs):
+    """Each row's greedy tokens from one LLM.generate call in this process."""
+    llm = LLM(tiny_model_dirs["llama"], **SETTINGS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        [SamplingParams(temperature=0, max_tokens=m) for m in MAX_TOKENS], use_tqdm=False)
+    return {i: list(o.outputs[0].token_ids) for i, o in enumerate(outs)}
+
+
+# ---- without a cluster --------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(concurrency=0), "concurrency must be in [1, inf]"),
+    (dict(concurrency=(3, 2)), "concurrency max must be in [3, inf]"),
+    (dict(concurrency=(1, 2, 3)), "a (min, max) pair"),
+    (dict(batch_size=0), "batch_size must be in [1, inf]"),
+    (dict(max_concurrent_batches=0), "max_concurrent_batches"),
+    (dict(cpus_per_replica=1.5), "cpus_per_replica must be an integer"),
+    (dict(engine_kwargs={"cpu_threads": "auto"}), "cpus_per_replica"),
+    (dict(engine_kwargs={"no_such_setting": 1}), "no_such_setting"),
+    (dict(resources_per_replica={"slot": 0}), "resources_per_replica['slot']"),
+    (dict(sampling_params={"temperature": -1}), "temperature"),
+])
+def test_a_bad_engine_config_is_a_value_error_before_any_actor(tiny_model_dirs, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineProcessorConfig(model_source=tiny_model_dirs["llama"], **kwargs)
+
+
+def test_a_bad_server_config_or_processor_is_a_value_error():
+    with pytest.raises(ValueError, match="base URL"):
+        ServerProcessorConfig(url="127.0.0.1:8000")
+    with pytest.raises(ValueError, match="max_concurrent_requests"):
+        ServerProcessorConfig(url="http://127.0.0.1:8000", max_concurrent_requests=0)
+    with pytest.raises(ValueError, match="EngineProcessorConfig or a ServerProcessorConfig"):
+        build_processor({"model_source": None})
+    with pytest.raises(ValueError, match="preprocess must be a function"):
+        build_processor(ServerProcessorConfig(url="http://127.0.0.1:8000"), preprocess="upper")
+
+
+def run_batches(replica, batches):
+    """Ray's calls, as Ray makes them on an async actor: each batch its own task, all at once."""
+    async def one(batch):
+        return [t async for t in replica(table_of(batch))]
+
+    async def all_of():
+        return await asyncio.gather(*(one(b) for b in batches))
+    return [row for tables in asyncio.run(all_of()) for table in tables for row in table.to_pylist()]
+
+
+def test_one_replica_runs_the_rows_of_every_batch_in_flight_at_once(tiny_model_dirs, expected):
+    """Four batches of two rows in flight: the engine runs eight at once, not two, and each row's
+    tokens equal LLM.generate's."""
+    replica = EngineReplica(tiny_model_dirs["llama"], SETTINGS, cpus=1)
+    given = rows(8)
+    out = run_batches(replica, [given[i:i + 2] for i in range(0, 8, 2)])
+    assert sorted(r["id"] for r in out) == list(range(8))
+    for r in out:
+        assert r["error"] is None and r["generated_tokens"] == expected[r["id"]], r
+        assert r["num_generated_tokens"] == len(r["generated_tokens"]) and r["finish_reason"] == "length"
+    assert max(r["replica"]["max_num_running"] for r in out) == 8          # not 2: one batch's rows
+    assert max(r["replica"]["rows_done"] for r in out) == 8
+    assert out[0]["sampling_params"] == given[out[0]["id"]]["sampling_params"]     # the row in, kept
+
+
+def test_a_bad_row_is_its_own_error_and_the_others_run(tiny_model_dirs, expected):
+    replica = EngineReplica(tiny_model_dirs["llama"], SETTINGS, cpus=1,
+                            sampling_params={"temperature": 0.0, "max_tokens": MAX_TOKENS[0]})
+    bad = [{"id": 100, "prompt_token_ids": [5] * 600},                                   # past the context
+           {"id": 101, "prompt_token_ids": [5, 6], "sampling_params": {"temperature": -1.0}},
+           {"id": 102},                                                                   # no prompt
+           {"id": 103, "prompt": "a", "prompt_token_ids": [5]},                           # two prompts
+           {"id": 104, "prompt_token_ids": [5, 6], "sampling_params": {"n": 2}}]
+    good = [{"id": 0, "prompt_token_ids": PROMPTS[0]}]                                   # the config's params
+    out = {r["id"]: r for r in run_batches(replica, [bad[:3] + good, bad[3:]])}
+    assert out[0]["error"] is None and out[0]["generated_tokens"] == expected[0]
+    assert "max_model_len" in out[100]["error"] or "context" in out[100]["error"], out[100]["error"]
+    assert "temperature" in out[101]["error"]
+    assert "exactly one of" in out[102]["error"] and "exactly one of" in out[103]["error"]
+    assert "n=2" in out[104]["error"]
+    assert all(out[i]["generated_text"] is None for i in range(100, 105))
+    assert replica.engine.scheduler.block_pool.usage() == 0.0
+
+
+def test_chat_rows_go_through_the_chat_template(tiny_model_dirs):
+    replica = EngineReplica(tiny_model_dirs["llama"], SETTINGS, cpus=1)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    [row] = run_batches(replica, [[{"id": 0, "messages": messages,
+                                    "sampling_params": {"temperature": 0.0, "max_tokens": 6}}]])
+    chat = LLM(tiny_model_dirs["llama"], **SETTINGS).chat(messages, SamplingParams(temperature=0, max_tokens=6),
+                                                          use_tqdm=False)[0]
+    assert row["generated_tokens"] == list(chat.outputs[0].token_ids)
+    assert row["num_input_tokens"] == len(chat.prompt_token_ids)
+
+
+# ---- a cluster of two nodes on loopback ---------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_start(ip: str, log: Path, head_address: str | None = None) -> subprocess.Popen:
+    """One node, as `ray start` makes it on a machine of its own: here a loopback address of its own
+    (127.0.0.2, 127.0.0.3: Ray turns 127.0.0.1 into the host's network address), two CPUs and one
+    `replica_slot`, a custom resource a replica asks for, so Ray places one replica per node.
+    --block keeps the node's processes in this one process group, which the fixture kills."""
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    ports = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
+             "--runtime-env-agent-port"]
+    cmd = [ray_cli, "start", "--block", "--node-ip-address", ip, "--num-cpus", "2",
+           "--resources", json.dumps({"replica_slot": 1}), "--object-store-memory", str(100 * 2**20),
+           "--disable-usage-stats", *[x for p in ports for x in (p, str(free_port()))]]
+    cmd += ["--address", head_address] if head_address else ["--head", "--port", str(free_port()),
+                                                             "--include-dashboard", "false"]
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+
+
+def wait_for(condition, timeout_s: float, what: str, logs=()):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.25)
+    raise TimeoutError(f"{what} not within {timeout_s} s:\n" + "\n".join(p.read_text()[-2000:] for p in logs))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A head node and a second node, each its own `ray start` process; this process the driver."""
+    logs = tmp_path_factory.mktemp("ray")
+    head_log, node_log = logs / "head.log", logs / "node.log"
+    nodes = [ray_start("127.0.0.2", head_log)]
+    try:
+        wait_for(lambda: "ray start --address=" in head_log.read_text() or nodes[0].poll() is not None,
+                 90, "the head node", [head_log])
+        port = head_log.read_text().split("ray start --address='127.0.0.2:", 1)[1].split("'", 1)[0]
+        address = f"127.0.0.2:{port}"
+        nodes.append(ray_start("127.0.0.3", node_log, head_address=address))
+        ray.init(address=address, _node_ip_address="127.0.0.2", log_to_driver=False)
+        wait_for(lambda: sum(n["Alive"] for n in ray.nodes()) == 2, 90, "the second node", [node_log])
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False
+        context.wait_for_min_actors_s = 120      # rows flow once every replica is up: each gets some
+        yield address
+    finally:
+        ray.shutdown()
+        for node in nodes:
+            os.killpg(node.pid, signal.SIGKILL)       # the node's raylet, object store and workers with it
+            node.wait(30)
+
+
+def engine_config(model, **kw):
+    return EngineProcessorConfig(model_source=model, engine_kwargs=SETTINGS, batch_size=3, max_concurrent_batches=2,
+                                 resources_per_replica={"replica_slot": 1}, **kw)
+
+
+def test_one_replica_per_node_equals_llm_generate_row_for_row(cluster, tiny_model_dirs, expected):
+    """Two replicas, one on each node (each takes the node's one replica_slot); the rows stream out
+    (iter_rows: never gathered by Ray); every row once, with LLM.generate's greedy tokens; a bad row
+    is its row's error and the dataset goes on."""
+    given = rows() + [{"id": 99, "prompt_token_ids": [5] * 600}]
+    processor = build_processor(engine_config(tiny_model_dirs["llama"], concurrency=2),
+                                postprocess=lambda row: {**row, "answer_length": row["num_generated_tokens"]})
+    out = list(processor(ray.data.from_items(given)).iter_rows())
+    assert sorted(r["id"] for r in out) == [r["id"] for r in given]
+    for r in out:
+        if r["id"] == 99:
+            assert r["error"] and r["generated_tokens"] is None
+        else:
+            assert r["error"] is None and list(r["generated_tokens"]) == expected[r["id"]], r["id"]
+            assert r["answer_length"] == len(expected[r["id"]])
+    nodes = {r["replica"]["node_id"] for r in out}
+    assert nodes == {n["NodeID"] for n in ray.nodes() if n["Alive"]} and len(nodes) == 2
+
+
+def test_a_replica_killed_mid_dataset_loses_no_row_and_doubles_none(cluster, tiny_model_dirs, expected):
+    """SIGKILL one replica's process once rows have come out: Ray restarts it and hands its
+    unfinished batches to a live replica; every row comes out exactly once, with its greedy tokens."""
+    given = [{**row, "id": i, "source": row["id"]} for i, row in enumerate(rows() * 3)]
+    processor = build_processor(engine_config(tiny_model_dirs["llama"], concurrency=2))
+    out, killed = [], None
+    for row in processor(ray.data.from_items(given)).iter_rows():
+        out.append(row)
+        if killed is None and len(out) == 6:
+            killed = row["replica"]["pid"]
+            os.kill(killed, signal.SIGKILL)
+    assert sorted(r["id"] for r in out) == list(range(len(given)))
+    for r in out:
+        assert list(r["generated_tokens"]) == expected[r["source"]], r["id"]
+    assert any(r["replica"]["pid"] != killed for r in out[6:])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dirs):
+    """A `nanopaged serve` for the HTTP path, with the engine settings of the offline run."""
+    pytest.importorskip("fastapi", reason="the serve extra: pip install -e '.[serve]'")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.serve import start_nanopaged
+    args = ["--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "256", "--max-num-seqs", "16"]
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("NANOPAGED_API_KEY", raising=False)
+        with start_nanopaged(tiny_model_dirs["llama"], args, served_model_name="tiny", timeout_s=120) as s:
+            yield s
+
+
+def test_the_same_processor_through_a_running_server(cluster, server, expected):
+    """ServerProcessorConfig: rows to `nanopaged serve` over its OpenAI API, tokens back through
+    return_token_ids; the same rows out as the engine replicas give; a bad row is its error (the
+    server's 400 names the field)."""
+    given = rows() + [{"id": 99, "prompt_token_ids": [5] * 600},                         # the server's 400
+                      {"id": 98, "prompt": "a", "sampling_params": {"top_p": 2.0}}]          # refused before sending
+    config = ServerProcessorConfig(url=server.base_url, model="tiny", concurrency=2, batch_size=4,
+                                   max_concurrent_requests=8)
+    out = list(build_processor(config)(ray.data.from_items(given)).iter_rows())
+    assert sorted(r["id"] for r in out) == sorted(r["id"] for r in given)
+    for r in out:
+        if r["id"] in (98, 99):
+            assert ("top_p" if r["id"] == 98 else "max_model_len") in r["error"], r["error"]
+        else:
+            assert r["error"] is None and list(r["generated_tokens"]) == expected[r["id"]], r["id"]
+            assert r["finish_reason"] == "length" and r["num_input_tokens"] == len(PROMPTS[r["id"]])
+
+
+def test_rays_own_http_processor_against_nanopaged_serve(cluster, server, expected):
+    """ray.data.llm's HttpRequestProcessorConfig pointed at /v1/completions, as docs/14_ray_data.md shows."""
+    from ray.data.llm import HttpRequestProcessorConfig
+    from ray.data.llm import build_processor as ray_build_processor
+    config = HttpRequestProcessorConfig(url=server.base_url + "/v1/completions", qps=50, concurrency=1, batch_size=8)
+    processor = ray_build_processor(
+        config,
+        preprocess=lambda row: {"id": row["id"], "payload": {
+            "model": "tiny", "prompt": row["prompt_token_ids"], "temperature": 0,
+            "max_tokens": row["sampling_params"]["max_tokens"], "return_token_ids": True}},
+        postprocess=lambda row: {"id": row["id"], "tokens": row["http_response"]["choices"][0]["token_ids"]})
+    out = list(processor(ray.data.from_items(rows())).iter_rows())
+    assert sorted(r["id"] for r in out) == list(range(len(PROMPTS)))
+    assert all(list(r["tokens"]) == expected[r["id"]] for r in out)
