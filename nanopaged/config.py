@@ -68,7 +68,7 @@ class EngineConfig:
     cpu_linear: str = "auto"                # CPU: packed (oneDNN) | dpbf16 (nanopaged's AVX512-BF16) | reference (F.linear)
     cpu_kernels: str = "auto"               # CPU: fused (C++ layer kernels) | reference (torch ops); auto: fused with packed linears
     tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
-    speculative_config: dict | None = None  # ngram or draft_model drafts, verified in one pass (spec_decode/)
+    speculative_config: dict | None = None  # ngram, suffix or draft_model drafts, verified in one pass (spec_decode/)
     quantization: str | None = None         # CPU weight-only: gguf | int4 | int8 (cpu/quantized_linear.py); None: off
     quantization_group_size: int = 32       # int4 / int8: input features per scale (gguf: the file's 32)
     batch_invariant: bool | None = None     # a request's tokens never depend on its batch; None: where the kernels hold it

@@ -2,6 +2,8 @@
 
     config.py             SpeculativeConfig: `speculative_config={...}` with vLLM's names, checked at once
     ngram_proposer.py     drafts from the request's own tokens (prompt lookup)
+    suffix_tree.py        suffix trees over token ids: what followed a context, and how often
+    suffix_proposer.py    drafts from those trees: the request's own and finished requests' outputs
     draft_model.py        drafts from a smaller model that shares the tokenizer
     stats.py              drafts, accepted tokens, mean acceptance length (vLLM's counters)
 
@@ -36,6 +38,12 @@ def install(engine) -> SpecDecode:
         from nanopaged.spec_decode.ngram_proposer import NgramProposer
         proposer, draft_probs = NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_max,
                                               cfg.prompt_lookup_min), None
+    elif cfg.method == "suffix":
+        from nanopaged.spec_decode.suffix_proposer import SuffixProposer
+        proposer, draft_probs = SuffixProposer(cfg.num_speculative_tokens, cfg.suffix_decoding_max_tree_depth,
+                                               cfg.suffix_decoding_max_cached_requests,
+                                               cfg.suffix_decoding_max_spec_factor,
+                                               cfg.suffix_decoding_min_token_prob), None
     else:
         from nanopaged.spec_decode.draft_model import DraftModelProposer
         proposer = DraftModelProposer(engine, cfg)

@@ -2,10 +2,12 @@
 
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": a, "prompt_lookup_min": b}
     {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}
+    {"method": "suffix", "num_speculative_tokens": k, "suffix_decoding_max_tree_depth": 24, ...}
 
 vLLM: vllm/config/speculative.py. As there, an n-gram config without prompt_lookup_min/max looks
-for 5-grams, one without the other takes the given value for both, and a config with a `model`
-and no method is a draft model. Every check runs in EngineConfig, before any weight loads.
+for 5-grams, one without the other takes the given value for both, a config with a `model` and
+no method is a draft model, and a suffix config may leave out k (32: it is only a cap) and each
+suffix_decoding_* knob (SUFFIX_KNOBS). Every check runs in EngineConfig, before any weight loads.
 """
 from __future__ import annotations
 
@@ -13,11 +15,18 @@ from dataclasses import dataclass
 
 from nanopaged.validation import check_range
 
-METHODS = ("ngram", "draft_model")
-OTHER_VLLM_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+METHODS = ("ngram", "draft_model", "suffix")
+OTHER_VLLM_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 MAX_SPECULATIVE_TOKENS = 32
 DEFAULT_LOOKUP = 5          # vLLM's prompt_lookup_min = prompt_lookup_max when neither is given
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+# method "suffix": vLLM's knobs, its defaults, and each one's range (lo, hi, integer, lo excluded)
+SUFFIX_KNOBS = {
+    "suffix_decoding_max_tree_depth": (24, (2, None, True, False)),          # match + draft tokens; 1: no room
+    "suffix_decoding_max_cached_requests": (10000, (0, None, True, False)),  # outputs in the global tree; 0: off
+    "suffix_decoding_max_spec_factor": (1.0, (0, None, False, True)),        # a draft <= ceil(factor * matched)
+    "suffix_decoding_min_token_prob": (0.1, (0, 1, False, False)),           # drafting stops below it
+}
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", *SUFFIX_KNOBS)
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None     # ngram: the longest n-gram looked up
     prompt_lookup_min: int | None = None     # ngram: the shortest
     model: str | None = None                 # draft_model: a smaller model's folder, same vocabulary
+    suffix_decoding_max_tree_depth: int | None = None        # suffix: SUFFIX_KNOBS says what each is
+    suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_spec_factor: float | None = None
+    suffix_decoding_min_token_prob: float | None = None
 
     @classmethod
     def from_dict(cls, given, target, check_model_folder) -> "SpeculativeConfig":
@@ -45,13 +58,33 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {list(METHODS)}, got {method!r}")
         k = given.get("num_speculative_tokens")
+        if k is None and method == "suffix":
+            k = MAX_SPECULATIVE_TOKENS                   # vLLM's: suffix drafts adapt their length; k caps them
         check_range("speculative_config num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS, integer=True)
+        _only_for(given, method, "ngram", ("prompt_lookup_max", "prompt_lookup_min"))
+        _only_for(given, method, "suffix", tuple(SUFFIX_KNOBS))
         if method == "ngram":
             return cls(method, k, *_lookup(given.get("prompt_lookup_max"), given.get("prompt_lookup_min")))
-        for key in ("prompt_lookup_max", "prompt_lookup_min"):
-            if given.get(key) is not None:
-                raise ValueError(f"speculative_config {key} belongs to method 'ngram', not {method!r}")
+        if method == "suffix":
+            if given.get("model") is not None:
+                raise ValueError("speculative_config method 'suffix' runs no draft model; leave out 'model'")
+            return cls(method, k, **_suffix_knobs(given))
         return cls(method, k, model=check_draft_model(given.get("model"), target, check_model_folder))
+
+
+def _only_for(given: dict, method: str, owner: str, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if method != owner and given.get(key) is not None:
+            raise ValueError(f"speculative_config {key} belongs to method {owner!r}, not {method!r}")
+
+
+def _suffix_knobs(given: dict) -> dict:
+    knobs = {}
+    for key, (default, (lo, hi, integer, lo_open)) in SUFFIX_KNOBS.items():
+        value = given[key] if given.get(key) is not None else default
+        check_range(f"speculative_config {key}", value, lo, hi, integer=integer, lo_open=lo_open)
+        knobs[key] = value
+    return knobs
 
 
 def _lookup(longest, shortest) -> tuple[int, int]:

@@ -26,8 +26,8 @@ def test_vllm_defaults(tiny_model_dirs):
 
 
 @pytest.mark.parametrize("spec, match", [
-    ({"method": "medusa", "num_speculative_tokens": 3}, r"method 'medusa' is not supported; nanopaged has \['ngram', 'draft_model'\]"),
-    ({"method": "magic", "num_speculative_tokens": 3}, r"method must be one of \['ngram', 'draft_model'\], got 'magic'"),
+    ({"method": "medusa", "num_speculative_tokens": 3}, r"method 'medusa' is not supported; nanopaged has \['ngram', 'draft_model', 'suffix'\]"),
+    ({"method": "magic", "num_speculative_tokens": 3}, r"method must be one of \['ngram', 'draft_model', 'suffix'\], got 'magic'"),
     ({"num_speculative_tokens": 3}, r"method must be one of .* got None"),
     ({"method": "ngram"}, r"num_speculative_tokens must be an integer, got None"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 32\], got 0"),
