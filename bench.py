@@ -6,6 +6,7 @@
     python bench.py --workload spec              # speculative decoding (benchmarks/spec.py)
     python bench.py --workload lora --peers vllm # many LoRA adapters in one batch (benchmarks/lora.py)
     python bench.py --random-weights olmoe-1b-7b --peers vllm   # a mixture of experts (benchmarks/moe.py)
+    python bench.py --workload ray               # a dataset through Ray Data replicas (benchmarks/ray_data.py)
 
 Throughput follows nano-vllm's bench.py: seeded random token-id prompts, input and output
 lengths uniform in a range, `ignore_eos=True`, one warm-up, then output tokens / wall time
@@ -54,7 +55,8 @@ from nanopaged.engine.input_processor import load_tokenizer
 DEFAULTS = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))
 # nano-vllm's bench.py: 256 requests, lengths uniform in 100..1024 (a GPU-sized run).
 PRESETS = {"nano-vllm": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))}
-WORKLOADS = ("throughput", "shared-prefix", "cascade", "sharing", "structured", "spec", "lora", "moe", "serve")   # serve: benchmarks/serve.py, its own flags
+WORKLOADS = ("throughput", "shared-prefix", "cascade", "sharing", "structured", "spec", "lora", "moe",
+             "serve", "ray")      # serve: benchmarks/serve.py, ray: benchmarks/ray_data.py, each its own flags
 # shared-prefix: each request = one system prompt (--prefix-len) + its own question.
 SHARED_PREFIX_DEFAULTS = dict(num_requests=64, input_len=(16, 48), output_len=(8, 16), prefix_len=256)
 # cascade: decode steps of 32 rows on one 1,024-token prefix, shared blocks read once or not.
@@ -299,6 +301,9 @@ def main(argv: list[str] | None = None) -> dict:
     if known.workload == "serve":      # a server under streaming clients: its own flags (--help lists them)
         from benchmarks import serve
         return serve.main(rest)
+    if known.workload == "ray":        # a dataset through Ray Data replicas: its own flags too
+        from benchmarks import ray_data
+        return ray_data.main(rest)
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -8,14 +8,10 @@ LLM.generate row for row; a replica killed mid-dataset loses no row and doubles 
 processor through a running `nanopaged serve`, and Ray's own HttpRequestProcessorConfig against it.
 """
 import asyncio
-import json
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -133,61 +129,19 @@ def test_chat_rows_go_through_the_chat_template(tiny_model_dirs):
 
 
 # ---- a cluster of two nodes on loopback ---------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ray_start(ip: str, log: Path, head_address: str | None = None) -> subprocess.Popen:
-    """One node, as `ray start` makes it on a machine of its own: here a loopback address of its own
-    (127.0.0.2, 127.0.0.3: Ray turns 127.0.0.1 into the host's network address), two CPUs and one
-    `replica_slot`, a custom resource a replica asks for, so Ray places one replica per node.
-    --block keeps the node's processes in this one process group, which the fixture kills."""
-    ray_cli = str(Path(sys.executable).with_name("ray"))
-    ports = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
-             "--runtime-env-agent-port"]
-    cmd = [ray_cli, "start", "--block", "--node-ip-address", ip, "--num-cpus", "2",
-           "--resources", json.dumps({"replica_slot": 1}), "--object-store-memory", str(100 * 2**20),
-           "--disable-usage-stats", *[x for p in ports for x in (p, str(free_port()))]]
-    cmd += ["--address", head_address] if head_address else ["--head", "--port", str(free_port()),
-                                                             "--include-dashboard", "false"]
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-
-
-def wait_for(condition, timeout_s: float, what: str, logs=()):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.25)
-    raise TimeoutError(f"{what} not within {timeout_s} s:\n" + "\n".join(p.read_text()[-2000:] for p in logs))
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A head node and a second node, each its own `ray start` process; this process the driver."""
-    logs = tmp_path_factory.mktemp("ray")
-    head_log, node_log = logs / "head.log", logs / "node.log"
-    nodes = [ray_start("127.0.0.2", head_log)]
-    try:
-        wait_for(lambda: "ray start --address=" in head_log.read_text() or nodes[0].poll() is not None,
-                 90, "the head node", [head_log])
-        port = head_log.read_text().split("ray start --address='127.0.0.2:", 1)[1].split("'", 1)[0]
-        address = f"127.0.0.2:{port}"
-        nodes.append(ray_start("127.0.0.3", node_log, head_address=address))
-        ray.init(address=address, _node_ip_address="127.0.0.2", log_to_driver=False)
-        wait_for(lambda: sum(n["Alive"] for n in ray.nodes()) == 2, 90, "the second node", [node_log])
+    """A head node and a second node, each its own `ray start` process on a loopback address of its
+    own (127.0.0.2, 127.0.0.3), two CPUs and one `replica_slot` each (a custom resource a replica
+    asks for, so Ray places one replica per node); this process is the driver."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.ray_data import ray_cluster
+    node = {"num_cpus": 2, "resources": {"replica_slot": 1}}
+    with ray_cluster(tmp_path_factory.mktemp("ray"), [node, node]) as address:
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False
         context.wait_for_min_actors_s = 120      # rows flow once every replica is up: each gets some
         yield address
-    finally:
-        ray.shutdown()
-        for node in nodes:
-            os.killpg(node.pid, signal.SIGKILL)       # the node's raylet, object store and workers with it
-            node.wait(30)
 
 
 def engine_config(model, **kw):
@@ -232,10 +186,9 @@ def test_a_replica_killed_mid_dataset_loses_no_row_and_doubles_none(cluster, tin
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dirs):
+def server(tiny_model_dirs, cluster):
     """A `nanopaged serve` for the HTTP path, with the engine settings of the offline run."""
     pytest.importorskip("fastapi", reason="the serve extra: pip install -e '.[serve]'")
-    sys.path.insert(0, str(ROOT))
     from benchmarks.serve import start_nanopaged
     args = ["--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "256", "--max-num-seqs", "16"]
     with pytest.MonkeyPatch.context() as env:
@@ -276,3 +229,13 @@ def test_rays_own_http_processor_against_nanopaged_serve(cluster, server, expect
     out = list(processor(ray.data.from_items(rows())).iter_rows())
     assert sorted(r["id"] for r in out) == list(range(len(PROMPTS)))
     assert all(list(r["tokens"]) == expected[r["id"]] for r in out)
+
+
+def test_the_ray_benchmark_runs(cluster, tiny_model_dirs):
+    """bench.py --workload ray, tiny: every run gives generate's tokens and its figures."""
+    from benchmarks.ray_data import main
+    result = main(["--model", tiny_model_dirs["llama"], "--dtype", "float32", "--num-rows", "6",
+                   "--input-len", "4", "8", "--output-len", "2", "4", "--batch-size", "2"])
+    assert [r["run"] for r in result["runs"]] == ["generate", f"ray 1 x {os.cpu_count()}", f"ray {os.cpu_count()} x 1"]
+    for r in result["runs"]:
+        assert r["same_tokens_as_generate"] and r["output_tokens_per_s"] > 0 and r.get("errors", 0) == 0

@@ -38,14 +38,17 @@ class EngineReplica:
         import torch
         from nanopaged.llm import LLM
         torch.set_num_threads(cpus)        # Ray reserved `cpus` for this actor; the engine uses that many
+        started = time.monotonic()
         self.llm = LLM(model_source, **engine_kwargs, cpu_threads=None)
+        self.load_s = time.monotonic() - started
         self.engine = self.llm.llm_engine
         self.default_params = sampling_params
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()      # (row, loop, future) from Ray's calls
         self.waiting: dict[str, tuple] = {}                      # request id -> (loop, future)
         self.request_ids = itertools.count()
         self.rows_done = 0
-        self.busy_since: float | None = None                     # the first row's arrival
+        self.busy_since: float | None = None                     # the first row's arrival (monotonic)
+        self.busy_since_unix: float | None = None                # the same, on the wall clock
         self.where = {"node_id": node_id(), "hostname": socket.gethostname(), "pid": os.getpid()}
         threading.Thread(target=self._run, name="nanopaged-replica-engine", daemon=True).start()
 
@@ -68,7 +71,8 @@ class EngineReplica:
         s = self.llm.get_stats()
         elapsed = time.monotonic() - self.busy_since if self.busy_since else 0.0
         queries = s["prefix_cache_queries"]
-        return {**self.where, "rows_done": self.rows_done, "num_generated_tokens": s["num_generated_tokens"],
+        return {**self.where, "load_s": self.load_s, "busy_since_unix": self.busy_since_unix,
+                "rows_done": self.rows_done, "num_generated_tokens": s["num_generated_tokens"],
                 "generation_tokens_per_s": s["num_generated_tokens"] / elapsed if elapsed else 0.0,
                 "max_num_running": s["max_num_running"], "num_preemptions": s["num_preemptions"],
                 "prefix_cache_hit_rate": s["prefix_cache_hits"] / queries if queries else 0.0,
@@ -110,7 +114,7 @@ class EngineReplica:
 
     def _add(self, row: dict, loop, future) -> None:
         if self.busy_since is None:
-            self.busy_since = time.monotonic()
+            self.busy_since, self.busy_since_unix = time.monotonic(), time.time()
         request_id = str(next(self.request_ids))
         try:
             samples = self.engine.process_request(request_id, engine_prompt(self.engine, row),

@@ -1,0 +1,206 @@
+"""The ray workload: one dataset through Ray Data replicas, against plain LLM.generate.
+
+    python bench.py --workload ray                    # demo model, 64 rows, the three runs below
+    python bench.py --workload ray --num-rows 128 --input-len 32 128 --output-len 32 64 --json out.json
+
+Every run gets the same rows (seeded random token ids, lengths uniform in the ranges, greedy,
+ignore_eos), and runs after the one before has ended:
+
+    generate      LLM.generate in this process, torch on all the host's cores (after a warm-up)
+    ray 1 x N     one replica with N threads (N: the host's cores), through build_processor
+    ray N x 1     N replicas with one thread each
+
+on a one-node Ray cluster started here as on a real machine (`ray start --head`, on loopback), or
+the cluster this process has already joined.
+Per run: rows/s and output tokens/s over the generation (from the first row a replica takes to
+the last row out: what Ray's scheduling, batching and serialization cost shows here), the wall
+time from submitting the dataset (replica start and model load included), and the overhead of
+Ray against generate. On one host, N replicas share its memory bandwidth: a decode step streams
+every weight, so N x 1 is no faster than 1 x N unless one engine leaves cores idle. What N
+machines would give is N times one machine's figure less Ray's overhead; one host cannot show it.
+docs/14_ray_data.md; figures in docs/benchmarks.md, "Ray Data".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+from benchmarks.machine import machine_info, versions
+from benchmarks.trace import WARMUP_PROMPT, make_trace
+
+
+# ---- a Ray node, as `ray start` makes one (the tests start theirs with it too) --------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_start(ip: str, log: Path, num_cpus: int, resources: dict | None = None,
+              head_address: str | None = None) -> subprocess.Popen:
+    """One node: `ray start --block` on a loopback address of its own (127.0.0.2, 127.0.0.3, ...:
+    Ray turns 127.0.0.1 into the host's network address, and each node needs an address), its CPU
+    count and custom resources. --block keeps the node's processes in this one process group."""
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    ports = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
+             "--runtime-env-agent-port"]       # each node its own: two nodes on one host would share the defaults
+    cmd = [ray_cli, "start", "--block", "--node-ip-address", ip, "--num-cpus", str(num_cpus),
+           "--resources", json.dumps(resources or {}), "--object-store-memory", str(200 * 2**20),
+           "--disable-usage-stats", *[x for p in ports for x in (p, str(free_port()))]]
+    cmd += ["--address", head_address] if head_address else ["--head", "--port", str(free_port()),
+                                                             "--include-dashboard", "false"]
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+
+
+def wait_for(condition, timeout_s: float, what: str, logs=()) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.25)
+    raise TimeoutError(f"{what} not within {timeout_s} s:\n" + "\n".join(p.read_text()[-2000:] for p in logs))
+
+
+@contextmanager
+def ray_cluster(log_dir: Path, nodes: list[dict], timeout_s: float = 90):
+    """A cluster of `nodes` ({"num_cpus", "resources"} each), the first the head, each a `ray start`
+    process on 127.0.0.(2 + i); this process joins as the driver. Yields the head's address;
+    every node's processes are killed on the way out."""
+    import ray
+    started = []
+    try:
+        head_log = log_dir / "node0.log"
+        started.append(ray_start("127.0.0.2", head_log, **nodes[0]))
+        wait_for(lambda: "ray start --address=" in head_log.read_text() or started[0].poll() is not None,
+                 timeout_s, "the head node", [head_log])
+        port = head_log.read_text().split("ray start --address='127.0.0.2:", 1)[1].split("'", 1)[0]
+        address = f"127.0.0.2:{port}"
+        for i, node in enumerate(nodes[1:], start=1):
+            started.append(ray_start(f"127.0.0.{2 + i}", log_dir / f"node{i}.log", head_address=address, **node))
+        ray.init(address=address, _node_ip_address="127.0.0.2", log_to_driver=False)
+        wait_for(lambda: sum(n["Alive"] for n in ray.nodes()) == len(nodes), timeout_s, "every node",
+                 [log_dir / f"node{i}.log" for i in range(len(nodes))])
+        yield address
+    finally:
+        ray.shutdown()
+        for node in started:
+            os.killpg(node.pid, signal.SIGKILL)     # the node's raylet, object store and workers with it
+            node.wait(30)
+
+
+# ---- the runs ------------------------------------------------------------------------------------
+def dataset_rows(trace) -> list[dict]:
+    return [{"id": i, "prompt_token_ids": p,
+             "sampling_params": {"temperature": 0.0, "max_tokens": n, "ignore_eos": True}}
+            for i, (p, n) in enumerate(zip(trace.prompts, trace.output_lens))]
+
+
+def run_generate(model: str, engine_kwargs: dict, rows: list[dict], cores: int) -> dict:
+    import torch
+    from nanopaged import LLM, SamplingParams
+    torch.set_num_threads(cores)
+    llm = LLM(model, **engine_kwargs, cpu_threads=None)
+    llm.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)
+    params = [SamplingParams(**r["sampling_params"]) for r in rows]
+    started = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in rows], params, use_tqdm=False)
+    wall = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"run": "generate", "replicas": 1, "threads": cores, "generation_s": wall, "wall_s": wall,
+            "rows_per_s": len(rows) / wall, "output_tokens_per_s": tokens / wall, "output_tokens": tokens,
+            "tokens": {r["id"]: list(o.outputs[0].token_ids) for r, o in zip(rows, outs)}}
+
+
+def run_ray(model: str, engine_kwargs: dict, rows: list[dict], replicas: int, threads: int,
+            batch_size: int, max_concurrent_batches: int) -> dict:
+    import ray
+    from nanopaged.extras.ray_data import EngineProcessorConfig, build_processor
+    config = EngineProcessorConfig(model_source=model, engine_kwargs=engine_kwargs, concurrency=replicas,
+                                   cpus_per_replica=threads, batch_size=batch_size,
+                                   max_concurrent_batches=max_concurrent_batches)
+    started = time.time()
+    out = list(build_processor(config)(ray.data.from_items(rows)).iter_rows())
+    ended = time.time()
+    first_row_in = min(r["replica"]["busy_since_unix"] for r in out)
+    generation = ended - first_row_in
+    tokens = sum(r["num_generated_tokens"] for r in out)
+    loads = {(r["replica"]["node_id"], r["replica"]["pid"]): r["replica"]["load_s"] for r in out}
+    return {"run": f"ray {replicas} x {threads}", "replicas": replicas, "threads": threads,
+            "generation_s": generation, "wall_s": ended - started, "rows_per_s": len(out) / generation,
+            "output_tokens_per_s": tokens / generation, "output_tokens": tokens,
+            "replica_load_s": sorted(loads.values()), "errors": sum(r["error"] is not None for r in out),
+            "tokens": {r["id"]: list(r["generated_tokens"]) for r in out}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="a model folder or .gguf (default: the demo model)")
+    p.add_argument("--num-rows", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=(32, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(32, 64), metavar=("MIN", "MAX"))
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-concurrent-batches", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    if args.num_rows < 1 or not 1 <= args.input_len[0] <= args.input_len[1] or \
+            not 1 <= args.output_len[0] <= args.output_len[1]:
+        p.error("--num-rows >= 1, and lengths with 1 <= MIN <= MAX")
+    import tempfile
+    from nanopaged.llm import model_folder
+    model = model_folder(args.model)
+    engine_kwargs = {"dtype": args.dtype}
+    cores = os.cpu_count() or 1
+    from benchmarks.models import vocab_limit
+    trace = make_trace(args.num_rows, args.input_len, args.output_len, args.seed, vocab_limit(model))
+    rows = dataset_rows(trace)
+    runs = [run_generate(model, engine_kwargs, rows, cores)]
+    import ray
+    with tempfile.TemporaryDirectory(prefix="nanopaged-ray-") as logs, \
+            (nullcontext() if ray.is_initialized() else ray_cluster(Path(logs), [{"num_cpus": cores}])):
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        for replicas, threads in ((1, cores), (cores, 1)):
+            runs.append(run_ray(model, engine_kwargs, rows, replicas, threads, args.batch_size,
+                                args.max_concurrent_batches))
+    base, base_tokens = runs[0], runs[0]["tokens"]
+    for run in runs:
+        run["same_tokens_as_generate"] = run.pop("tokens") == base_tokens      # greedy: batch invariance
+        run["overhead_vs_generate"] = run["generation_s"] / base["generation_s"] - 1
+    result = {"workload": "ray", "rows": args.num_rows, "input_len": list(args.input_len),
+              "output_len": list(args.output_len), "dtype": args.dtype, "batch_size": args.batch_size,
+              "max_concurrent_batches": args.max_concurrent_batches, "runs": runs,
+              "machine": machine_info("cpu"), "versions": {**versions(), "ray": ray_version()}}
+    print_ray(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def ray_version() -> str:
+    import ray
+    return ray.__version__
+
+
+def print_ray(result: dict) -> None:
+    m = result["machine"]
+    print(f"\nRay Data: {result['rows']} rows, input {result['input_len']}, output {result['output_len']} tokens, "
+          f"dtype {result['dtype']}, batch_size {result['batch_size']} x {result['max_concurrent_batches']} in "
+          f"flight; {m['cpu']}, {m['cpu_cores']} cores, flags {' '.join(m['matrix_flags'])}")
+    print(f"{'run':<14}{'rows/s':>9}{'out tok/s':>11}{'gen s':>8}{'wall s':>8}{'vs generate':>13}  same tokens")
+    for r in result["runs"]:
+        print(f"{r['run']:<14}{r['rows_per_s']:>9.2f}{r['output_tokens_per_s']:>11.1f}{r['generation_s']:>8.1f}"
+              f"{r['wall_s']:>8.1f}{r['overhead_vs_generate']:>+12.0%}  {r['same_tokens_as_generate']}")
+
+
+if __name__ == "__main__":
+    main()
