@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output-len", type=int, nargs=2, default=(32, 64), metavar=("MIN", "MAX"))
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-concurrent-batches", type=int, default=4)
+    p.add_argument("--max-concurrent-batches", type=int, default=32,
+                   help="batches in flight per replica (default 32: 256 rows, as many as generate runs at once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
@@ -168,7 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
     import ray
     with tempfile.TemporaryDirectory(prefix="nanopaged-ray-") as logs, \
             (nullcontext() if ray.is_initialized() else ray_cluster(Path(logs), [{"num_cpus": cores}])):
-        ray.data.DataContext.get_current().enable_progress_bars = False
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False
+        context.wait_for_min_actors_s = 600    # rows flow once every replica is up, so each gets its share
         for replicas, threads in ((1, cores), (cores, 1)):
             runs.append(run_ray(model, engine_kwargs, rows, replicas, threads, args.batch_size,
                                 args.max_concurrent_batches))

@@ -24,7 +24,9 @@ class EngineProcessorConfig:
     engine_kwargs: dict = field(default_factory=dict)   # LLM's settings, vLLM's names (nanopaged/vllm_compat.py)
     concurrency: int | tuple[int, int] = 1    # replicas; (min, max): Ray scales between them
     batch_size: int = 16                      # rows Ray hands a replica at a time
-    max_concurrent_batches: int = 4           # batches in flight per replica: its engine runs them all at once
+    # Batches in flight per replica: its engine runs all their rows at once. 16 x 16 = 256 rows, the
+    # engine's max_num_seqs: a replica can batch as many rows as LLM.generate would.
+    max_concurrent_batches: int = 16
     cpus_per_replica: int = 1                 # Ray's num_cpus for each replica, and its torch threads
     resources_per_replica: dict | None = None   # Ray custom resources a replica needs, e.g. {"replica_slot": 1}
     sampling_params: dict | None = None       # for rows without their own (None: SamplingParams' defaults)
