@@ -168,6 +168,15 @@ def test_one_replica_per_node_equals_llm_generate_row_for_row(cluster, tiny_mode
     assert nodes == {n["NodeID"] for n in ray.nodes() if n["Alive"]} and len(nodes) == 2
 
 
+def test_an_autoscaling_pool_of_replicas_runs_every_row(cluster, tiny_model_dirs, expected):
+    """concurrency=(1, 2): Ray starts one replica and may add a second as batches queue up."""
+    config = EngineProcessorConfig(model_source=tiny_model_dirs["llama"], engine_kwargs=SETTINGS, concurrency=(1, 2),
+                                   batch_size=2, max_concurrent_batches=1)
+    out = list(build_processor(config)(ray.data.from_items(rows(8))).iter_rows())
+    assert sorted(r["id"] for r in out) == list(range(8))
+    assert all(list(r["generated_tokens"]) == expected[r["id"]] for r in out)
+
+
 def test_a_replica_killed_mid_dataset_loses_no_row_and_doubles_none(cluster, tiny_model_dirs, expected):
     """SIGKILL one replica's process once rows have come out: Ray restarts it and hands its
     unfinished batches to a live replica; every row comes out exactly once, with its greedy tokens."""
