@@ -17,6 +17,7 @@ import os
 import socket
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from nanopaged.extras.ray_data.rows import params_of, prompt_of, result_row, rows_of, table_of
 
@@ -31,15 +32,13 @@ class ServerReplica:
                  sampling_params: dict | None, timeout_s: float) -> None:
         self.url, self.model, self.timeout_s = url, model, timeout_s
         self.headers = {"Content-Type": "application/json", **headers}
-        self.max_concurrent_requests = max_concurrent_requests
         self.default_params = sampling_params
-        self.in_flight: asyncio.Semaphore | None = None         # made on Ray's event loop, at the first call
+        # urllib blocks: each request in flight holds a thread (asyncio's default pool has only a few)
+        self.senders = ThreadPoolExecutor(max_concurrent_requests, thread_name_prefix="nanopaged-request")
         self.rows_done = 0
         self.where = {"hostname": socket.gethostname(), "pid": os.getpid(), "url": url}
 
     async def __call__(self, batch):
-        if self.in_flight is None:
-            self.in_flight = asyncio.Semaphore(self.max_concurrent_requests)
         rows = rows_of(batch)
         outs = await asyncio.gather(*(self._one(row) for row in rows))   # (output columns, or error)
         self.rows_done += len(rows)
@@ -52,8 +51,7 @@ class ServerReplica:
             route, body = self.request_of(row)
         except ValueError as e:                      # checked here as the engine would, before any request
             return str(e)
-        async with self.in_flight:
-            status, reply = await asyncio.to_thread(self.post, route, body)
+        status, reply = await asyncio.get_running_loop().run_in_executor(self.senders, self.post, route, body)
         if 400 <= status < 500:
             return reply.get("error", {}).get("message") or f"HTTP {status}"
         if status != 200:
@@ -75,7 +73,7 @@ class ServerReplica:
         return "/v1/completions", {**body, "prompt": prompt}
 
     def post(self, route: str, body: dict) -> tuple[int, dict]:
-        """One request, on a worker thread (urllib blocks); (status, JSON reply)."""
+        """One request, on a sender thread; (status, JSON reply)."""
         request = urllib.request.Request(self.url + route, data=json.dumps(body).encode(), headers=self.headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
