@@ -148,7 +148,9 @@ def row_views(request: Request, n: int) -> list[Request]:
 
 def with_output(request: Request, output_token_ids: list[int]) -> Request:
     """A shallow copy of the request whose output is `output_token_ids`: what the sampler's rules
-    read for a position past its real tokens (the request itself keeps its generator)."""
+    read for a position past its real tokens (the request itself keeps its generator). `view_of`
+    names the request itself, for a processor that keeps state per request (a grammar's matcher)."""
     view = copy.copy(request)
     view.output_token_ids = output_token_ids
+    view.view_of = getattr(request, "view_of", request)
     return view

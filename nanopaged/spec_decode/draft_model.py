@@ -58,15 +58,27 @@ class DraftModelProposer:
         """q for the rejection sampler: (drafts, vocab), for a sampled request drafted last step."""
         return self.q.get(request)
 
-    @torch.inference_mode()
-    def __call__(self, running: list[Request]) -> None:
+    def follow(self, running: list[Request]) -> None:
+        """Forget the draft K/V of requests no longer running; no q is pending yet."""
         self.q = {}
         alive = set(running)
         self.computed = {r: c for r, c in self.computed.items() if r in alive}
-        todo = [(r, b) for r in running if (b := draft_budget(r, self.k))]
+
+    def __call__(self, running: list[Request]) -> None:
+        """Alone (no drafter): every running request that decodes next drafts as much as it may."""
+        self.follow(running)
+        todo = [(r, b, []) for r in running if (b := draft_budget(r, self.k))]
+        for (r, _, _), drafts in zip(todo, self.propose(todo)):
+            r.spec_token_ids = drafts
+
+    @torch.inference_mode()
+    def propose(self, todo: list[tuple[Request, int, list[int]]]) -> list[list[int]]:
+        """(request, budget, before): up to `budget` drafts after the request's tokens and `before`
+        (forced drafts: the draft model reads them as it catches up). q of a sampled request has a
+        one-hot row for each token of `before` (drafts proposed for certain), then the model's."""
         if not todo:
-            return
-        views = [self._view(r, i) for i, (r, _) in enumerate(todo)]
+            return []
+        views = [self._view(r, i, before) for i, (r, _, before) in enumerate(todo)]
         logits = self._catch_up(views)
         drafts: list[list[int]] = [[] for _ in todo]
         probs: list[list[torch.Tensor | None]] = [[] for _ in todo]
@@ -79,20 +91,22 @@ class DraftModelProposer:
             live = [i for i in live if len(drafts[i]) < todo[i][1]]
             if live:
                 logits = self._forward([(views[i], drafts[i][-1]) for i in live])
-        for (r, _), d, q in zip(todo, drafts, probs):
-            r.spec_token_ids = d
+        for (r, _, before), q in zip(todo, probs):
             # the last token's K/V may have gone to a scratch block (its block is allocated next step)
             self.computed[r] = (min(r.num_tokens, len(r.block_ids) * self.block_size), r.num_preemptions)
             if not r.sampling_params.greedy:
-                self.q[r] = torch.stack(q)
+                certain = torch.zeros(len(before), q[0].shape[-1], device=q[0].device)
+                certain[range(len(before)), before] = 1.0
+                self.q[r] = torch.cat([certain, torch.stack(q)])
+        return drafts
 
-    def _view(self, r: Request, i: int) -> Request:
-        """The request as the draft runner sees it: its tokens, the draft K/V it has, its block
-        table and then its scratch blocks."""
+    def _view(self, r: Request, i: int, before: list[int]) -> Request:
+        """The request as the draft runner sees it: its tokens and `before`, the draft K/V it has,
+        its block table and then its scratch blocks."""
         done, preemptions = self.computed.get(r, (0, -1))
         start = self.num_blocks + i * self.scratch_per_request
         return Request(r.request_id, r.prompt_token_ids, _PLAIN, max_tokens=1,
-                       output_token_ids=list(r.output_token_ids),
+                       output_token_ids=list(r.output_token_ids) + list(before),
                        num_computed_tokens=done if preemptions == r.num_preemptions else 0,
                        block_ids=r.block_ids + list(range(start, start + self.scratch_per_request)))
 

@@ -9,6 +9,7 @@ vLLM: v1/spec_decode/ngram_proposer.py.
 from __future__ import annotations
 
 from nanopaged.core.request import Request
+from nanopaged.spec_decode.draft_budget import room
 
 
 def propose_ngram(tokens: list[int], k: int, longest: int, shortest: int) -> list[int]:
@@ -34,24 +35,27 @@ def _index(tokens: list[int], value: int, start: int, end: int) -> int | None:
 
 
 class NgramProposer:
-    """The engine's proposer (LLMEngine.proposers): after each step, drafts for every running
-    request that decodes next."""
+    """The method "ngram": the engine's drafter (drafter.py) asks `propose` for each request's drafts."""
 
     def __init__(self, k: int, longest: int, shortest: int) -> None:
         self.k, self.longest, self.shortest = k, longest, shortest
 
+    def follow(self, running: list[Request]) -> None:
+        """Nothing to keep: the drafts come from the tokens alone."""
+
+    def propose(self, todo: list[tuple[Request, int, list[int]]]) -> list[list[int]]:
+        """(request, budget, before): up to `budget` drafts after the request's tokens and then `before`."""
+        return [propose_ngram(r.token_ids(0, r.num_tokens) + before, budget, self.longest, self.shortest)
+                for r, budget, before in todo]
+
     def __call__(self, running: list[Request]) -> None:
-        for request in running:
-            budget = draft_budget(request, self.k)
-            if budget:
-                request.spec_token_ids = propose_ngram(request.token_ids(0, request.num_tokens), budget,
-                                                       self.longest, self.shortest)
+        """Alone (no drafter): every running request that decodes next drafts as much as it may."""
+        todo = [(r, b, []) for r in running if (b := draft_budget(r, self.k))]
+        for (r, _, _), drafts in zip(todo, self.propose(todo)):
+            r.spec_token_ids = drafts
 
 
 def draft_budget(request: Request, k: int) -> int:
-    """How many drafts a request can use next step: 0 unless it decodes next (its K/V is computed up
-    to its last token) and is free to (no grammar to follow); never more than the tokens it may still
-    emit less the one the step adds anyway (max_tokens, clipped to max_model_len)."""
-    if request.num_computed_tokens != request.num_tokens - 1 or request.sampling_params.structured_outputs:
-        return 0
-    return max(0, min(k, request.max_tokens - request.num_output_tokens - 1))
+    """What a method alone may draft for a request: draft_budget.py's `room`, and nothing for a
+    request with a grammar (its drafts go through the drafter, which checks them against it)."""
+    return 0 if request.sampling_params.structured_outputs else room(request, k)

@@ -21,7 +21,7 @@ from nanopaged.spec_decode.suffix_tree import GlobalSuffixCache, SuffixTree, bes
 
 
 class SuffixProposer:
-    """The engine's proposer (LLMEngine.proposers) for method "suffix"."""
+    """The method "suffix": the engine's drafter (drafter.py) calls `follow`, then `propose`."""
 
     def __init__(self, k: int, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float,
                  min_token_prob: float) -> None:
@@ -31,20 +31,33 @@ class SuffixProposer:
         self.cache = GlobalSuffixCache(max_tree_depth, max_cached_requests)
 
     def __call__(self, running: list[Request]) -> None:
-        self._retire(running)
+        """Alone (no drafter): every running request that decodes next drafts as much as it may."""
+        self.follow(running)
         for request in running:
-            tree = self._tree_of(request)
             budget = draft_budget(request, self.k)
             if budget:
-                request.spec_token_ids = self.propose(request, tree, budget)
+                request.spec_token_ids = self.draft(request, self.trees[request], budget)
 
-    def propose(self, request: Request, tree: SuffixTree, budget: int) -> list[int]:
+    def propose(self, todo: list[tuple[Request, int, list[int]]]) -> list[list[int]]:
+        """For the drafter (drafter.py), after `follow`: (request, budget, before) -> drafts after its
+        tokens and then `before`."""
+        return [self.draft(r, self.trees[r], budget, before) for r, budget, before in todo]
+
+    def follow(self, running: list[Request]) -> None:
+        """Bring every running request's tree up to its tokens; finished requests' outputs to the cache."""
+        self._retire(running)
+        for request in running:
+            self._tree_of(request)
+
+    def draft(self, request: Request, tree: SuffixTree, budget: int, before: list[int] = ()) -> list[int]:
         """The better of the two trees' drafts after the request's last max_tree_depth - 1 tokens
-        (a longer match would leave no depth to draft in); a tie goes to the request's own. Its own
-        tree ends with those tokens: their nodes are the open text's ends, no lookup needed."""
+        (then `before`; a longer match would leave no depth to draft in); a tie goes to the request's
+        own. Its own tree ends with the request's tokens: their nodes are the open text's ends."""
         n = request.num_tokens
-        context = request.token_ids(max(0, n - self.max_tree_depth + 1), n)
-        own = best_draft(tree.ends[1:], budget, self.max_spec_factor, self.min_token_prob)
+        context = request.token_ids(max(0, n - self.max_tree_depth + 1), n) + list(before)
+        context = context[len(context) - min(len(context), self.max_tree_depth - 1):]
+        ends = tree.suffixes(context) if before else tree.ends[1:]
+        own = best_draft(ends, budget, self.max_spec_factor, self.min_token_prob)
         cached = best_draft(self.cache.tree.suffixes(context), budget, self.max_spec_factor, self.min_token_prob)
         if cached.score > own.score:
             self.cache.touch(cached.node)

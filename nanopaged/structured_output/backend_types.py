@@ -3,7 +3,8 @@
     compile_grammar   a constraint's text -> a compiled grammar (slow: done once per text, off the step)
     matcher           a compiled grammar -> a matcher: one sequence's place in the grammar (cheap)
     fill_bitmask      every constrained row of a step: which tokens may come next, as packed bits
-    GrammarMatcher    accept_token (advance, False if the grammar forbids it), is_terminated
+    GrammarMatcher    accept_token (advance, False if the grammar forbids it), is_terminated; for drafts
+                      (speculative decoding) rollback, fill_row and forced_text
 
 The bitmask packs the vocabulary 32 tokens to an int32: bit j of word w is token 32 * w + j, 1 if it
 may come next (bitmask.py applies it). xgrammar is the backend (backend_xgrammar.py); llguidance or
@@ -25,6 +26,18 @@ class GrammarMatcher(ABC):
     def is_terminated(self) -> bool:
         """The grammar has reached its end: it accepted its stop token (EOS) after a complete output."""
 
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (drafts tried on the matcher go back this way)."""
+
+    @abstractmethod
+    def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of `bitmask` gets the tokens that may come next from where the matcher is."""
+
+    @abstractmethod
+    def forced_text(self) -> str:
+        """The longest text every output allowed from here goes on with ("" if the next character is free)."""
+
 
 class StructuredOutputBackend(ABC):
     vocab_size: int                     # the model's vocabulary: the width of the bitmask, in bits
@@ -32,6 +45,10 @@ class StructuredOutputBackend(ABC):
     @abstractmethod
     def compile_grammar(self, kind: str, text: str, any_whitespace: bool) -> object:
         """kind: "json" (a schema's text), "regex" or "grammar"; a ValueError says what is wrong."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """The model's tokens for a piece of output text (no special tokens added)."""
 
     @abstractmethod
     def matcher(self, compiled: object) -> GrammarMatcher:

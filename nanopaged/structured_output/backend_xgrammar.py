@@ -31,12 +31,23 @@ class XgrammarMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def forced_text(self) -> str:
+        return self.matcher.find_jump_forward_string()
+
 
 class XgrammarBackend(StructuredOutputBackend):
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         """`vocab_size`: the model's (its logits' width), which may differ from the tokenizer's;
         `stop_token_ids`: the tokens that end a complete output (the model's EOS ids)."""
         self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
         try:
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                       stop_token_ids=sorted(stop_token_ids) or None)
@@ -70,8 +81,12 @@ class XgrammarBackend(StructuredOutputBackend):
         xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
         return bool(bitmask.any())
 
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def matcher(self, compiled: xgr.CompiledGrammar) -> XgrammarMatcher:
-        return XgrammarMatcher(xgr.GrammarMatcher(compiled))
+        # max_rollback_tokens=-1 (xgrammar's default): any number of accepted tokens can be undone
+        return XgrammarMatcher(xgr.GrammarMatcher(compiled, max_rollback_tokens=-1))
 
     def fill_bitmask(self, matchers: list[XgrammarMatcher], bitmask: torch.Tensor) -> None:
         # One call for the whole step: xgrammar fills the rows on its own threads (one per core).

@@ -11,9 +11,12 @@
 A matcher is made the first time its sequence samples, on the engine thread, from the compiled
 grammar, and follows the sequence's tokens: it has accepted exactly `output_token_ids`, which a
 preemption (recompute) does not change, so it is kept; each of n > 1 samples has its own.
-NOTE: with speculative decoding a request with a grammar gets no drafts (spec_decode/ngram_proposer.py:
-draft_budget); drafting it would need each draft to pass the matcher and a rejection to roll the
-matcher back (xgrammar's `rollback`).
+
+Drafts (speculative decoding) never move it for good. `forced_drafts` and `allowed_drafts` try
+tokens on the matcher and roll it back before they return; a verify step's row j (after drafts
+d_1..d_j, a view of the request: sample/rejection_sampler.py: with_output) is masked by accepting
+d_1..d_j, filling the row, and rolling back. Only `ended` (the stop rule, token by token as the
+output processor appends them) advances it, so it advances by the accepted tokens alone.
 vLLM: vllm/v1/structured_output/__init__.py (StructuredOutputManager). docs/10_structured_outputs.md.
 """
 from __future__ import annotations
@@ -58,6 +61,16 @@ class SequenceMatcher:
     @property
     def ended(self) -> bool:
         return self.rejected is not None or self.matcher.is_terminated()
+
+    def try_tokens(self, tokens: list[int]) -> int:
+        """Accept `tokens` in order up to the first the grammar refuses (or its end); how many it took.
+        The caller rolls them back."""
+        taken = 0
+        for token in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            taken += 1
+        return taken
 
 
 class StructuredOutputManager:
@@ -111,19 +124,78 @@ class StructuredOutputManager:
 
     # ---- the step's hooks (the engine thread) ---------------------------------------------------
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """The sampler's logits processor: the step's logits with every constrained row masked."""
+        """The sampler's logits processor: the step's logits with every constrained row masked. A row
+        of a view past the request's tokens (a verify step's row after drafts, a draft model's step)
+        is masked where those drafts lead; one whose drafts end the grammar is left as it is (the
+        stop rule ends the request at that end: nothing it chooses there is kept)."""
         start = time.perf_counter()
-        states = {i: self._matcher(r) for i, r in enumerate(requests)
-                  if r.sampling_params.structured_outputs is not None}
-        rows = [i for i, state in states.items() if not state.ended]   # an ended one is stopping: nothing to mask
+        plain, ahead = [], []             # (row, state), (row, state, drafts before the row)
+        for i, r in enumerate(requests):
+            if r.sampling_params.structured_outputs is None:
+                continue
+            real = getattr(r, "view_of", r)
+            state = self._matcher(real)
+            if state.ended:               # an ended one is stopping: nothing to mask
+                continue
+            drafts = r.output_token_ids[real.num_output_tokens:]
+            if drafts:
+                ahead.append((i, state, drafts))
+            else:
+                plain.append((i, state))
+        if not plain and not ahead:
+            return logits
+        bitmask = torch.empty(len(plain) + len(ahead), (self.backend.vocab_size + 31) // 32, dtype=torch.int32)
+        if plain:                         # one call for the rows at the sequences' own tokens
+            self.backend.fill_bitmask([state.matcher for _, state in plain], bitmask)
+        rows, filled = [i for i, _ in plain], list(range(len(plain)))
+        for row, (i, state, drafts) in enumerate(ahead, start=len(plain)):
+            taken = state.try_tokens(drafts)
+            if not state.matcher.is_terminated():
+                state.matcher.fill_row(bitmask, row)    # a refused draft: the mask where it was refused
+                rows.append(i)
+                filled.append(row)
+            state.matcher.rollback(taken)
         if not rows:
             return logits
-        matchers = [states[i].matcher for i in rows]
-        bitmask = torch.empty(len(rows), (self.backend.vocab_size + 31) // 32, dtype=torch.int32)
-        self.backend.fill_bitmask(matchers, bitmask)          # (constrained rows, vocab / 32)
+        if len(filled) < len(bitmask):
+            bitmask = bitmask[filled]
         logits = apply_token_bitmask(logits, bitmask, rows)
         self.mask_seconds += time.perf_counter() - start
         return logits
+
+    # ---- drafts (speculative decoding: spec_decode/drafter.py) --------------------------------
+    def forced_drafts(self, request: Request, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next. The text every allowed output goes on with
+        (xgrammar's jump-forward string) in the model's tokens, less its last token (which the model
+        may merge with the free text after it: '"' before ':' is '":'), and a token that is the only
+        one allowed (the stop token after a complete output). Each passes the matcher, rolled back after."""
+        state = self._matcher(request)
+        if state.ended:
+            return []
+        drafts: list[int] = []
+        bitmask = torch.empty(1, (self.backend.vocab_size + 31) // 32, dtype=torch.int32)
+        while len(drafts) < limit and not state.matcher.is_terminated():
+            text = state.matcher.forced_text()
+            guess = self.backend.encode(text)[:-1] if text else []
+            if not guess:
+                state.matcher.fill_row(bitmask, 0)
+                guess = only_token(bitmask[0])
+            taken = state.try_tokens(guess[:limit - len(drafts)])
+            drafts += guess[:taken]
+            if taken < len(guess) or taken == 0:
+                break
+        state.matcher.rollback(len(drafts))
+        return drafts
+
+    def allowed_drafts(self, request: Request, before: list[int], drafts: list[int]) -> list[int]:
+        """The longest start of `drafts` the grammar allows after `before` (drafts it allows)."""
+        state = self._matcher(request)
+        if state.ended:
+            return []
+        taken = state.try_tokens(before)
+        allowed = state.try_tokens(drafts) if taken == len(before) else 0
+        state.matcher.rollback(taken + allowed)
+        return drafts[:allowed]
 
     def ended(self, request: Request) -> bool:
         """check_stop's rule: accept the sequence's new token; has its grammar reached its end?"""
@@ -145,6 +217,18 @@ class StructuredOutputManager:
             state = self.matchers[request] = SequenceMatcher(self.backend.matcher(compiled))
         state.follow(request)
         return state
+
+
+def only_token(row: torch.Tensor) -> list[int]:
+    """[t] if bit t is the only bit set in a bitmask row (int32 words, 32 tokens each), else []."""
+    words = row.nonzero()
+    if len(words) != 1:
+        return []
+    w = int(words[0])
+    bits = int(row[w]) & 0xFFFFFFFF
+    if bits & (bits - 1):
+        return []
+    return [32 * w + bits.bit_length() - 1]
 
 
 def _named(params: StructuredOutputsParams, kind: str, text: str) -> str:

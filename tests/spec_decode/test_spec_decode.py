@@ -265,7 +265,10 @@ def test_stats_bar_and_metrics(tiny_model_dirs):
     llm.generate(repeating_prompts(4), GREEDY, use_tqdm=False)
     got = llm.get_stats()["spec_decode"]
     assert set(got) == {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos",
-                        "mean_acceptance_length", "draft_acceptance_rate"}
+                        "mean_acceptance_length", "draft_acceptance_rate",
+                        # the drafter's own: forced drafts, each request's rate the draft budget reads
+                        "num_forced_draft_tokens", "num_accepted_forced_tokens", "acceptance"}
+    assert got["acceptance"] and all(0 <= a <= 1 for a in got["acceptance"].values())
     assert got["num_drafts"] > 0 and len(got["accepted_per_pos"]) == 4
     llm.reset_stats()                                                   # counted from here, as the rest
     assert llm.get_stats()["spec_decode"]["num_drafts"] == 0
@@ -286,14 +289,17 @@ def test_stats_bar_and_metrics(tiny_model_dirs):
     assert s.num_drafts > 0
 
 
-def test_structured_requests_decode_without_drafts(tiny_model_dirs):
+def test_structured_requests_get_the_drafts_their_grammar_forces(tiny_model_dirs):
+    """After "yes" or "no" the grammar forces the end: drafted, verified, and the output is plain decoding's."""
     pytest.importorskip("xgrammar")
     from nanopaged import StructuredOutputsParams
     llm = engine(tiny_model_dirs["llama"], NGRAM)
     p = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     [out] = llm.generate(["Answer:"], p, use_tqdm=False)
     assert out.outputs[0].text in ("yes", "no")
-    assert stats(llm).num_drafts == 0
+    assert stats(llm).num_forced_draft_tokens > 0
+    [plain] = engine(tiny_model_dirs["llama"]).generate(["Answer:"], p, use_tqdm=False)
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
 
 
 def test_demo_model_greedy_ngram(demo_model_dir):

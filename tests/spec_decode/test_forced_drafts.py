@@ -1,0 +1,131 @@
+"""Drafts the grammar forces (spec_decode/drafter.py, structured_output/manager.py: forced_drafts):
+greedy output is plain decoding's token for token (forced drafts alone, and with each method after
+them), sampled JSON always validates, the distribution holds, forced drafts are drafted and accepted,
+the grammar's matcher ends where the accepted tokens put it, and the block pool ends whole."""
+import json
+from collections import Counter
+
+import pytest
+import torch
+from conftest import torch_threads
+from test_spec_decode import NGRAM, draft, two_sample_chi2_passes
+
+pytest.importorskip("xgrammar", reason="the structured extra: pip install -e '.[structured]'")
+jsonschema = pytest.importorskip("jsonschema", reason="the test extra: pip install -e '.[test]'")
+
+import nanopaged.structured_output as structured  # noqa: E402
+from nanopaged import LLM, SamplingParams, StructuredOutputsParams, spec_decode  # noqa: E402
+
+SCHEMA = {"type": "object",
+          "properties": {"role": {"enum": ["admin", "user", "guest"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "sub": {"type": "object", "properties": {"zip": {"type": "string", "pattern": "[0-9]{3}"}},
+                                 "required": ["zip"]}},
+          "required": ["role", "n", "sub"]}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with torch_threads(1):
+        yield
+
+
+def params(**sampling):
+    return SamplingParams(max_tokens=60, **{"temperature": 0, **sampling},
+                          structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+
+
+def prompts(n):
+    return [{"prompt_token_ids": list(range(3, 8 + 3 * i))} for i in range(n)]
+
+
+def engine(model, spec=None, forced=True, monkeypatch=None):
+    monkeypatch.setattr(structured, "FORCED_DRAFTS", forced)
+    return LLM(model, dtype="float32", speculative_config=spec, cpu_threads=None, num_kv_blocks=256, block_size=4)
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def check_whole(llm):
+    pool = llm.llm_engine.scheduler.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert not llm.llm_engine.extensions["nanopaged.structured_output"].matchers    # every matcher forgotten
+
+
+@pytest.mark.parametrize("spec", [None, "ngram", "suffix", "draft_model"])
+def test_greedy_output_is_plain_decoding_with_each_method(tiny_model_dirs, spec, monkeypatch):
+    model = tiny_model_dirs["llama"]
+    plain = tokens(engine(model, forced=False, monkeypatch=monkeypatch).generate(prompts(4), params(), use_tqdm=False))
+    config = {None: None, "ngram": NGRAM, "suffix": SUFFIX, "draft_model": draft(model, k=3)}[spec]
+    llm = engine(model, config, monkeypatch=monkeypatch)
+    assert tokens(llm.generate(prompts(4), params(), use_tqdm=False)) == plain
+    s = spec_decode.of(llm.llm_engine).stats
+    assert s.num_forced_draft_tokens > 0 and s.num_accepted_forced_tokens > 0
+    check_whole(llm)
+
+
+def test_sampled_json_always_validates(tiny_model_dirs, monkeypatch):
+    """Temperature 1, 60 seeds, forced drafts and n-gram drafts after them: every output is the schema's."""
+    llm = engine(tiny_model_dirs["llama"], NGRAM, monkeypatch=monkeypatch)
+    outs = llm.generate(prompts(1) * 60, [params(temperature=1.0, seed=i) for i in range(60)], use_tqdm=False)
+    for o in outs:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+    s = spec_decode.of(llm.llm_engine).stats
+    assert s.num_accepted_forced_tokens > 100
+    check_whole(llm)
+
+
+def test_the_distribution_holds(tiny_model_dirs, monkeypatch):
+    """The role and n chosen at temperature 1 in 400 requests each, with and without forced drafts:
+    the two samples agree (chi-square, as test_spec_decode.py)."""
+    model = tiny_model_dirs["llama"]
+
+    def choices(llm, first_seed):
+        outs = llm.generate(prompts(1) * 400, [params(temperature=1.0, seed=first_seed + i) for i in range(400)],
+                            use_tqdm=False)
+        values = [json.loads(o.outputs[0].text) for o in outs]
+        return [hash((v["role"], v["n"] % 5)) for v in values]
+    plain = choices(engine(model, forced=False, monkeypatch=monkeypatch), 0)
+    forced = choices(engine(model, monkeypatch=monkeypatch), 10_000)
+    assert len(Counter(plain)) > 3
+    assert two_sample_chi2_passes(plain, forced)
+
+
+def test_the_matcher_follows_the_accepted_tokens_only(tiny_model_dirs, monkeypatch):
+    """After every step, each structured request's matcher has accepted exactly its output: rejected
+    drafts (n-gram drafts the model disagrees with) never moved it."""
+    llm = engine(tiny_model_dirs["llama"], NGRAM, monkeypatch=monkeypatch)
+    eng = llm.llm_engine
+    for i, p in enumerate(prompts(3)):
+        eng.add_request(str(i), p, params(temperature=1.0, seed=i))
+    manager = None
+    while eng.has_unfinished_requests():
+        eng.step()
+        manager = eng.extensions["nanopaged.structured_output"]
+        for r in eng.scheduler.running:
+            state = manager.matchers.get(r)
+            if state is not None:
+                assert state.num_accepted == r.num_output_tokens
+                mask = torch.empty(1, (manager.backend.vocab_size + 31) // 32, dtype=torch.int32)
+                state.matcher.fill_row(mask, 0)                  # where the output leaves it: not ended
+                assert mask.any()
+    assert spec_decode.of(eng).stats.num_draft_tokens > spec_decode.of(eng).stats.num_accepted_tokens
+    check_whole(llm)
+
+
+def test_demo_model_greedy_json_unchanged(demo_model_dir, monkeypatch):
+    chat = [{"role": "user", "content": "Describe a user of a web site as JSON."}]
+    p = SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    outs = {}
+    for forced in (False, True):
+        llm = engine(demo_model_dir, forced=forced, monkeypatch=monkeypatch)
+        prompt = llm.get_tokenizer().apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        outs[forced] = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+    assert outs[True].token_ids == outs[False].token_ids
+    jsonschema.validate(json.loads(outs[True].text), SCHEMA)
+    s = spec_decode.of(llm.llm_engine).stats
+    assert s.num_accepted_forced_tokens > 0
+    assert spec_decode.of(llm.llm_engine).config is None          # forced drafts alone: no speculative config
+    check_whole(llm)
