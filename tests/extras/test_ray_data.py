@@ -93,7 +93,8 @@ def test_one_replica_runs_the_rows_of_every_batch_in_flight_at_once(tiny_model_d
     for r in out:
         assert r["error"] is None and r["generated_tokens"] == expected[r["id"]], r
         assert r["num_generated_tokens"] == len(r["generated_tokens"]) and r["finish_reason"] == "length"
-    assert max(r["replica"]["max_num_running"] for r in out) == 8          # not 2: one batch's rows
+    # more than one batch's rows at once (all 8 unless a batch ended before the last one was queued)
+    assert max(r["replica"]["max_num_running"] for r in out) > 2
     assert max(r["replica"]["rows_done"] for r in out) == 8
     assert out[0]["sampling_params"] == given[out[0]["id"]]["sampling_params"]     # the row in, kept
 
