@@ -3,7 +3,7 @@
     python bench.py                              # CPU-sized default, peers hf and hf-paged
     python bench.py --preset nano-vllm --random-weights qwen3-0.6b --device cuda
     python bench.py --json out.json --plot out.png
-    python bench.py --workload spec              # speculative decoding (benchmarks/spec.py)
+    python bench.py --workload spec --peers vllm # speculative decoding: repeating, agent, JSON (benchmarks/spec.py)
     python bench.py --workload lora --peers vllm # many LoRA adapters in one batch (benchmarks/lora.py)
     python bench.py --random-weights olmoe-1b-7b --peers vllm   # a mixture of experts (benchmarks/moe.py)
     python bench.py --workload ray               # a dataset through Ray Data replicas (benchmarks/ray_data.py)
@@ -36,12 +36,13 @@ from benchmarks.noise import noise_figures
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
 from benchmarks.lora import run_lora
 from benchmarks.moe import MOE_CONFIGS, print_moe, run_moe
-from benchmarks.report import (plot, print_cascade, print_lora, print_shared_prefix, print_sharing, print_spec,
+from benchmarks.report import (plot, print_cascade, print_lora, print_shared_prefix, print_sharing,
                                print_structured, print_table)
+from benchmarks.report_spec import print_spec
 from benchmarks.quality import quality_figures, text_ids
 from benchmarks.roofline import measure_matmul_flops, roofline_figures
 from benchmarks.single_stream import single_stream_figures, single_stream_length
-from benchmarks.spec import run_spec
+from benchmarks.spec import WORKLOADS as SPEC_WORKLOADS, run_spec
 from benchmarks.structured import run_structured
 from benchmarks.trace import make_trace
 from benchmarks.workloads import run_cascade, run_shared_prefix, run_sharing
@@ -84,13 +85,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-len", type=int,
                    help="shared-prefix, cascade: tokens of the system prompt every request starts with "
                         "(default 256, cascade 1024)")
-    # spec: the repeating workload (benchmarks/spec.py); the random-token trace takes the flags below
-    p.add_argument("--num-prompts", type=int, default=16, help="spec: chat prompts (default 16)")
-    p.add_argument("--concurrency", type=int, default=16, help="spec: prompts at once in the batched run (default 16)")
+    # spec (benchmarks/spec.py): its workloads, prompts and configurations; its trace takes the trace flags below
+    p.add_argument("--spec-workloads", default="repeating,agent,json,trace",
+                   help="spec: which of repeating, agent, json, trace to run, comma-separated (default all)")
+    p.add_argument("--num-prompts", type=int, default=32, help="spec: repeating chat prompts (default 32, at most 54)")
+    p.add_argument("--concurrency", default="1,4,16,32",
+                   help="spec: the repeating prompts at once, comma-separated; 1 (one at a time) always runs "
+                        "(default 1,4,16,32)")
     p.add_argument("--spec-max-tokens", type=int,
                    help="spec: max_tokens of every prompt (default: its passage's tokens + 16)")
     p.add_argument("--ngram-k", default="3,5",
                    help="spec: n-gram num_speculative_tokens, comma-separated (default 3,5)")
+    p.add_argument("--suffix-k", default="16",
+                   help="spec: suffix decoding's num_speculative_tokens, comma-separated (default 16; vLLM's "
+                        "defaults otherwise)")
+    p.add_argument("--agent-prompts", type=int, default=32,
+                   help="spec: agent-like requests, run one at a time in order (default 32, at most 32)")
+    p.add_argument("--json-prompts", type=int, default=16,
+                   help="spec: JSON-schema requests (the agent's tool call under its schema; default 16)")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="spec: n-gram prompt_lookup_max (default 4)")
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="spec: n-gram prompt_lookup_min (default 2)")
     p.add_argument("--draft-layers", type=int, default=6,
@@ -177,16 +189,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
     if args.workload in ("spec", "lora", "moe") and set(args.peers) - {"vllm"}:
         p.error(f"--workload {args.workload} takes --peers vllm or none, got {','.join(args.peers)}")
-    try:
-        args.ngram_k = [int(x) for x in args.ngram_k.split(",")]
-    except ValueError:
-        p.error(f"--ngram-k takes integers separated by commas, got {args.ngram_k!r}")
-    for name in ("num_prompts", "concurrency", "spec_max_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "draft_layers", "draft_k"):
+    for name in ("ngram_k", "suffix_k", "concurrency"):
+        try:
+            setattr(args, name, [int(x) for x in getattr(args, name).split(",")])
+        except ValueError:
+            p.error(f"--{name.replace('_', '-')} takes integers separated by commas, got {getattr(args, name)!r}")
+        if min(getattr(args, name)) < 1:
+            p.error(f"--{name.replace('_', '-')} needs values >= 1, got {getattr(args, name)}")
+    args.spec_workloads = [x.strip() for x in args.spec_workloads.split(",") if x.strip()]
+    if not args.spec_workloads or set(args.spec_workloads) - set(SPEC_WORKLOADS):
+        p.error(f"--spec-workloads takes {', '.join(SPEC_WORKLOADS)}, got {','.join(args.spec_workloads)!r}")
+    for name in ("num_prompts", "spec_max_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "draft_layers", "draft_k", "agent_prompts", "json_prompts"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.ngram_k or min(args.ngram_k) < 1 or args.prompt_lookup_min > args.prompt_lookup_max:
-        p.error("--ngram-k needs values >= 1, and --prompt-lookup-min at most --prompt-lookup-max")
+    if args.prompt_lookup_min > args.prompt_lookup_max:
+        p.error("--prompt-lookup-min must be at most --prompt-lookup-max")
     try:
         args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
     except ValueError:

@@ -16,8 +16,14 @@
     serve.py           --workload serve: streaming clients at Poisson rates against nanopaged serve, its
                        in-process layout, vllm serve and transformers serve (vllm bench serve's figures)
     structured.py      --workload structured: what a JSON schema, a regex or a choice costs per token
-    spec.py            --workload spec: speculative decoding where the answer repeats its prompt, and on random tokens
+    spec.py            --workload spec: speculative decoding where the answer repeats its prompt or earlier
+                       answers, and on random tokens; the repeating workload and the targets
     spec_prompts.py    the spec workload's prompts: passages to repeat, or to fix typos in
+    agent_prompts.py   the agent-like prompts: one tool call asked again with another city, date and unit
+    spec_run.py        the spec runs: an engine per configuration and concurrency, each against off
+    spec_agent.py      the agent-like requests one at a time on one engine: off, n-gram, suffix
+    spec_json.py       the tool call under its JSON schema, with and without the drafts the grammar forces
+    spec_vllm.py       vLLM's CPU engine on the spec prompts: off, its n-gram, its suffix decoding
     lora.py            --workload lora: 1, 4 and 16 adapters mixed in one batch against the base model
     moe.py             --workload moe: a mixture of experts at OLMoE's or Qwen3-30B-A3B's shape against its
                        active-weight floor and vLLM
@@ -26,7 +32,7 @@
                        their own environments (peers.py starts them); besides their engine they import
                        only the standard library, decode_speed.py and trace.py
     machine.py         the machine and the library versions a result was measured with
-    report.py          the tables printed and the plot drawn
+    report.py          the tables printed and the plot drawn (report_spec.py: the spec workload's)
     tokenizer.py       a tiny tokenizer trained in-process, for the random-weight models (and the tests' tiny ones)
 
 research/ holds the tools bench.py does not use: the step profile, the skinny-matmul probe and

@@ -1,11 +1,9 @@
 """What a run prints: the throughput table and the plot, then the other workloads' tables
-(--workload serve prints its own: benchmarks/serve.py)."""
+(--workload serve prints its own: benchmarks/serve.py; spec's: benchmarks/report_spec.py)."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-
-from benchmarks.spec import RUNS
 
 
 def print_table(r: dict) -> None:
@@ -236,94 +234,3 @@ def print_structured(r: dict) -> None:
     print(f"{'compile':<14}{'cold ms':>10}{'cached ms':>11}")
     for name, t in r["compile"].items():
         print(f"{name:<14}{t['cold_s'] * 1e3:>10.2f}{t['cached_s'] * 1e3:>11.4f}")
-
-
-def _f(x, fmt: str, width: int) -> str:
-    return f"{'-':>{width}}" if x is None else f"{x:>{width}{fmt}}"
-
-
-def print_spec(r: dict) -> None:
-    s = r["settings"]
-    n, c = s["num_prompts"], s["concurrency"]
-    max_tokens = s["max_tokens"] or f"passage tokens + {s['max_tokens_slack']}"
-    kinds = {}
-    for p in r["prompts"]:
-        kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
-    print(f"\nspeculative decoding, answers that repeat their input: {n} chat prompts "
-          f"({', '.join(f'{v} {k}' for k, v in kinds.items())}) over passages of {r['passage_tokens'][0]}-"
-          f"{r['passage_tokens'][1]} tokens of {s['text']}; greedy, stops at EOS, max_tokens "
-          f"{max_tokens}; prefix caching off; model {Path(s['model']).name}, {s['threads']} torch threads")
-    print(f"n-gram: prompt_lookup_max {s['prompt_lookup_max']}, prompt_lookup_min {s['prompt_lookup_min']}; "
-          f"draft model: {s['draft_note']}")
-    head = f"{'out tok/s':>10}{'speedup':>9}{'acc len':>9}{'acc rate':>9}{'= off':>7}"
-    print(f"\n{'':26}{'one request at a time':^44}{f'{c} at once':^44}")
-    print(f"{'configuration':26}{head}{head}")
-    for name, x in r["configs"].items():
-        if "error" in x:
-            print(f"{x['label']:26} failed: {x['error']}")
-            continue
-        line = f"{x['label']:26}"
-        for run in RUNS:
-            y = x[run]
-            same = f"{y['identical_to_off']}/{y['num_requests']}" if "identical_to_off" in y else "-"
-            line += (f"{y['output_tokens_per_s']:>10.1f}{_f(y.get('speedup_vs_off'), '.2f', 8)}x"
-                     f"{_f(y['mean_acceptance_length'], '.2f', 9)}{_f(y['draft_acceptance_rate'], '.1%', 9)}{same:>7}")
-        print(line)
-    print("  acc len: mean acceptance length, tokens a verify step emits (1 + accepted / drafts); acc rate: drafts "
-          "accepted / drafts; = off: greedy outputs equal to off's token for token")
-    for name, x in r["configs"].items():
-        diffs = {run: x[run]["first_differences"] for run in RUNS if x.get(run, {}).get("first_differences")}
-        if diffs:
-            print(f"  {x['label']}: outputs that differ from off's first differ at output token "
-                  + "; ".join(f"{run.replace('_', ' ')}: {', '.join(map(str, d))}" for run, d in diffs.items()))
-    if "copies" in r:
-        print(f"  off's answers equal to the passage: {', '.join(f'{k} {v}' for k, v in r['copies'].items())} "
-              f"(of {', '.join(f'{v} {k}' for k, v in kinds.items())}); off at once = off one at a time on "
-              f"{r['off_at_once_identical_to_one_at_a_time']}/{n}")
-    for name, t in r["targets"].items():
-        verdict = "met" if t["met"] else "missed"
-        value = "not run" if t["value"] is None else f"{t['value']:.2f}x ({t['best_of']})"
-        print(f"target: n-gram {name.removeprefix('ngram_').replace('_', ' ')} >= {t['target']}x over off: "
-              f"{value}: {verdict}")
-    t = r["trace"]
-    ts = t["settings"]
-    print(f"\nrandom-token trace (the throughput workload's: {ts['num_requests']} requests, input {ts['input_len'][0]}-"
-          f"{ts['input_len'][1]}, output {ts['output_len'][0]}-{ts['output_len'][1]} tokens, greedy, ignore_eos)")
-    for name in ("off", f"ngram_k{ts['ngram_k']}"):
-        x = t[name]
-        if "error" in x:
-            print(f"  {name:12} failed: {x['error']}")
-            continue
-        spec = x.get("spec_decode")
-        extra = ""
-        if spec and "speedup_vs_off" in x:
-            drafted = (f"acceptance length {spec['mean_acceptance_length']:.2f}, rate "
-                       f"{spec['draft_acceptance_rate']:.1%} over {spec['num_drafts']} drafting steps"
-                       if spec["num_drafts"] else "no drafts proposed")
-            extra = f", {x['speedup_vs_off']:.2f}x off's, {drafted}, = off {x['identical_to_off']}/{ts['num_requests']}"
-        print(f"  {name:12} {x['output_tokens_per_s']:8.1f} out tok/s{extra}")
-    if "cost" in t:
-        if t["cost"] >= 0:
-            print(f"  speculation costs {t['cost']:.1%} of output tokens/s on prompts that repeat nothing")
-        else:       # the prompts repeat nothing, but a small model's greedy answers to them may repeat themselves
-            print(f"  speculation gains {-t['cost']:.1%} of output tokens/s even here: the prompts repeat nothing, "
-                  "but the drafts above were found in the model's own output")
-    v = r.get("peers", {}).get("vllm")
-    if v is not None:
-        print("\nvLLM (its own environment, the same prompts and token ids, its n-gram speculation)")
-        if "skipped" in v:
-            print(f"  not run: {v['skipped']}")
-        for name, x in ({} if "skipped" in v else v).items():
-            if "skipped" in x:
-                print(f"  {name:12} not run: {x['skipped']}")
-                continue
-            parts = []
-            for run in RUNS:
-                y = x[run]
-                rel = f" ({y['speedup_vs_off']:.2f}x, = off {y['identical_to_off']}/{n}" if "speedup_vs_off" in y \
-                    else ""
-                if rel and y.get("spec_decode"):
-                    rel += f", acc len {y['spec_decode']['mean_acceptance_length']:.2f}"
-                rel += ")" if rel else ""
-                parts.append(f"{run.replace('_', ' ')} {y['output_tokens_per_s']:.1f} out tok/s{rel}")
-            print(f"  {name:12} vllm {x['version']}: " + "; ".join(parts))

@@ -1,170 +1,96 @@
-"""--workload spec: speculative decoding where the answer repeats its input, and what it costs where it does not.
+"""--workload spec: speculative decoding where the answer repeats its input or earlier answers, and what
+it costs where it does not.
 
-The repeating workload's prompts (benchmarks/spec_prompts.py): passages of an English text to repeat
-exactly or to fix typos in, greedy, ending where the model stops (no ignore_eos), at most the passage's
-tokens + MAX_TOKENS_SLACK (or --spec-max-tokens).
+Four workloads, each with its own file:
 
-Each configuration gets its own engine, one after another in this process, each freed before the next:
-speculation off, n-gram prompt lookup at each --ngram-k, and a draft model. Each engine runs the
-prompts twice: one at a time (each alone, in turn; the wall time of all) and --concurrency at once
-(one generate call). Prefix caching is off, so both runs compute their prompts. Per run: output tokens/s,
-speculation's counters (mean acceptance length, draft acceptance rate), the speedup over speculation off
-at the same concurrency, and how many greedy outputs equal off's token for token.
+    repeating    (here; prompts: spec_prompts.py) passages of an English text to repeat exactly or to fix
+                 typos in, greedy, ending where the model stops, at most the passage's tokens +
+                 MAX_TOKENS_SLACK (or --spec-max-tokens); speculation off, n-gram prompt lookup at each
+                 --ngram-k, suffix decoding at each --suffix-k, and a draft model, at each --concurrency
+                 (1: one at a time, each alone in turn; c: groups of c in one generate call)
+    agent        (spec_agent.py; prompts: agent_prompts.py) one tool call asked again and again with
+                 another city, date and unit, one request at a time on one engine: off, n-gram, suffix
+    json         (spec_json.py) the agent's tool call under its JSON schema, with and without the drafts
+                 the grammar forces, one at a time and all at once
+    trace        (here) the throughput workload's random-token trace: what speculation costs on prompts
+                 that repeat nothing
 
-The draft model is the target's own first --draft-layers decoder layers (an early exit,
-benchmarks/models.py: build_draft_model): no separately trained small model is available offline.
-
-Then the throughput workload's random-token trace (make_trace, run_nanopaged: ignore_eos), off and
-n-gram at the first --ngram-k: the prompts repeat nothing, and the figure is what speculation costs
-(unless the model's greedy answers repeat themselves, as a small model's do: the drafts say so).
-TARGETS are the issue's, reported met or missed. `--peers vllm` also runs vLLM's CPU engine on the
-same prompts without and with its own n-gram speculation (benchmarks/vllm_peer.py). The table:
-benchmarks/report.py: print_spec.
+Each configuration gets a fresh engine per concurrency (spec_run.py), freed before the next; prefix
+caching is off but for the agent. Per run: output tokens/s, speculation's counters (mean acceptance
+length, draft acceptance rate), the speedup over speculation off at the same concurrency, and how many
+greedy outputs equal off's token for token. The draft model is the target's own first --draft-layers
+decoder layers (benchmarks/models.py: build_draft_model): no separately trained small model is
+available offline. TARGETS are the issues', reported met or missed. `--peers vllm` also runs vLLM's
+CPU engine (spec_vllm.py). The tables: benchmarks/report.py: print_spec.
 """
 from __future__ import annotations
 
 import gc
-import sys
-import time
 import traceback
 from dataclasses import asdict
 
 import torch
 
-from benchmarks import vllm_peer
 from benchmarks.models import DRAFT_NOTE, build_draft_model, vocab_limit
-from benchmarks.nanopaged_run import resolved_settings, run_nanopaged
-from benchmarks.peers import not_set_up, run_side, side_python, vllm_job
-from benchmarks.spec_prompts import INSTRUCTIONS, MAX_TOKENS_SLACK, NUM_TYPOS, TEXT, SpecPrompt, build_workload
-from benchmarks.trace import WARMUP_PROMPT, make_trace
-from nanopaged import LLM, SamplingParams
+from benchmarks.nanopaged_run import run_nanopaged
+from benchmarks.spec_agent import run_agent
+from benchmarks.spec_json import run_json
+from benchmarks.spec_prompts import INSTRUCTIONS, MAX_TOKENS_SLACK, NUM_TYPOS, SpecPrompt, build_workload
+from benchmarks.spec_run import (compare, concurrency_levels, draft_policy, drop_outputs, ngram_config, run_configs,
+                                 run_levels, suffix_config, versus_off)
+from benchmarks.spec_vllm import run_vllm_spec
+from benchmarks.quality import TEXTS
+from benchmarks.trace import make_trace
+from nanopaged import SamplingParams
 from nanopaged.engine.input_processor import load_tokenizer
 from nanopaged.models.config import ModelConfig
 
-# The issue's targets: n-gram speculation (its best k) over speculation off, output tokens/s, on the
-# repeating workload. Reported met or missed, never adjusted.
-TARGETS = {"one_at_a_time": 1.8, "at_once": 1.3}
-RUNS = ("one_at_a_time", "at_once")
+WORKLOADS = ("repeating", "agent", "json", "trace")
+# The issues' targets, reported met or missed, never adjusted: name -> (what, at least this).
+TARGETS = {
+    "ngram_one_at_a_time": ("repeating, best n-gram k over off, one at a time", 1.8),     # issue 26
+    "ngram_at_16": ("repeating, best n-gram k over off, 16 at once", 1.3),                 # issue 26
+    "suffix_vs_ngram_one_at_a_time": ("repeating, suffix over the best n-gram k, one at a time", 1.0),
+    "agent_suffix_one_at_a_time": ("agent, suffix over off, one at a time", 2.0),
+    "json_forced_one_at_a_time": ("json, with forced drafts over without, one at a time", 1.5),
+    "never_slower_at_16": ("repeating, the slower of n-gram and suffix over off, 16 at once", 1.0),
+    "never_slower_at_32": ("repeating, the slower of n-gram and suffix over off, 32 at once", 1.0),
+    "best_at_16": ("repeating, the faster of n-gram and suffix over off, 16 at once", 1.3),
+}
 
 
-# ==== the timed runs ====================================================================
-
-def ngram_config(k: int, args) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k,
-            "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
-
+# ==== the repeating workload ============================================================
 
 def configurations(args, draft_dir: str) -> dict:
     """name -> (label, speculative_config); off first, the baseline of the others."""
     configs = {"off": ("off", None)}
     for k in args.ngram_k:
         configs[f"ngram_k{k}"] = (f"ngram k={k}", ngram_config(k, args))
+    for k in args.suffix_k:
+        configs[f"suffix_k{k}"] = (f"suffix k={k}", suffix_config(k))
     configs[f"draft_k{args.draft_k}"] = (f"draft k={args.draft_k} ({args.draft_layers} layers)",
                                          {"method": "draft_model", "model": draft_dir,
                                           "num_speculative_tokens": args.draft_k})
     return configs
 
 
-def run_config(model_dir: str, settings: dict, spec_config: dict | None, items: list[SpecPrompt],
-               concurrency: int) -> dict:
-    """One engine: a warm-up, the prompts one at a time, then `concurrency` at once; freed after."""
-    llm = LLM(model_dir, **{**settings, "enable_prefix_caching": False, "speculative_config": spec_config})
-    try:
-        prompts = [{"prompt_token_ids": it.prompt_token_ids} for it in items]
-        params = [SamplingParams(temperature=0, max_tokens=it.max_tokens) for it in items]
-        llm.generate(WARMUP_PROMPT, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)   # drafts verified too
-        n = len(items)
-        result = {"one_at_a_time": timed(llm, [[i] for i in range(n)], prompts, params),
-                  "at_once": timed(llm, [list(range(i, min(i + concurrency, n))) for i in range(0, n, concurrency)],
-                                   prompts, params)}
-        result["resolved"] = resolved_settings(llm.llm_engine.config, llm.get_stats())
-        return result
-    finally:
-        del llm
-        gc.collect()
-
-
-def timed(llm: LLM, groups: list[list[int]], prompts: list, params: list) -> dict:
-    """The prompts in `groups` (one generate call each, in turn): wall time, output tokens/s, the time
-    the proposers took, and speculation's counters. get_stats() counts since reset_stats() (the engine's
-    own counters, spec_decode.of(engine).stats, run on from the engine's start)."""
-    engine = llm.llm_engine
-    propose_s = [0.0]
-
-    def timing(propose):
-        def wrapped(running):
-            t = time.perf_counter()
-            try:
-                return propose(running)
-            finally:
-                propose_s[0] += time.perf_counter() - t
-        return wrapped
-
-    proposers = list(engine.proposers)
-    engine.proposers[:] = [timing(p) for p in proposers]
-    token_ids, texts, reasons = [None] * len(prompts), [None] * len(prompts), [None] * len(prompts)
-    llm.reset_stats()
-    try:
-        start = time.perf_counter()
-        for group in groups:
-            outs = llm.generate([prompts[i] for i in group], [params[i] for i in group], use_tqdm=False)
-            for i, o in zip(group, outs):
-                token_ids[i], texts[i] = list(o.outputs[0].token_ids), o.outputs[0].text
-                reasons[i] = o.outputs[0].finish_reason
-        wall = time.perf_counter() - start
-    finally:
-        engine.proposers[:] = proposers
-    stats = llm.get_stats()
-    spec = stats["spec_decode"]
-    tokens = sum(map(len, token_ids))
-    return {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-            "num_requests": len(prompts), "num_steps": stats["num_steps"], "model_time_s": stats["model_time_s"],
-            "propose_s": propose_s[0], "stopped_by_eos": sum(r == "stop" for r in reasons),
-            "mean_acceptance_length": spec["mean_acceptance_length"] if spec else None,
-            "draft_acceptance_rate": spec["draft_acceptance_rate"] if spec else None,
-            "spec_decode": spec, "token_ids": token_ids, "texts": texts}
-
-
-def compare(runs: dict) -> None:
-    """Each run against off's at the same concurrency: speedup, outputs equal token for token, and
-    where each differing output first differs."""
+def run_repeating(args, model_dir: str, settings: dict, items: list[SpecPrompt], draft_dir: str) -> dict:
+    levels = concurrency_levels(args.concurrency, len(items))
+    prompts = [{"prompt_token_ids": it.prompt_token_ids} for it in items]
+    params = [SamplingParams(temperature=0, max_tokens=it.max_tokens) for it in items]
+    runs = run_configs(configurations(args, draft_dir),
+                       lambda _, spec: run_levels(model_dir, settings, spec, prompts, params, levels))
+    compare(runs)
+    result = {"concurrency": levels, "configs": runs}
     off = runs["off"]
-    for name, r in runs.items():
-        if "error" in r or "error" in off:
-            continue
-        for run in RUNS:
-            mine, base = r[run], off[run]
-            mine |= versus_off(mine, base, mine["token_ids"], base["token_ids"])
-            mine["first_differences"] = [first_difference(a, b) for a, b in zip(mine["token_ids"], base["token_ids"])
-                                         if a != b]
-
-
-def versus_off(run: dict, off: dict, ids: list, off_ids: list) -> dict:
-    """A run against speculation off's on the same prompts (`ids`: each one's greedy output): its
-    speedup in output tokens/s, and how many outputs equal off's token for token."""
-    return {"speedup_vs_off": run["output_tokens_per_s"] / off["output_tokens_per_s"],
-            "identical_to_off": sum(a == b for a, b in zip(ids, off_ids))}
-
-
-def first_difference(a: list[int], b: list[int]) -> int:
-    """The first output position where two outputs differ (or the shorter one's length). Greedy
-    speculation must not change the output; where it does, a late first difference in bfloat16 points
-    at a near-tie in the logits that the k + 1-row verify pass and the one-row decode broke apart."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def target_figures(runs: dict) -> dict:
-    """The issue's targets, from the figures: the best n-gram k's speedup at each concurrency."""
-    out = {}
-    for run, target in TARGETS.items():
-        ngram = {name: r[run]["speedup_vs_off"] for name, r in runs.items()
-                 if name.startswith("ngram") and "speedup_vs_off" in r.get(run, {})}
-        best = max(ngram, key=ngram.get) if ngram else None
-        value = ngram[best] if best else None
-        out[f"ngram_{run}"] = {"target": target, "value": value, "best_of": best,
-                               "met": value is not None and value >= target}
-    return out
+    if "error" not in off:
+        alone = off["concurrency"]["1"]
+        result["off_outputs"] = alone["texts"]
+        result["copies"] = copies(items, alone["texts"])
+        result["off_batched_identical_to_one_at_a_time"] = {
+            c: sum(a == b for a, b in zip(x["token_ids"], alone["token_ids"])) for c, x in off["concurrency"].items()}
+    drop_outputs(runs)
+    return result
 
 
 def copies(items: list[SpecPrompt], texts: list[str]) -> dict:
@@ -176,15 +102,60 @@ def copies(items: list[SpecPrompt], texts: list[str]) -> dict:
     return out
 
 
+# ==== the targets =======================================================================
+
+def speedups(runs: dict, prefix: str, c: int) -> dict:
+    """name -> speedup over off at concurrency c, of the configurations whose name starts with prefix."""
+    return {name: r["concurrency"][str(c)]["speedup_vs_off"] for name, r in runs.items()
+            if name.startswith(prefix) and "speedup_vs_off" in r.get("concurrency", {}).get(str(c), {})}
+
+
+def target_figures(result: dict) -> dict:
+    """Every target from the figures: a best k is the one fastest one at a time; a target whose run is
+    missing (a failed configuration, a concurrency not run) has no value and is missed."""
+    runs = result.get("repeating", {}).get("configs", {})
+    ngram1, suffix1 = speedups(runs, "ngram", 1), speedups(runs, "suffix", 1)
+    best_ngram = max(ngram1, key=ngram1.get) if ngram1 else None
+    best_suffix = max(suffix1, key=suffix1.get) if suffix1 else None
+    values = {"ngram_one_at_a_time": (ngram1.get(best_ngram), best_ngram),
+              "ngram_at_16": best_of(speedups(runs, "ngram", 16)),
+              "suffix_vs_ngram_one_at_a_time": (suffix1[best_suffix] / ngram1[best_ngram], best_suffix)
+              if best_ngram and best_suffix else (None, None)}
+    for c in (16, 32):
+        at = {name: x for name, x in {**speedups(runs, "ngram", c), **speedups(runs, "suffix", c)}.items()
+              if name in (best_ngram, best_suffix)}
+        both = len(at) == 2
+        values[f"never_slower_at_{c}"] = (min(at.values()), min(at, key=at.get)) if both else (None, None)
+        if c == 16:
+            values["best_at_16"] = (max(at.values()), max(at, key=at.get)) if both else (None, None)
+    agent = result.get("agent", {}).get("configs", {})
+    values["agent_suffix_one_at_a_time"] = best_of(speedups(agent, "suffix", 1))
+    values["json_forced_one_at_a_time"] = result.get("json", {}).get("forced_vs_without", (None, None))
+    out = {}
+    for name, (what, target) in TARGETS.items():
+        value, of = values.get(name, (None, None))
+        out[name] = {"what": what, "target": target, "value": value, "of": of,
+                     "met": value is not None and value >= target}
+    return out
+
+
+def best_of(speedup: dict) -> tuple:
+    best = max(speedup, key=speedup.get) if speedup else None
+    return (speedup[best], best) if best else (None, None)
+
+
+# ==== the random-token trace ============================================================
+
 def run_trace(args, model_dir: str, settings: dict) -> dict:
-    """The throughput workload's random-token trace, off and n-gram at the first --ngram-k."""
+    """The throughput workload's random-token trace, off, n-gram at the first --ngram-k and suffix at
+    the first --suffix-k."""
     trace = make_trace(args.num_requests, args.input_len, args.output_len, args.seed, vocab_limit(model_dir))
-    k = args.ngram_k[0]
+    k, ks = args.ngram_k[0], args.suffix_k[0]
     result = {"settings": {"num_requests": args.num_requests, "input_len": list(args.input_len),
                            "output_len": list(args.output_len), "seed": args.seed,
-                           "sampling": "greedy, ignore_eos", "ngram_k": k}}
+                           "sampling": "greedy, ignore_eos", "ngram_k": k, "suffix_k": ks}}
     ids = {}
-    for name, spec in (("off", None), (f"ngram_k{k}", ngram_config(k, args))):
+    for name, spec in (("off", None), (f"ngram_k{k}", ngram_config(k, args)), (f"suffix_k{ks}", suffix_config(ks))):
         try:
             run, stats, _, _ = run_nanopaged(model_dir, trace, {**settings, "speculative_config": spec})
         except Exception as e:
@@ -197,95 +168,52 @@ def run_trace(args, model_dir: str, settings: dict) -> dict:
         result[name] = {k2: f[k2] for k2 in ("output_tokens_per_s", "wall_s", "output_tokens", "prompt_tokens")}
         result[name]["spec_decode"] = stats["spec_decode"]
         ids[name] = run.token_ids
-    spec_name = f"ngram_k{k}"
-    if "error" not in result["off"] and "error" not in result[spec_name]:
-        r = result[spec_name]
-        r |= versus_off(r, result["off"], ids[spec_name], ids["off"])
-        result["cost"] = 1 - r["speedup_vs_off"]
+    for name in (f"ngram_k{k}", f"suffix_k{ks}"):
+        if "error" not in result["off"] and "error" not in result[name]:
+            result[name] |= versus_off(result[name], result["off"], ids[name], ids["off"])
+            result[name]["cost"] = 1 - result[name]["speedup_vs_off"]
     return result
 
+
+# ==== all of it =========================================================================
 
 def run_spec(args, model_dir: str, settings: dict) -> dict:
     tokenizer = load_tokenizer(model_dir)
     items = build_workload(tokenizer, args.num_prompts, args.spec_max_tokens, args.seed)
     draft_dir = str(build_draft_model(model_dir, args.draft_layers))
     total = ModelConfig.from_folder(model_dir).num_hidden_layers
-    configs = configurations(args, draft_dir)
     result = {"settings": {
-        "model": model_dir, "draft_model": draft_dir, "draft_layers": args.draft_layers, "target_layers": total,
+        "model": model_dir, "workloads": args.spec_workloads, "draft_model": draft_dir,
+        "draft_layers": args.draft_layers, "target_layers": total,
         "draft_note": DRAFT_NOTE.format(n=args.draft_layers, total=total),
-        "num_prompts": len(items), "concurrency": min(args.concurrency, len(items)),
+        "num_prompts": len(items), "concurrency": concurrency_levels(args.concurrency, len(items)),
         "max_tokens": args.spec_max_tokens, "max_tokens_slack": MAX_TOKENS_SLACK,   # None: passage + slack
         "ngram_k": args.ngram_k, "prompt_lookup_max": args.prompt_lookup_max,
-        "prompt_lookup_min": args.prompt_lookup_min, "draft_k": args.draft_k, "seed": args.seed,
-        "sampling": "greedy, stops at EOS", "enable_prefix_caching": False, "threads": torch.get_num_threads(),
-        "text": TEXT.name, "instructions": INSTRUCTIONS, "num_typos": NUM_TYPOS,
-        "speculative_configs": {name: spec for name, (_, spec) in configs.items()}, **settings}}
-    runs = {}
-    for name, (label, spec) in configs.items():
-        print(f"bench: spec workload, {label}", file=sys.stderr)
-        try:
-            runs[name] = {"label": label, **run_config(model_dir, settings, spec, items, args.concurrency)}
-        except Exception as e:         # one configuration failing is a result; the others still run
-            traceback.print_exc()
-            runs[name] = {"label": label, "error": f"{type(e).__name__}: {e}"}
-    compare(runs)
-    off = runs["off"]
+        "prompt_lookup_min": args.prompt_lookup_min, "suffix_k": args.suffix_k, "draft_k": args.draft_k,
+        "seed": args.seed, "sampling": "greedy, stops at EOS", "enable_prefix_caching": False,
+        "threads": torch.get_num_threads(), "draft_policy": draft_policy(),
+        "texts": [t.name for t in TEXTS], "instructions": INSTRUCTIONS, "num_typos": NUM_TYPOS,
+        "speculative_configs": {name: spec for name, (_, spec) in configurations(args, draft_dir).items()},
+        **settings}}
     prompts = [{k: v for k, v in asdict(it).items() if k != "prompt_token_ids"}
                | {"prompt_tokens": len(it.prompt_token_ids)} for it in items]
-    if "error" not in off:
-        for p, text in zip(prompts, off["one_at_a_time"]["texts"]):
-            p["off_output"] = text
-        result["copies"] = copies(items, off["one_at_a_time"]["texts"])
-        result["off_at_once_identical_to_one_at_a_time"] = sum(
-            a == b for a, b in zip(off["at_once"]["token_ids"], off["one_at_a_time"]["token_ids"]))
-    for r in runs.values():
-        for run in RUNS:
-            for key in ("token_ids", "texts"):
-                r.get(run, {}).pop(key, None)
     result["passage_tokens"] = [min(it.passage_tokens for it in items), max(it.passage_tokens for it in items)]
     result["prompts"] = prompts
-    result["configs"] = runs
-    result["targets"] = target_figures(runs)
-    result["trace"] = run_trace(args, model_dir, settings)
+    if "repeating" in args.spec_workloads:
+        result["repeating"] = run_repeating(args, model_dir, settings, items, draft_dir)
+        for p, text in zip(prompts, result["repeating"].pop("off_outputs", [])):
+            p["off_output"] = text
+    if "agent" in args.spec_workloads:
+        result["agent"] = run_agent(args, model_dir, settings, tokenizer)
+    if "json" in args.spec_workloads:
+        result["json"] = run_json(args, model_dir, settings, tokenizer)
+    if "trace" in args.spec_workloads:
+        result["trace"] = run_trace(args, model_dir, settings)
+    result["targets"] = target_figures(result)
     if "vllm" in args.peers:
-        resolved = off.get("resolved") or {}
-        result["peers"] = {"vllm": run_vllm_spec(args, model_dir, items, resolved)}
+        resolved = result.get("repeating", {}).get("configs", {}).get("off", {}).get("resolved") or {}
+        agent = result.get("agent", {}).get("prompt_token_ids")
+        result["peers"] = {"vllm": run_vllm_spec(args, model_dir, items, resolved, agent)}
+    for section in ("agent", "json"):
+        result.get(section, {}).pop("prompt_token_ids", None)
     return result
-
-
-# ==== vLLM ==============================================================================
-
-def run_vllm_spec(args, model_dir: str, items: list[SpecPrompt], resolved: dict) -> dict:
-    """vLLM's CPU engine on the same prompts (benchmarks/vllm_peer.py, its own environment), without
-    and with its n-gram speculation at the first --ngram-k; each row its figures or why it did not run."""
-    python = side_python(args, "vllm")
-    if python is None:
-        return {"skipped": not_set_up("vllm")}
-    if not resolved:
-        return {"skipped": "nanopaged's run with speculation off failed: no engine settings to give vLLM"}
-    job = {**vllm_job(model_dir, ModelConfig.from_folder(model_dir), resolved, [it.prompt_token_ids for it in items],
-                      [it.max_tokens for it in items]),
-           "max_num_seqs": min(resolved["max_num_seqs"], args.concurrency),
-           "ignore_eos": False, "enable_prefix_caching": False, "one_at_a_time": True}
-    k = args.ngram_k[0]
-    rows, ids = {}, {}
-    for name, spec in (("off", None), (f"ngram_k{k}", ngram_config(k, args))):
-        print(f"bench: spec workload, vllm {name}", file=sys.stderr)
-        try:
-            out = run_side(python, vllm_peer, {**job, **({"speculative_config": spec} if spec else {})})
-        except Exception as e:          # a peer failing is a result to report
-            rows[name] = {"skipped": f"{type(e).__name__}: {e}"}
-            continue
-        by_run = {"at_once": out, "one_at_a_time": out["one_at_a_time"]}
-        rows[name] = {"version": out["vllm"], "load_s": out["load_s"], "speculative_config": spec,
-                      **{run: {"wall_s": x["wall_s"], "output_tokens": x["output_tokens"],
-                               "output_tokens_per_s": x["output_tokens"] / x["wall_s"],
-                               "spec_decode": x.get("spec_decode")} for run, x in by_run.items()}}
-        ids[name] = {run: x["token_ids"] for run, x in by_run.items()}
-    spec_name = f"ngram_k{k}"
-    if "skipped" not in rows["off"] and "skipped" not in rows[spec_name]:
-        for run in RUNS:
-            rows[spec_name][run] |= versus_off(rows[spec_name][run], rows["off"][run], ids[spec_name][run],
-                                               ids["off"][run])
-    return rows

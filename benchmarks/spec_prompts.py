@@ -1,7 +1,7 @@
 """The spec workload's prompts: answers that repeat their input.
 
-benchmarks/data/english.txt (the first part of the text quality.py scores) cut at sentence ends into
-passages of at least MIN_PASSAGE_TOKENS tokens in the model's tokenizer (about 100-150), each put in a
+benchmarks/data/english.txt then english_more.txt (the text quality.py scores), each cut at sentence ends
+into passages of at least MIN_PASSAGE_TOKENS tokens in the model's tokenizer (about 100-150), each put in a
 chat-formatted prompt (the tokenizer's chat template, generation prompt added) under one of
 INSTRUCTIONS: repeat it exactly, or fix its typos (NUM_TYPOS put in by a seeded rule) and write it
 out. max_tokens is the passage's tokens + MAX_TOKENS_SLACK: room to copy it and stop.
@@ -12,9 +12,8 @@ import random
 import re
 from dataclasses import dataclass
 
-from benchmarks.quality import DATA
+from benchmarks.quality import TEXTS
 
-TEXT = DATA / "english.txt"       # the first of the quality text's files: the passages to repeat or fix
 MIN_PASSAGE_TOKENS = 100        # a passage ends at the first sentence end past this (demo tokenizer: 100-143)
 MAX_TOKENS_SLACK = 16           # max_tokens = the passage's tokens + this: room to copy it and stop
 NUM_TYPOS = 3
@@ -45,6 +44,12 @@ def split_passages(text: str, tokenizer, min_tokens: int = MIN_PASSAGE_TOKENS) -
             passages.append(" ".join(current))
             current = []
     return passages
+
+
+def all_passages(tokenizer) -> list[str]:
+    """Every text's passages, the texts in turn (none runs across from one text to the next): 27 in the
+    demo tokenizer, so 54 prompts at most, enough for 32 at once."""
+    return [p for text in TEXTS for p in split_passages(text.read_text(), tokenizer)]
 
 
 def num_tokens(tokenizer, text: str) -> int:
@@ -81,7 +86,7 @@ def chat_prompt(tokenizer, content: str) -> list[int]:
 def build_workload(tokenizer, num_prompts: int, max_tokens: int | None = None, seed: int = 0) -> list[SpecPrompt]:
     """`num_prompts` prompts, every passage once under each instruction at most: prompt j asks for
     passage j mod P, under the instructions in turn, shifted by one each time round the passages."""
-    passages = split_passages(TEXT.read_text(), tokenizer)
+    passages = all_passages(tokenizer)
     kinds = list(INSTRUCTIONS)
     if not 1 <= num_prompts <= len(kinds) * len(passages):
         raise ValueError(f"--num-prompts {num_prompts}: the text gives {len(passages)} passages in this tokenizer, "

@@ -11,9 +11,12 @@ it to find it), the standard library, and of benchmarks/ only modules that impor
 time of one generate over the whole trace (greedy, ignore_eos); one request at a time, decode
 tokens/s by benchmarks/decode_speed.py.
 
-Optional keys (bench.py --workload spec): "speculative_config" (vLLM's own dict, e.g. n-gram drafts;
-its spec-decode counters come back as "spec_decode"), "ignore_eos" (default true), "enable_prefix_caching"
-(default true) and "one_at_a_time" (the prompts also each alone, in turn: "one_at_a_time" in OUT.json).
+Optional keys (bench.py --workload spec): "speculative_config" (vLLM's own dict, e.g. n-gram or suffix
+drafts; its spec-decode counters come back as "spec_decode"), "ignore_eos" (default true),
+"enable_prefix_caching" (default true), and "concurrency" (a list: instead of the one generate over all the
+prompts, the prompts in groups of c, one generate call each, for each c; "concurrency" in OUT.json, keyed
+by c) with "sequences" (name -> {"prompts", "output_lens"}: more prompts, one at a time, in order, after
+those: "sequences" in OUT.json).
 bench.py --workload lora: "lora_adapters" (PEFT folders) and "max_lora_rank": the engine gets enable_lora with
 a slot per adapter, and times the trace twice, its prompts spread evenly over the adapters ("lora" in OUT.json)
 and without adapters ("base"), each after a warm-up request per adapter.
@@ -59,6 +62,10 @@ def main(path_in: str, path_out: str) -> None:
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
     generate([WARMUP_PROMPT["prompt_token_ids"]], [4])
+    if job.get("concurrency"):
+        result = {"load_s": load, "vllm": vllm.__version__, **spec_runs(llm, job, generate, spec)}
+        open(path_out, "w").write(json.dumps(result))
+        return
     before = spec_counters(llm) if spec else None
     start = time.perf_counter()
     outs = generate(job["prompts"], job["output_lens"])
@@ -69,19 +76,24 @@ def main(path_in: str, path_out: str) -> None:
               "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
     if spec:
         result["spec_decode"] = counters_since(spec_counters(llm), before)
-    if job.get("one_at_a_time"):
-        before = spec_counters(llm) if spec else None
-        start = time.perf_counter()
-        alone = [generate([p], [n])[0] for p, n in zip(job["prompts"], job["output_lens"])]
-        result["one_at_a_time"] = {"wall_s": time.perf_counter() - start,
-                                   "output_tokens": sum(len(o.outputs[0].token_ids) for o in alone),
-                                   "token_ids": [list(o.outputs[0].token_ids) for o in alone]}
-        if spec:
-            result["one_at_a_time"]["spec_decode"] = counters_since(spec_counters(llm), before)
     one = job.get("single_stream")
     if one:
         result["decode_tokens_per_s"] = single_stream(generate, one["prompt"], one["output_tokens"])
     open(path_out, "w").write(json.dumps(result))
+
+
+def spec_runs(llm, job: dict, generate, spec) -> dict:
+    """The prompts in groups of c for each c in job["concurrency"], then each of job["sequences"] one
+    at a time: wall time, output tokens and ids, and the spec-decode counters of each run."""
+    def run(prompts, lens, c):
+        before = spec_counters(llm) if spec else None
+        start = time.perf_counter()
+        outs = [o for i in range(0, len(prompts), c) for o in generate(prompts[i:i + c], lens[i:i + c])]
+        return {"wall_s": time.perf_counter() - start, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                "spec_decode": counters_since(spec_counters(llm), before) if spec else None}
+    return {"concurrency": {str(c): run(job["prompts"], job["output_lens"], c) for c in job["concurrency"]},
+            "sequences": {name: run(x["prompts"], x["output_lens"], 1) for name, x in job.get("sequences", {}).items()}}
 
 
 def lora_runs(llm, job: dict, adapters: list[str]) -> dict:

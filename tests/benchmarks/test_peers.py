@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import bench  # noqa: E402
-from benchmarks import ctranslate2_peer, decode_speed, peers, spec  # noqa: E402
+from benchmarks import ctranslate2_peer, decode_speed, peers  # noqa: E402
 from benchmarks.spec_prompts import build_workload  # noqa: E402
 from benchmarks.trace import make_trace  # noqa: E402
 from nanopaged.models.config import ModelConfig  # noqa: E402
@@ -256,18 +256,20 @@ def test_auto_is_the_best_compute_type_the_cpu_supports():
         choose("int8_bfloat16", {"float32", "int8"})
 
 
-def test_the_spec_workload_compares_vllm_with_and_without_its_ngram_speculation(side_python, tiny_model_dirs,
-                                                                               resolved):
+def test_the_spec_workload_compares_vllm_without_and_with_its_ngram_and_suffix_speculation(side_python, tiny_model_dirs,
+                                                                                           resolved):
+    from benchmarks import spec_vllm
     from nanopaged.engine.input_processor import load_tokenizer
     model_dir = tiny_model_dirs["llama"]
     items = build_workload(load_tokenizer(model_dir), 2, max_tokens=6)
     args = bench.parse_args(["--workload", "spec", "--peers", "vllm", "--vllm-python", str(side_python),
-                             "--ngram-k", "3"])
-    rows = spec.run_vllm_spec(args, model_dir, items, resolved)
-    assert set(rows) == {"off", "ngram_k3"}
+                             "--ngram-k", "3", "--suffix-k", "16", "--concurrency", "1,2"])
+    rows = spec_vllm.run_vllm_spec(args, model_dir, items, resolved)
+    assert set(rows) == {"off", "ngram_k3", "suffix_k16"}
     assert rows["off"]["speculative_config"] is None and rows["ngram_k3"]["speculative_config"]["method"] == "ngram"
-    for run in spec.RUNS:
-        off, ngram = rows["off"][run], rows["ngram_k3"][run]
+    assert rows["suffix_k16"]["speculative_config"]["method"] == "suffix"
+    for c in ("1", "2"):
+        off, ngram = rows["off"]["concurrency"][c], rows["ngram_k3"]["concurrency"][c]
         assert off["output_tokens"] == ngram["output_tokens"] == 2 * 6
         assert off["spec_decode"] is None
         assert ngram["speedup_vs_off"] == pytest.approx(ngram["output_tokens_per_s"] / off["output_tokens_per_s"])
