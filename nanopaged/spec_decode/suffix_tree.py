@@ -24,12 +24,25 @@ from dataclasses import dataclass
 
 
 class Node:
-    __slots__ = ("count", "children", "owners")
+    __slots__ = ("count", "children", "owners", "total", "best_token", "best")
 
     def __init__(self) -> None:
         self.count = 0                         # occurrences of the tokens its path spells
         self.children: dict[int, Node] = {}    # next token -> node
         self.owners: set[int] | None = None    # global tree: the cached texts that hold this path
+        # Kept as the counts change, so a walk's step costs the same at a node with 2 children or 2,000
+        # (the root's and the short matches' nodes have hundreds): the children's counts together, and
+        # the most frequent child (on a tie, the first to reach that count). SuffixTree.append counts up.
+        self.total = 0
+        self.best_token: int | None = None
+        self.best: Node | None = None
+
+    def uncounted(self, child: "Node") -> None:
+        """`child` was just counted once less (and dropped if at 0): the best child may have changed."""
+        self.total -= 1
+        if child is self.best:
+            self.best_token, self.best = max(self.children.items(), key=lambda item: item[1].count,
+                                             default=(None, None))
 
     def size(self) -> int:
         """Nodes in the subtree rooted here."""
@@ -50,20 +63,27 @@ class SuffixTree:
 
     def append(self, tokens: list[int], owner: int | None = None) -> None:
         """Append tokens to the open text: each adds or counts at most max_depth nodes."""
+        # The proposer's hottest loop (every token of every request, max_depth times): Node.counted is
+        # written out here, and the open text's ends kept in a local.
+        root, depth, ends = self.root, self.max_depth, self.ends
         for t in tokens:
-            ends = [self.root]
-            for node in self.ends:       # node spells the last j tokens; its child t the new last j + 1
+            longer = [root]
+            for node in ends:            # node spells the last j tokens; its child t the new last j + 1
                 child = node.children.get(t)
                 if child is None:
                     child = node.children[t] = Node()
                     self.num_nodes += 1
                 child.count += 1
+                node.total += 1
+                if node.best is None or child.count > node.best.count:
+                    node.best_token, node.best = t, child
                 if owner is not None:
                     child.owners = child.owners or set()
                     child.owners.add(owner)
-                if len(ends) < self.max_depth:
-                    ends.append(child)
-            self.ends = ends
+                if len(longer) < depth:
+                    longer.append(child)
+            ends = longer
+        self.ends = ends
         self.num_tokens += len(tokens)
 
     def close(self) -> None:
@@ -83,6 +103,8 @@ class SuffixTree:
                 if child.count == 0:
                     del node.children[t]
                     self.num_nodes -= child.size()
+                node.uncounted(child)
+                if child.count == 0:
                     break
                 node = child
         self.num_tokens -= len(tokens)
@@ -133,15 +155,14 @@ def best_draft(suffixes: list[Node], max_spec_tokens: int, spec_factor: float, m
 
 
 def walk(node: Node, limit: int, min_token_prob: float) -> Draft:
-    """Follow the most frequent child (the first seen, on a tie) up to `limit` tokens. A step's
+    """Follow the most frequent child (the first to reach its count, on a tie) up to `limit` tokens. A step's
     probability is child.count / the children's counts together: how often the context went on
     with that token among the times it went on at all (the occurrence at a text's very end, such
     as the request's own last tokens, has no next token and does not count)."""
     tokens, score, prob = [], 0.0, 1.0
-    while len(tokens) < limit and node.children:
-        total = sum(child.count for child in node.children.values())
-        token, child = max(node.children.items(), key=lambda item: item[1].count)
-        prob *= child.count / total
+    while len(tokens) < limit and node.best is not None:
+        token, child = node.best_token, node.best
+        prob *= child.count / node.total
         if prob < min_token_prob:
             break
         tokens.append(token)

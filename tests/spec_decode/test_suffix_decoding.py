@@ -412,3 +412,22 @@ def test_demo_model_greedy_suffix(demo_model_dir):
     assert first > 0 and stats(llm).mean_acceptance_length > 1.5
     assert token_ids(llm, [prompt], p) == plain                      # again, the first output in the global tree
     assert stats(llm).num_accepted_tokens - first > first
+
+
+def test_each_nodes_total_and_best_child_follow_the_counts():
+    """A walk reads `total` and `best` instead of scanning the children: after random appends and
+    LRU evictions, every node's are what a scan gives (its most frequent child, its children's sum)."""
+    rng = random.Random(3)
+    cache = GlobalSuffixCache(max_depth=5, max_cached_requests=4)
+    for _ in range(60):
+        cache.add([rng.randrange(6) for _ in range(rng.randrange(1, 12))])
+    todo = [cache.tree.root]
+    while todo:
+        node = todo.pop()
+        todo.extend(node.children.values())
+        assert node.total == sum(c.count for c in node.children.values())
+        if node.children:
+            assert node.best is node.children[node.best_token]
+            assert node.best.count == max(c.count for c in node.children.values())
+        else:
+            assert node.best is None
