@@ -67,16 +67,17 @@ class EngineReplica:
                         result_row(row, stats, engine_result(r)) for row, r in zip(rows, results)])
 
     def stats(self) -> dict:
-        """Where this replica runs and its engine's figures so far (each row out carries them)."""
-        s = self.llm.get_stats()
+        """Where this replica runs and its engine's figures so far (each row out carries them). Read
+        while the engine thread steps: plain counters only (get_stats walks tables a step may change)."""
+        s = self.llm.stats
         elapsed = time.monotonic() - self.busy_since if self.busy_since else 0.0
-        queries = s["prefix_cache_queries"]
+        queries = s.prefix_cache_queries
         return {**self.where, "load_s": self.load_s, "busy_since_unix": self.busy_since_unix,
-                "rows_done": self.rows_done, "num_generated_tokens": s["num_generated_tokens"],
-                "generation_tokens_per_s": s["num_generated_tokens"] / elapsed if elapsed else 0.0,
-                "max_num_running": s["max_num_running"], "num_preemptions": s["num_preemptions"],
-                "prefix_cache_hit_rate": s["prefix_cache_hits"] / queries if queries else 0.0,
-                "peak_kv_cache_usage": s["peak_kv_cache_usage"]}
+                "rows_done": self.rows_done, "num_generated_tokens": s.num_generated_tokens,
+                "generation_tokens_per_s": s.num_generated_tokens / elapsed if elapsed else 0.0,
+                "max_num_running": s.max_num_running, "num_preemptions": s.num_preemptions,
+                "prefix_cache_hit_rate": s.prefix_cache_hits / queries if queries else 0.0,
+                "peak_kv_cache_usage": s.peak_kv_blocks_used / self.engine.scheduler.block_pool.num_blocks}
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
