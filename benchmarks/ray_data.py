@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,16 +33,11 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from benchmarks.machine import machine_info, versions
+from benchmarks.serve import free_port
 from benchmarks.trace import WARMUP_PROMPT, make_trace
 
 
 # ---- a Ray node, as `ray start` makes one (the tests start theirs with it too) --------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ray_start(ip: str, log: Path, num_cpus: int, resources: dict | None = None,
               head_address: str | None = None) -> subprocess.Popen:
     """One node: `ray start --block` on a loopback address of its own (127.0.0.2, 127.0.0.3, ...:

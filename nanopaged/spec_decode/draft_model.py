@@ -26,7 +26,7 @@ from nanopaged.core.block_pool import cdiv
 from nanopaged.core.request import Request
 from nanopaged.core.scheduler import SchedulerOutput
 from nanopaged.sampling_params import SamplingParams
-from nanopaged.spec_decode.ngram_proposer import draft_budget
+from nanopaged.spec_decode.ngram_proposer import draft_alone
 from nanopaged.sample.rejection_sampler import with_output
 from nanopaged.worker.model_runner import ModelRunner
 
@@ -65,11 +65,7 @@ class DraftModelProposer:
         self.computed = {r: c for r, c in self.computed.items() if r in alive}
 
     def __call__(self, running: list[Request]) -> None:
-        """Alone (no drafter): every running request that decodes next drafts as much as it may."""
-        self.follow(running)
-        todo = [(r, b, []) for r in running if (b := draft_budget(r, self.k))]
-        for (r, _, _), drafts in zip(todo, self.propose(todo)):
-            r.spec_token_ids = drafts
+        draft_alone(self, running, self.k)
 
     @torch.inference_mode()
     def propose(self, todo: list[tuple[Request, int, list[int]]]) -> list[list[int]]:

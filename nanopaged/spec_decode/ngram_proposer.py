@@ -49,10 +49,16 @@ class NgramProposer:
                 for r, budget, before in todo]
 
     def __call__(self, running: list[Request]) -> None:
-        """Alone (no drafter): every running request that decodes next drafts as much as it may."""
-        todo = [(r, b, []) for r in running if (b := draft_budget(r, self.k))]
-        for (r, _, _), drafts in zip(todo, self.propose(todo)):
-            r.spec_token_ids = drafts
+        draft_alone(self, running, self.k)
+
+
+def draft_alone(method, running: list[Request], k: int) -> None:
+    """A method alone, without the drafter (drafter.py), as the unit tests drive it: every running
+    request that decodes next and follows no grammar drafts as much as it may."""
+    method.follow(running)
+    todo = [(r, b, []) for r in running if (b := draft_budget(r, k))]
+    for (r, _, _), drafts in zip(todo, method.propose(todo)):
+        r.spec_token_ids = drafts
 
 
 def draft_budget(request: Request, k: int) -> int:

@@ -16,7 +16,7 @@ aborted), and its output goes to the global tree; one that is only preempted kee
 from __future__ import annotations
 
 from nanopaged.core.request import Request
-from nanopaged.spec_decode.ngram_proposer import draft_budget
+from nanopaged.spec_decode.ngram_proposer import draft_alone
 from nanopaged.spec_decode.suffix_tree import GlobalSuffixCache, SuffixTree, best_draft
 
 
@@ -31,12 +31,7 @@ class SuffixProposer:
         self.cache = GlobalSuffixCache(max_tree_depth, max_cached_requests)
 
     def __call__(self, running: list[Request]) -> None:
-        """Alone (no drafter): every running request that decodes next drafts as much as it may."""
-        self.follow(running)
-        for request in running:
-            budget = draft_budget(request, self.k)
-            if budget:
-                request.spec_token_ids = self.draft(request, self.trees[request], budget)
+        draft_alone(self, running, self.k)
 
     def propose(self, todo: list[tuple[Request, int, list[int]]]) -> list[list[int]]:
         """For the drafter (drafter.py), after `follow`: (request, budget, before) -> drafts after its

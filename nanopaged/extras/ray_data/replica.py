@@ -27,7 +27,10 @@ import socket
 import threading
 import time
 
+import torch
+
 from nanopaged.extras.ray_data.rows import engine_result, params_of, prompt_of, result_row, rows_of, table_of
+from nanopaged.llm import LLM, final_only
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +38,6 @@ logger = logging.getLogger(__name__)
 class EngineReplica:
     def __init__(self, model_source: str | None, engine_kwargs: dict, cpus: int,
                  sampling_params: dict | None = None) -> None:
-        import torch
-        from nanopaged.llm import LLM
         torch.set_num_threads(cpus)        # Ray reserved `cpus` for this actor; the engine uses that many
         started = time.monotonic()
         self.llm = LLM(model_source, **engine_kwargs, cpu_threads=None)
@@ -119,7 +120,7 @@ class EngineReplica:
         request_id = str(next(self.request_ids))
         try:
             samples = self.engine.process_request(request_id, engine_prompt(self.engine, row),
-                                                  final_only(params_of(row, self.default_params)))
+                                                  final_only([params_of(row, self.default_params)])[0])
         except Exception as e:                   # this row's error (a ValueError naming the limit); the others go on
             loop.call_soon_threadsafe(_settle, future, message_of(e))
             return
@@ -148,11 +149,6 @@ def engine_prompt(engine, row: dict):
 def message_of(error: Exception) -> str:
     """A row's error column: a ValueError says what is wrong in its own words; anything else names its type."""
     return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
-
-
-def final_only(params):
-    from nanopaged.llm import final_only as copies
-    return copies([params])[0]
 
 
 def node_id() -> str | None:

@@ -19,12 +19,12 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from nanopaged.entrypoints.openai.protocol import SAMPLING_FIELDS
 from nanopaged.extras.ray_data.rows import params_of, prompt_of, result_row, rows_of, table_of
 
-# SamplingParams' fields a server request carries under the same name (protocol.py: SAMPLING_FIELDS).
-SAME_NAMES = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
-              "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
-              "include_stop_str_in_output", "skip_special_tokens", "max_tokens")
+# SamplingParams' fields a server request carries: the server's own list (field -> SamplingParams
+# name), and max_tokens, which it reads apart (chat also calls it max_completion_tokens).
+BODY_FIELDS = {**SAMPLING_FIELDS, "max_tokens": "max_tokens"}
 
 
 class ServerReplica:
@@ -62,7 +62,7 @@ class ServerReplica:
         """The route and body for a row: its prompt and its sampling params, under the API's names."""
         form, prompt = prompt_of(row)
         params = params_of(row, self.default_params)
-        body = {name: getattr(params, name) for name in SAME_NAMES}
+        body = {field: getattr(params, name) for field, name in BODY_FIELDS.items()}
         body["return_token_ids"] = True
         if params.structured_outputs is not None:
             body["structured_outputs"] = {k: v for k, v in vars(params.structured_outputs).items() if v is not None}
