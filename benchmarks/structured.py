@@ -16,9 +16,9 @@ import time
 from benchmarks.models import vocab_limit
 from benchmarks.trace import WARMUP_PROMPT, make_trace
 from nanopaged import LLM, SamplingParams, StructuredOutputsParams
+from nanopaged.structured_output.extension import StructuredOutputs
 
 TARGET_OVERHEAD = 0.10      # the issue's target: <= 10% more per output token on CPU
-EXTENSION = "nanopaged.structured_output"
 # Records of a few fields, more items than any trace's output has tokens for: the grammar cannot end first.
 BENCH_SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "minItems": 1000, "items": {
     "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
@@ -49,7 +49,7 @@ def run_structured(args, model_dir: str, settings: dict) -> dict:
     result = {"settings": {"model": model_dir, "num_requests": args.num_requests, "input_len": list(args.input_len),
                            "output_len": list(args.output_len), "seed": args.seed, **settings},
               "compile": compile_times(llm)}            # the bench schema is compiled (cold) here, before any run
-    manager = llm.llm_engine.extension(EXTENSION)
+    manager = llm.llm_engine.extension(StructuredOutputs).manager
     runs = {"plain": [], "constrained": []}
     for _ in range(2):
         runs["plain"].append(timed(llm, prompts, plain, manager))
@@ -90,7 +90,7 @@ def timed(llm: LLM, prompts: list, params: list, manager) -> dict:
 
 def compile_times(llm: LLM) -> dict:
     """Seconds to compile each constraint the first time, and to find it again in the cache."""
-    manager = llm.llm_engine.extension(EXTENSION)
+    manager = llm.llm_engine.extension(StructuredOutputs).manager
     times = {}
     for name, constraint in COMPILED.items():
         params = StructuredOutputsParams(**constraint, disable_any_whitespace=name == "bench schema")

@@ -111,16 +111,10 @@ class EngineConfig:
         self.model_config = ModelConfig.from_folder(self.model)
         self._resolve_defaults()
         check_tensor_parallel(self.model_config, self.tensor_parallel_size, self.device)
-        if self.speculative_config is not None:   # read only when set; checked before any weight loads
-            from nanopaged.spec_decode.config import SpeculativeConfig
-            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config, self, check_model_folder)
         self.gguf_file = check_quantization(self)
-        if self.enable_lora:     # vLLM reads the other three only then, too
-            from nanopaged.lora.settings import check_lora_settings
-            check_lora_settings(self)
-        if self.runner != "generate" or self.pooler_config is not None:   # read only when asked for
-            from nanopaged.pooling.config import check_pooling
-            check_pooling(self)
+        # The extensions' settings (speculative_config, enable_lora and its three, runner and pooler_config)
+        # are each extension's to check: the engine asks every registered one before any weight loads
+        # (engine/extension.py: Extension.check_config).
 
     def _resolve_defaults(self) -> None:
         if self.device == "auto":

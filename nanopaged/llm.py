@@ -2,11 +2,13 @@
 
 A thin loop over LLMEngine: validate every prompt (all of them before any work, so one bad
 prompt fails the call before anything runs), queue them, then step until all are done.
-The extensions are wired in here, each through one of the engine's hooks:
+The engine installs the registered extensions its settings ask for (nanopaged/extensions.py); an LLM
+adds these, each through the engine's public ways in:
 
     LLM()                    no model given: the demo model (models/demo_model.py)
-    get_stats, the bar       a step observer: statistics and the live figures (engine/stats.py)
-    cpu_threads="auto"       a step observer: torch's threads follow the free cores (cpu/thread_governor.py)
+    get_stats, the bar       extensions that observe steps: statistics and live figures (engine/stats.py)
+    cpu_threads="auto"       an extension that observes steps: torch's threads follow the free cores
+                             (cpu/thread_governor.py)
     tensor_parallel_size=N   `make_runner`: N ranks behind the runner (extras/tensor_parallel/)
     beam_search              a token-selection rule for `LLMEngine.step` (extras/beam_search.py)
 
@@ -28,6 +30,7 @@ from nanopaged.cpu.features import bf16_matrix_units
 from nanopaged.cpu.thread_governor import ThreadGovernor
 from nanopaged.engine.input_processor import PromptType, render_chat
 from nanopaged.engine.llm_engine import LLMEngine
+from nanopaged.models.pipeline import ModelStage
 from nanopaged.engine.stats import EngineStats, ProgressBar
 from nanopaged.outputs import RequestOutput
 from nanopaged.sampling_params import RequestOutputKind, SamplingParams
@@ -48,12 +51,11 @@ class LLM:
         self._request_ids = itertools.count()
         self._default_params = None
         self._busy = threading.Lock()
-        self.stats = EngineStats(self.llm_engine)
+        self.stats = self.llm_engine.install(EngineStats())
         self.thread_governor = None
         cfg = self.llm_engine.config
         if cfg.cpu_threads == "auto" and cfg.device == "cpu" and cfg.tensor_parallel_size == 1:
-            self.thread_governor = governor
-            self.llm_engine.observers.append(governor)
+            self.thread_governor = self.llm_engine.install(governor)
         fast = self.llm_engine.runner.fast_path
         logger.info("%s: %s on %s, linear kernels %s, layer kernels %s, attention %s, batch-invariant %s (CPU "
                     "bfloat16 matrix units: %s); %d KV blocks of %d tokens, in %s", cfg.model_config.architecture,
@@ -67,11 +69,13 @@ class LLM:
                         quantized.get("kernel", "none"),
                         f"; left dense: {', '.join(quantized['left_dense'])}" if quantized["left_dense"] else "")
 
-    def make_runner(self, config: EngineConfig) -> ModelRunner:
+    def make_runner(self, config: EngineConfig, stages: list[ModelStage]) -> ModelRunner:
         """The engine's runner. tensor_parallel_size > 1: the driver's runner with N ranks behind
-        it (each rank has cores // N threads, so no governor); the workers stop when this LLM is deleted."""
+        it (each rank has cores // N threads, so no governor); the workers stop when this LLM is deleted.
+        No extension that rewrites the model runs across ranks (each refuses tensor parallelism)."""
         if config.tensor_parallel_size == 1:
-            return ModelRunner(config)
+            return ModelRunner(config, stages)
+        assert not stages, f"model stages {[s.name for s in stages]} under tensor parallelism"
         from nanopaged.extras.tensor_parallel import TensorParallelRunner   # torch.distributed only when used
         runner = TensorParallelRunner(config)
         weakref.finalize(self, runner.shutdown)
@@ -108,7 +112,7 @@ class LLM:
         loras = per_prompt("lora_request", lora_request, len(prompts))
         with self.one_call_at_a_time():
             engine = self.llm_engine
-            requests = [engine.process_request(self._new_request_id(), p, sp, lora)
+            requests = [engine.process_request(self._new_request_id(), p, sp, lora_request=lora)
                         for p, sp, lora in zip(prompts, params, loras)]   # all checked before any is queued
             for samples in requests:
                 engine.queue(samples)

@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from conftest import EOS_TOKEN_ID, make_prompts
+from nanopaged.engine.extension import StepObserver
 from nanopaged import LLM, LLMEngine, RequestOutput, SamplingParams
 
 
@@ -31,11 +32,11 @@ def test_outputs_come_back_in_input_order_with_vllm_fields(llm):
     prompts = make_prompts(512, n=6, seed=3)
     lengths = [12, 1, 7, 3, 9, 2]
     finish_order = []
-    llm.llm_engine.observers.append(lambda step: finish_order.extend(r.request_id for r, _ in step.stopped))
+    watcher = llm.llm_engine.install(StepObserver(lambda step: finish_order.extend(r.request_id for r, _ in step.stopped)))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],
                         use_tqdm=False)
-    llm.llm_engine.observers.clear()
+    llm.llm_engine.remove(watcher)
     assert finish_order != sorted(finish_order, key=int)       # they did finish out of order
     assert [o.prompt_token_ids for o in outs] == prompts
     assert [len(o.outputs[0].token_ids) for o in outs] == lengths

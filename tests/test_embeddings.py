@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from nanopaged.engine.extension import StepObserver
 from nanopaged import LLM, EmbeddingRequestOutput, PoolingParams, SamplingParams
 
 SETTINGS = dict(dtype="float32", block_size=4, num_kv_blocks=64)
@@ -130,7 +131,7 @@ def test_one_chunk_or_many_alone_or_in_a_batch_give_the_same_vector(llama, mean_
     batch = [o.outputs.embedding for o in embed(whole, PROMPTS)]
     chunked = LLM(model, runner="pooling", **SETTINGS, max_num_batched_tokens=5)
     seen = []
-    chunked.llm_engine.observers.append(lambda step: seen.append([n for _, n in step.scheduler_output.scheduled]))
+    chunked.llm_engine.install(StepObserver(lambda step: seen.append([n for _, n in step.scheduler_output.scheduled])))
     in_chunks = [o.outputs.embedding for o in embed(chunked, PROMPTS)]
     assert max(map(len, seen)) > 1 and all(sum(s) <= 5 for s in seen)     # chunks, side by side
     for a, b, c in zip(alone, batch, in_chunks):

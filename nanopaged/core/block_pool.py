@@ -135,8 +135,8 @@ class BlockPool:
         hashes, bs = request.block_hashes, self.block_size
         for i in range(len(hashes), request.num_tokens // bs):
             parent = hashes[-1] if hashes else ROOT_HASH
-            # the same tokens under another cache salt or LoRA adapter are another prefix
-            keys = (request.cache_salt, request.lora_request and request.lora_request.lora_int_id) if i == 0 else ()
+            # the same tokens under another cache salt, or another extension's keys (an adapter), are another prefix
+            keys = (request.cache_salt, *request.extra_keys) if i == 0 else ()
             hashes.append(hash_block(self.hash_fn, parent, request.token_ids(i * bs, (i + 1) * bs), keys))
         return hashes
 

@@ -10,12 +10,12 @@ When a running request needs a block and none is free, the newest running reques
 preempted by *recompute*: its blocks are freed, its `num_computed_tokens` drops to 0 and
 it goes back to the front of the waiting queue, keeping the tokens it generated.
 
-Speculative decoding changes one number: a running request chases `num_tokens_with_spec`, its
-tokens plus the drafts guessed; `update` rolls rejected drafts back (docs/11_speculative_decoding.md).
+Draft tokens change one number: a running request chases `num_tokens_with_spec`, its tokens plus
+the drafts guessed ahead (vLLM's spec_token_ids); `update` rolls rejected drafts back.
 
 Admission first looks the request's prefix up in the prefix cache, so its prefill starts where
 the cache ends; after every step the blocks that became full are named in it. `fork` lets a
-request share every block of another (n > 1, beams); a write into a shared block first copies
+request share every block of another (n > 1 samples); a write into a shared block first copies
 it (copy-on-write, `_allocate_slots`). docs/04_scheduler.md explains it; docs/03 and docs/06 the
 prefix cache and sharing. No torch.
 """
@@ -214,7 +214,7 @@ class Scheduler:
             request.num_computed_tokens += num_new
         # Fork first, append after: a child shares its parent's blocks as they were computed.
         forked = [r for r, tokens in sampled.items() if tokens[0].parent is not None]
-        for request in forked:            # n > 1 samples, new beams: drawn from the parent's row
+        for request in forked:            # n > 1 samples, or a rule's new sequences: drawn from the parent's row
             self.fork(sampled[request][0].parent, request)
         for request, tokens in sampled.items():
             self._append(request, tokens)

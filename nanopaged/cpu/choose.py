@@ -3,9 +3,10 @@
 The model a reader studies (models/llama.py, attention/torch_backend.py, nn.Linear) is what runs
 unless this module chooses otherwise. `choose` reads the settings and the CPU's flags once, before
 a weight is loaded, and returns a `FastPath`: the linear kernel, the layer kernels, the attention
-backend and the sampler's argmax. `FastPath.apply` then swaps the chosen layers into the loaded
-model in one call (ModelRunner.load_model). A setting the user named is honoured or refused with
-a ValueError that says why; only "auto" is decided here:
+backend and the sampler's argmax. `FastPath.stages` are its stages of the model pipeline
+(models/pipeline.py: quantize, pack, fuse), which swap the chosen layers into the loaded model.
+A setting the user named is honoured or refused with a ValueError that says why; only "auto" is
+decided here (under tensor parallelism every rank runs the reference layers, its own):
 
     batch_invariant  auto (or vLLM's VLLM_BATCH_INVARIANT=1/0 where the setting is not given): on
                  where the chosen path computes each row in an order that depends on that row
@@ -35,6 +36,10 @@ from torch import nn
 
 from nanopaged.attention.backends import resolve_attention_backend
 from nanopaged.cpu.features import bf16_matrix_units
+from nanopaged.cpu.fused import argmax_rows, fuse_layers
+from nanopaged.cpu.linear import pack_linears
+from nanopaged.cpu.quantized_linear import quantize_linears
+from nanopaged.models.pipeline import ModelStage
 
 
 @dataclass
@@ -53,31 +58,43 @@ class FastPath:
     @property
     def argmax(self) -> Callable | None:
         """The sampler's argmax where a kernel replaces torch's: the fused path's, else None."""
-        if self.layers != "fused":
-            return None
-        from nanopaged.cpu.fused import argmax_rows
-        return argmax_rows
+        return argmax_rows if self.layers == "fused" else None
 
-    def apply(self, model: nn.Module) -> None:
-        """Swap the chosen layers into a loaded model, in the one order that works: quantize, pack the
-        linears left dense, group a mixture's experts, then describe every layer to the fused loop."""
+    def stages(self) -> list[ModelStage]:
+        """Its stages of the model pipeline (models/pipeline.py), each only where chosen: quantize,
+        pack the linears left dense, then group a mixture's experts and describe every layer to the
+        fused loop (after any other stage has wrapped a linear: an adapter's updates)."""
+        stages = []
         if self.quantization:
-            from nanopaged.cpu.quantized_linear import quantize_linears
-            self.quantized = quantize_linears(model, self.quantization, self.quantization_group_size, self.gguf_file)
+            stages.append(ModelStage("quantize", self._quantize))
         if self.linear != "reference":
-            from nanopaged.cpu.linear import pack_linears
-            pack_linears(model, self.linear)
+            stages.append(ModelStage("pack", self._pack))
         if self.layers == "fused":
-            from nanopaged.cpu.fused import fuse_layers
-            fuse_layers(model)
+            stages.append(ModelStage("fuse", self._fuse))
+        return stages
+
+    def _pack(self, model: nn.Module) -> nn.Module:
+        pack_linears(model, self.linear)
+        return model
+
+    def _fuse(self, model: nn.Module) -> nn.Module:
+        fuse_layers(model)
+        return model
+
+    def _quantize(self, model: nn.Module) -> nn.Module:
+        self.quantized = quantize_linears(model, self.quantization, self.quantization_group_size, self.gguf_file)
+        return model
 
 
 def choose(config) -> FastPath:
     """The fast path for an EngineConfig (config.py), or a ValueError naming the setting that
     cannot run here and why. Nothing is built unless a fast path is a candidate."""
     asked = asked_batch_invariance(config.batch_invariant)
-    linear = choose_linear(config.cpu_linear, config.device, config.dtype, invariant=asked is not False)
-    layers = choose_layers(config.cpu_kernels, config.device, linear, config.attention_backend, config.block_size)
+    if config.tensor_parallel_size > 1:      # the parallel layers keep their own forward: nothing packed or fused
+        linear = layers = "reference"
+    else:
+        linear = choose_linear(config.cpu_linear, config.device, config.dtype, invariant=asked is not False)
+        layers = choose_layers(config.cpu_kernels, config.device, linear, config.attention_backend, config.block_size)
     attention = "cpu" if layers == "fused" else config.attention_backend
     attention = resolve_attention_backend(attention, config.device, config.dtype)
     if attention == "cpu":

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from nanopaged.cpu.build import cpu_ops
+from nanopaged.cpu.linear import CppLinear
 from nanopaged.models.llama import LlamaModel, RMSNorm
 
 NO_WEIGHT = torch.empty(0)      # an absent norm or bias
@@ -57,20 +58,15 @@ class FusedRMSNorm(nn.Module):
 
 def describe(layer: nn.Module):
     """A linear layer as the C++ loop takes it (csrc/decoder.h: struct Linear, its `kind` a
-    LinearKind). nanopaged's own layers name their kernel (`cpp_kernel`: linear.py,
-    quantized_linear.py), so C++ runs them directly (DPBF16, QUANTIZED); any other is called back
+    LinearKind). A layer that declares how C++ runs it (linear.py: CppLinear: nanopaged's bfloat16 and
+    quantized kernels, an adapter's updates beside them) describes itself; any other is called back
     in Python (CALLBACK)."""
+    own = layer.describe_cpp(describe) if isinstance(layer, CppLinear) else None
+    if own is not None:
+        return own
     ops = cpu_ops()
     lin = ops.Linear()
-    lin.out_features = layer.out_features
-    kernel = getattr(layer, "cpp_kernel", None)
-    if kernel == "dpbf16":
-        lin.kind, lin.packed, lin.bias = ops.LinearKind.DPBF16, layer.packed_weight, layer.bias
-    elif kernel == "quantized" and layer.ops is not None:
-        lin.kind, lin.packed, lin.group, lin.bits = ops.LinearKind.QUANTIZED, layer.packed, layer.group_size, layer.bits
-        lin.bias = NO_WEIGHT if layer.bias is None else layer.bias
-    else:
-        lin.kind, lin.fn = ops.LinearKind.CALLBACK, layer
+    lin.out_features, lin.kind, lin.fn = layer.out_features, ops.LinearKind.CALLBACK, layer
     return lin
 
 

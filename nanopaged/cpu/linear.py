@@ -30,6 +30,15 @@ def packed_ops_available() -> bool:
             and hasattr(mkldnn, "_linear_pointwise"))
 
 
+class CppLinear(nn.Module):
+    """A linear layer that the fused layer loop (fused.py) can run in C++: it describes itself
+    (csrc/decoder.h: struct Linear), or returns None to be called back in Python."""
+
+    def describe_cpp(self, describe):
+        """`describe`: fused.py's, for a layer this one wraps."""
+        raise NotImplementedError
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W packed for oneDNN. Only for inference: the packed weight is an
     opaque oneDNN tensor, not a Parameter, and nothing can be trained or saved through it."""
@@ -39,15 +48,13 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.shard_sizes = getattr(linear, "shard_sizes", None)     # the fused projections' widths
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # x: (tokens, in_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-class Dpbf16Linear(nn.Module):
+class Dpbf16Linear(CppLinear):
     """y = x W^T + b on AVX512-BF16's dot-product instruction, W packed once for it (inference only)."""
-    cpp_kernel = "dpbf16"       # the fused layer loop runs it in C++ (fused.py: describe)
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -56,10 +63,15 @@ class Dpbf16Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight = self.ops.pack_bf16_weight(linear.weight.detach())
         self.bias = torch.empty(0) if linear.bias is None else linear.bias.detach()
-        self.shard_sizes = getattr(linear, "shard_sizes", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # x: (tokens, in_features)
         return self.ops.linear_bf16(x, self.packed_weight, self.bias, self.out_features)
+
+    def describe_cpp(self, describe):
+        lin = self.ops.Linear()
+        lin.out_features, lin.kind = self.out_features, self.ops.LinearKind.DPBF16
+        lin.packed, lin.bias = self.packed_weight, self.bias
+        return lin
 
 
 KERNELS = {"packed": PackedLinear, "dpbf16": Dpbf16Linear}

@@ -36,6 +36,8 @@ import re
 import torch
 from torch import nn
 
+from nanopaged.cpu.linear import CppLinear
+
 logger = logging.getLogger(__name__)
 
 LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -60,20 +62,28 @@ def kernel_name() -> str:
 
 
 # ---- the layers ------------------------------------------------------------------------
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(CppLinear):
     """A quantized weight in place of a dense layer, run at every row count."""
-    cpp_kernel = "quantized"    # with nanopaged's kernels (`ops`), the fused layer loop runs it in C++ (fused.py)
-    ops = None
+    ops = None                  # nanopaged's kernels, where they run it: the fused layer loop then runs it in C++
 
     def __init__(self, dense: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = dense.in_features, dense.out_features
-        self.shard_sizes = getattr(dense, "shard_sizes", None)
         self.bias = None if dense.bias is None else dense.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: (tokens, in_features)
         y = self.quantized_matmul(x)
         return y if self.bias is None else y + self.bias
+
+    def describe_cpp(self, describe):
+        """In C++ where nanopaged's kernels hold the codes; else None (torch's kernel, called back)."""
+        if self.ops is None:
+            return None
+        lin = self.ops.Linear()
+        lin.out_features, lin.kind = self.out_features, self.ops.LinearKind.QUANTIZED
+        lin.packed, lin.group, lin.bits = self.packed, self.group_size, self.bits
+        lin.bias = torch.empty(0) if self.bias is None else self.bias
+        return lin
 
 
 class Int4Linear(QuantizedLinear):

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from nanopaged.engine.extension import Extension
+
 CHECK_EVERY_S = 0.5
 START_WINDOW_S = 0.05      # 5 clock ticks at Linux's usual 100 Hz: enough to see a busy core
 
@@ -41,7 +43,7 @@ def threads_for(num_cores: int, other_busy_cores: float, max_threads: int) -> in
     return max(1, min(max_threads, int(num_cores - other_busy_cores + 0.5)))
 
 
-class ThreadGovernor:
+class ThreadGovernor(Extension):
     def __init__(self, read=read_cpu_times, num_cores: int | None = None,
                  set_threads=torch.set_num_threads, clock=time.monotonic) -> None:
         self.read, self.set_threads, self.clock = read, set_threads, clock   # fakes in the tests
@@ -63,8 +65,8 @@ class ThreadGovernor:
         else:
             self._apply(self.want)
 
-    def __call__(self, _step=None) -> None:
-        """After a step (an engine observer): check at most every CHECK_EVERY_S."""
+    def observe(self, _step=None) -> None:
+        """After a step (an extension that observes): check at most every CHECK_EVERY_S."""
         self.check(min_interval=CHECK_EVERY_S)
 
     def check(self, min_interval: float) -> None:

@@ -7,34 +7,32 @@ All validation happens before a request is queued: one that can never run raises
 ValueError and the engine goes on serving the others. `LLM.generate` (llm.py) is a loop
 over `step`; drive the engine directly to stream. docs/00_how_to_read.md walks one step.
 
-Extensions reach the engine through its hooks: `step(select_tokens)` takes a token-selection
-rule in place of `token_selection` for one step (beam search; `track` follows the sequences it
-forks), every function in `observers` sees each step's `StepRecord` (statistics, the bench),
-and `make_runner` builds another runner with ModelRunner's interface (tensor parallelism).
-A SamplingParams field can also turn an extension on (FIELD_EXTENSIONS: structured outputs): it
-is installed the first time a request sets the field and adds a logits processor and a stop
-rule (`add_logits_processor`, `add_stop_rule`). An engine setting can too (CONFIG_EXTENSIONS:
-speculative decoding), installed with the engine: it replaces `token_selection` and adds a
-proposer, a function in `proposers` that each step ends with, guessing the running requests'
-next tokens.
+Everything beyond the core attaches through one interface, `Extension` (extension.py): the engine
+installs each registered kind (nanopaged/extensions.py) that its settings ask for, or that a request's
+fields ask for the first time one does, and calls the hooks each extension overrides, in the
+registry's order. `install` adds an extension object made elsewhere (the statistics, the thread
+governor, a benchmark's watcher); `find` looks installed ones up by type. `step(select_tokens)` takes
+a token-selection rule for one step (a search that chooses its own tokens); `make_runner` builds
+another runner with ModelRunner's interface (ranks behind it). docs/00_how_to_extend.md.
 """
 from __future__ import annotations
 
-import importlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields as dataclass_fields
 from functools import cached_property
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence, TypeVar
 
 from nanopaged.config import EngineConfig
 from nanopaged.core.block_pool import BlockPool
 from nanopaged.core.request import Request, RequestStatus, SampledToken
 from nanopaged.core.scheduler import Scheduler, SchedulerOutput
+from nanopaged.engine.extension import Extension
 from nanopaged.engine.input_processor import InputProcessor, PromptType, load_tokenizer
-from nanopaged.engine.output_processor import OutputProcessor, StopRule
+from nanopaged.engine.output_processor import OutputProcessor
+from nanopaged.extensions import EXTENSIONS
+from nanopaged.models.pipeline import ModelStage
 from nanopaged.outputs import RequestOutput
-from nanopaged.sample.logits_processors import LogitsProcessor
 from nanopaged.sample.parallel_sampling import ParallelSampler
 from nanopaged.sample.sampler import Sampler
 from nanopaged.sampling_params import SamplingParams
@@ -42,23 +40,16 @@ from nanopaged.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 # A token-selection rule: each sampling request's tokens this step (one; with drafts, those accepted and one more)
 SelectTokens = Callable[[ModelRunnerOutput], dict[Request, list[SampledToken]]]
+E = TypeVar("E")
 
 
 class TokenSelection(Protocol):
-    """The engine's own rule (sample/: ParallelSampler, or RejectionSampler with drafts): it also
+    """The engine's own rule (sample/: ParallelSampler; an extension may wrap or replace it): it also
     learns of every request queued and finished."""
 
     def __call__(self, runner_output: ModelRunnerOutput) -> dict[Request, list[SampledToken]]: ...
     def add(self, samples: list[Request]) -> None: ...
     def forget(self, request: Request) -> None: ...
-
-
-# SamplingParams fields that an extension beside the engine implements: its module's `install(engine)`
-# runs when a request first sets the field, and returns what `prepare`s each such request.
-FIELD_EXTENSIONS = {"structured_outputs": "nanopaged.structured_output"}
-# EngineConfig fields that do the same: installed when the engine is built, if set
-CONFIG_EXTENSIONS = {"speculative_config": "nanopaged.spec_decode", "enable_lora": "nanopaged.lora",
-                     "pooler_config": "nanopaged.pooling"}
 
 
 @dataclass
@@ -79,10 +70,15 @@ class StepRecord:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig,
-                 make_runner: Callable[[EngineConfig], ModelRunner] = ModelRunner) -> None:
+                 make_runner: Callable[[EngineConfig, list[ModelStage]], ModelRunner] = ModelRunner,
+                 extensions: Sequence[type[Extension]] = EXTENSIONS) -> None:
         self.config = config
+        self.extension_kinds = tuple(extensions)      # what may be installed, in the order hooks run
+        for kind in self.extension_kinds:             # every setting checked before any weight loads
+            kind.check_config(config)
+        wanted = [kind(config) for kind in self.extension_kinds if kind.wanted(config)]
         self.tokenizer = load_tokenizer(config.tokenizer)
-        self.runner = make_runner(config)
+        self.runner = make_runner(config, [stage for ext in wanted for stage in ext.model_stages()])
         block_pool = BlockPool(self.runner.num_kv_blocks, config.block_size,
                                config.enable_prefix_caching, config.prefix_hash)
         self.scheduler = Scheduler(block_pool, config.max_num_seqs, config.max_num_batched_tokens)
@@ -90,60 +86,98 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sampler = Sampler(self.runner.device, config.seed, self.runner.fast_path.argmax)
         self.token_selection: TokenSelection = ParallelSampler(self.sampler)
-        self.observers: list[Callable[[StepRecord], None]] = []
-        self.proposers: list[Callable[[list[Request]], None]] = []   # set running requests' spec_token_ids
-        self.extensions: dict[str, object] = {}            # the extensions installed so far, by module
-        self._installing = threading.Lock()
-        for name, module in CONFIG_EXTENSIONS.items():
-            if getattr(config, name) not in (None, False):
-                self.extension(module)
+        self.extensions: list[Extension] = []          # installed, in the order their hooks run
+        self.hooks: dict[str, list[Callable]] = {name: [] for name in HOOKS}
+        self._installing = threading.RLock()     # the server adds requests on several threads
+        for ext in wanted:
+            self.install(ext)
 
     def get_tokenizer(self):
         return self.tokenizer
 
-    def add_logits_processor(self, processor: LogitsProcessor) -> None:
-        """An extension's processor sees each step's logits before anything is chosen, under every
-        token-selection rule (sample/logits_processors.py)."""
-        self.sampler.logits_processors.append(processor)
-
-    def add_stop_rule(self, rule: StopRule) -> None:
-        """An extension's rule says when a request's output is complete (check_stop's rule 0)."""
-        self.output_processor.stop_rules.append(rule)
-
     @cached_property
     def model_config(self):
         """vLLM's ModelConfig, with the names its clients read (nanopaged/vllm_compat.py)."""
-        from nanopaged.vllm_compat import VllmModelConfig
+        from nanopaged.vllm_compat import VllmModelConfig   # vLLM's names, for its clients only
         return VllmModelConfig(self.config)
+
+    # ---- extensions -----------------------------------------------------------------------
+    def install(self, ext: Extension) -> Extension:
+        """Attach an extension: it looks at the engine, then each hook it overrides joins the
+        engine's lists, in the registry's order of kinds (others after them, in the order given)."""
+        with self._installing:
+            ext.attach(self)
+            order = self._order(type(ext))
+            at = sum(1 for e in self.extensions if self._order(type(e)) <= order)
+            self.extensions.insert(at, ext)
+            self.token_selection = ext.wrap_token_selection(self.token_selection)
+            self.input_processor = ext.input_processor(self.input_processor)
+            self.output_processor = ext.output_processor(self.output_processor)
+            self._rebuild_hooks()
+            return ext
+
+    def remove(self, ext: Extension) -> None:
+        """Detach an extension that changes nothing but watches (a progress bar, a benchmark's timer)."""
+        with self._installing:
+            self.extensions.remove(ext)
+            self._rebuild_hooks()
+
+    def _order(self, kind: type) -> int:
+        kinds = self.extension_kinds
+        return kinds.index(kind) if kind in kinds else len(kinds)
+
+    def _rebuild_hooks(self) -> None:
+        """The lists the step walks: each extension's bound methods for the hooks it overrides. The
+        scheduler, runner, sampler and output processor are handed theirs."""
+        self.hooks = {name: [getattr(e, name) for e in self.extensions if type(e).overrides(name)] for name in HOOKS}
+        self.scheduler.admission_rules = self.hooks["admit"]
+        self.runner.before_forward = self.hooks["before_forward"]
+        self.sampler.logits_processors = self.hooks["process_logits"]
+        self.output_processor.stop_rules = self.hooks["stop"]
+
+    def find(self, kind: type[E]) -> E | None:
+        """The installed extension of this type (or offering this capability), or None."""
+        return next((e for e in self.extensions if isinstance(e, kind)), None)
+
+    def extension(self, kind: type[E]) -> E | None:
+        """The installed extension of this kind; if there is none, installed now where a request may
+        install it (`Extension.late_install`), else None."""
+        with self._installing:            # another thread may be installing it now
+            found = self.find(kind)
+            if found is None and kind.late_install(self.config):
+                found = self.install(kind(self.config))
+            return found
 
     # ---- requests in ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    lora_request=None) -> None:
-        self.queue(self.process_request(request_id, prompt, params, lora_request))
+                    **fields) -> None:
+        self.queue(self.process_request(request_id, prompt, params, **fields))
 
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                        lora_request=None) -> list[Request]:
+                        **fields) -> list[Request]:
         """Tokenize and validate without queueing: the request's n sequences, or a ValueError.
-        A `lora_request` (a LoRARequest) is checked and its adapter read by the LoRA extension."""
+        `fields`: keywords an extension implements (vLLM's `lora_request`); a None value is absent."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
+        fields = {name: value for name, value in fields.items() if value is not None}
+        known = {name for kind in self.extension_kinds for name in kind.request_fields}
+        keywords = known - PARAM_FIELDS
+        if not set(fields) <= keywords:
+            raise ValueError(f"unknown request field(s) {sorted(set(fields) - keywords)}; known: {sorted(keywords)}")
         samples = self.input_processor.process(request_id, prompt, params)
-        if lora_request is not None:
-            if "nanopaged.lora" not in self.extensions:
-                raise ValueError(f"lora_request={lora_request!r} needs an engine made with enable_lora=True")
-            self.extensions["nanopaged.lora"].prepare(samples, lora_request)
-        for name, module in FIELD_EXTENSIONS.items():
-            if getattr(samples[0].sampling_params, name) is not None:
-                self.extension(module).prepare(samples)     # its own checks and work, before any queueing
+        params = samples[0].sampling_params
+        given = {**{name: getattr(params, name) for name in known & PARAM_FIELDS
+                    if getattr(params, name, None) is not None}, **fields}
+        for kind in self.extension_kinds:       # installed on first use, in the registry's order
+            if set(kind.request_fields) & set(given):
+                self.extension(kind)
+        for ext in self.extensions:              # their own checks and work, before any queueing
+            if set(type(ext).request_fields) & set(given):
+                ext.prepare(samples, given)
+        keys = tuple(key for key_of in self.hooks["block_hash_keys"] for key in key_of(samples[0]))
+        for sample in samples:
+            sample.extra_keys = keys
         return samples
-
-    def extension(self, module: str):
-        """The extension in `module`, installed into this engine on first use (under a lock: the
-        server processes requests on several threads); a ValueError if it cannot be."""
-        with self._installing:
-            if module not in self.extensions:
-                self.extensions[module] = importlib.import_module(module).install(self)
-            return self.extensions[module]
 
     def queue(self, samples: list[Request]) -> None:
         """Queue the first sequence; the others (n > 1) fork off it once its prompt is done."""
@@ -166,10 +200,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.output_processor.aborted)
 
-    # ---- one step -------------------------------------------------------------------------
+# ---- one step -------------------------------------------------------------------------
     def step(self, select_tokens: SelectTokens | None = None) -> list[RequestOutput]:
         """Schedule, run the model once, choose tokens, update; the outputs of the requests
-        that advanced. `select_tokens` replaces the sampler (beam search chooses its own); it
+        that advanced. `select_tokens` replaces the sampler (a search that chooses its own); it
         must give every row a token, unless its caller aborts that request before the next step.
         If the step fails, its requests end with "abort" and the error goes on to the caller."""
         aborted, self.output_processor.aborted = self.output_processor.aborted, []
@@ -189,11 +223,11 @@ class LLMEngine:
             outputs, stopped = self.output_processor.process(sampled, runner_output.prompt_logits)  # 4. outputs
             record = StepRecord(scheduler_output, sampled, outputs, stopped, self.scheduler.running,
                                 (t0, t1, t2, t3))
-            for observer in self.observers:
-                observer(record)
+            for observe in self.hooks["observe"]:
+                observe(record)
             for request, status in stopped:
                 self._finish(request, status)
-            for propose in self.proposers:                                           # 5. guess ahead
+            for propose in self.hooks["propose"]:                                    # 5. guess ahead
                 propose(self.scheduler.running)
         except BaseException:
             self._abort_step(scheduler_output)
@@ -203,6 +237,8 @@ class LLMEngine:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(request, status)
         self.token_selection.forget(request)
+        for forget in self.hooks["forget"]:
+            forget(request)
 
     def _abort_step(self, scheduler_output: SchedulerOutput) -> None:
         """A step failed (a bug, out of memory, Ctrl-C): its requests end with "abort" and give
@@ -223,3 +259,8 @@ class LLMEngine:
 
 class EngineStalled(RuntimeError):
     """Requests are queued but no step can schedule any of them: waiting would not help."""
+
+
+# The hooks an extension may override that the engine keeps lists of (the others it calls once, at install).
+HOOKS = ("block_hash_keys", "admit", "before_forward", "process_logits", "stop", "forget", "observe", "propose")
+PARAM_FIELDS = frozenset(f.name for f in dataclass_fields(SamplingParams))   # request fields set on SamplingParams

@@ -1,7 +1,8 @@
 """Engine statistics, gathered by watching the steps: `LLM.get_stats()` and the progress bar.
 
-`EngineStats(engine)` adds itself to `engine.observers` and reads each `StepRecord`, taken
-while the step's blocks are still held. KV utilization is the paper's measure of how much
+`EngineStats`, installed on an engine (an extension that observes: engine/extension.py), reads each
+`StepRecord`, taken while the step's blocks are still held, and asks every other extension for its
+figures (`Extension.stats`). KV utilization is the paper's measure of how much
 reserved KV memory holds real tokens (Fig. 2): tokens with K/V stored / slots of the blocks
 held, summed over steps; the sharing saving is its section 6.3 measure. docs/07_benchmarks.md
 explains every figure.
@@ -13,14 +14,17 @@ import time
 from tqdm.auto import tqdm
 
 from nanopaged.cpu.features import bf16_matrix_units
+from nanopaged.engine.extension import Extension
 from nanopaged.engine.llm_engine import LLMEngine, StepRecord
 
 
-class EngineStats:
-    def __init__(self, engine: LLMEngine) -> None:
+class EngineStats(Extension):
+    def __init__(self) -> None:
+        self.engine: LLMEngine | None = None
+
+    def attach(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.reset()
-        engine.observers.append(self)
 
     def reset(self) -> None:
         """Start counting afresh (the bench does, after its warm-up)."""
@@ -31,10 +35,8 @@ class EngineStats:
         self.kv_tokens_stored = self.kv_slots_held = 0              # tokens with K/V / slots of the tables
         self.max_num_running = 0
         self.model_time_s = self.schedule_time_s = 0.0
-        # the counters of speculative decoding and LoRA run on (spec_decode/stats.py, lora/manager.py);
-        # these count from here
-        self.bases = {name: ext.stats.copy() for name, ext in self.engine.extensions.items()
-                      if name in ("nanopaged.spec_decode", "nanopaged.lora")}
+        for ext in self.engine.extensions:        # each extension's counters count from here too
+            ext.reset_stats()
         self._moe(reset=True)
 
     def _moe(self, reset: bool = False) -> dict | None:
@@ -44,14 +46,14 @@ class EngineStats:
         from nanopaged.models.moe import expert_load
         return expert_load(self.engine.runner.model, reset)
 
-    def since_reset(self, name: str):
-        """An extension's counters since the last reset, where the engine has it; else None."""
-        return self.engine.extensions[name].stats.since(self.bases[name]) if name in self.bases else None
+    def extension_stats(self) -> dict:
+        """Every registered extension's figures since the last reset, under its name; None where the
+        engine does not have it."""
+        figures = {kind.name: None for kind in self.engine.extension_kinds}
+        figures.update({ext.name: ext.stats() for ext in self.engine.extensions if ext.name})
+        return figures
 
-    def spec_decode_stats(self):
-        return self.since_reset("nanopaged.spec_decode")
-
-    def __call__(self, step: StepRecord) -> None:
+    def observe(self, step: StepRecord) -> None:
         out, pool = step.scheduler_output, self.engine.scheduler.block_pool
         self.num_steps += 1
         self.num_preemptions += len(out.preempted)
@@ -117,11 +119,8 @@ class EngineStats:
             "num_generated_tokens": self.num_generated_tokens,
             "model_time_s": self.model_time_s,
             "schedule_time_s": self.schedule_time_s,
-            # speculative_config: drafts, draft tokens, accepted tokens (per position), mean acceptance length
-            "spec_decode": spec.as_dict() if (spec := self.spec_decode_stats()) else None,
-            # enable_lora: adapters in memory and in slots, folders read, slot loads and waits, active per step
-            "lora": lora.as_dict() if (lora := self.since_reset("nanopaged.lora")) else None,
             "moe": self._moe(),                                   # a mixture of experts: tokens per expert
+            **self.extension_stats(),                             # e.g. spec_decode, lora (docs/07_benchmarks.md)
         }
 
     def prefix_cache_hit_rate(self) -> float:
@@ -129,9 +128,9 @@ class EngineStats:
         return self.prefix_cache_hits / q if q else 0.0
 
 
-class ProgressBar:
+class ProgressBar(Extension):
     """The bar of one generate call, with the figures a user watches after every step:
-    output tokens/s, KV cache usage, prefix-cache hit rate, preemptions."""
+    output tokens/s, KV cache usage, prefix-cache hit rate, preemptions, and each extension's own."""
 
     def __init__(self, stats: EngineStats, total: int, enabled: bool) -> None:
         self.stats, self.enabled = stats, enabled
@@ -139,17 +138,17 @@ class ProgressBar:
         self.start, self.tokens = time.perf_counter(), 0
 
     def __enter__(self) -> "ProgressBar":
-        self.stats.engine.observers.append(self.on_step)
+        self.stats.engine.install(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stats.engine.observers.remove(self.on_step)
+        self.stats.engine.remove(self)
         self.bar.close()
 
     def update(self, n: int) -> None:
         self.bar.update(n)
 
-    def on_step(self, step: StepRecord) -> None:
+    def observe(self, step: StepRecord) -> None:
         self.tokens += step.num_tokens
         if self.enabled:
             s = self.stats
@@ -158,6 +157,5 @@ class ProgressBar:
                 f"KV {s.engine.scheduler.block_pool.usage():.1%}, "
                 f"prefix hit {s.prefix_cache_hit_rate():.0%}, "
                 f"preempted {s.num_preemptions}"
-                + (f", accepted {spec.mean_acceptance_length:.2f}/step" if (spec := s.spec_decode_stats()) else "")
-                + (f", adapters {lora.active_now}" if (lora := s.since_reset("nanopaged.lora")) else ""),
+                + "".join(f", {figure}" for ext in s.engine.extensions if (figure := ext.progress())),
                 refresh=False)

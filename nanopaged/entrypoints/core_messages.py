@@ -21,6 +21,7 @@ import dataclasses
 import msgspec
 
 from nanopaged.lora.request import LoRARequest
+from nanopaged.spec_decode.extension import SpeculativeDecoding
 from nanopaged.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -110,10 +111,9 @@ class AdapterDone(msgspec.Struct, tag=True):
 
 def figures_of(engine, stats) -> Figures:
     """The engine's figures for /metrics (metrics.py), from engine/stats.py's counts, their one owner."""
-    from nanopaged import spec_decode
-    s, spec = engine.scheduler, spec_decode.of(engine)
-    spec = None if spec is None else [spec.stats.num_drafts, spec.stats.num_draft_tokens,
-                                      spec.stats.num_accepted_tokens, list(spec.stats.accepted_per_pos)]
+    s, spec = engine.scheduler, engine.find(SpeculativeDecoding)
+    spec = None if spec is None else [spec.counters.num_drafts, spec.counters.num_draft_tokens,
+                                      spec.counters.num_accepted_tokens, list(spec.counters.accepted_per_pos)]
     return Figures(len(s.running), len(s.waiting), s.block_pool.usage(), stats.num_preemptions,
                    stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_generated_tokens, spec)
 

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import zmq
 
 from nanopaged.entrypoints import core_messages as m
+from nanopaged.lora.extension import LoRA
 
 logger = logging.getLogger("nanopaged.entrypoints.engine_core")
 CHECK_THREADS = 2         # process_request beside the steps (tokenizer-free: a grammar, an adapter)
@@ -42,7 +43,7 @@ def run_engine_core(model: str | None, settings: dict, address: str, ready, life
         raise SystemExit(1) from None
     core = EngineCore(llm, address)
     ready.send(("ready", llm.llm_engine.config, llm.llm_engine.runner.num_kv_blocks,
-                "nanopaged.lora" in llm.llm_engine.extensions))
+                llm.llm_engine.find(LoRA) is not None))
     ready.close()
     core.run()
     del lifeline                                      # closed with the process, on purpose
@@ -127,7 +128,8 @@ class EngineCore:
             prompt["cache_salt"] = message.cache_salt
         params = (m.pooling_from_wire(message.pooling) if message.pooling is not None
                   else m.core_params(message.params))
-        return self.engine.process_request(message.request_id, prompt, params, m.lora_from_wire(message.lora))
+        return self.engine.process_request(message.request_id, prompt, params,
+                                           lora_request=m.lora_from_wire(message.lora))
 
     def queue_checked(self) -> None:
         """Queue the checked requests in the order they arrived (a later one waits for an earlier)."""
@@ -187,10 +189,11 @@ class EngineCore:
     def adapter(self, message: m.Adapter) -> m.AdapterDone:
         """Read and check an adapter, or drop one (by its id alone) once no request uses it."""
         lora_int_id = int(message.lora[1])
-        manager = self.engine.extensions.get("nanopaged.lora")
+        lora = self.engine.find(LoRA)
         try:
-            if manager is None:
+            if lora is None:
                 raise ValueError("the engine was started without enable_lora")
+            manager = lora.manager
             if message.load:
                 manager.adapter(m.lora_from_wire(message.lora))
             else:

@@ -269,10 +269,12 @@ def serve_in_process(args: argparse.Namespace, key: str | None) -> None:
     from nanopaged.entrypoints.openai.limits import BodyLimits
     from nanopaged.entrypoints.openai.metrics import ServerMetrics
     from nanopaged.llm import LLM
+    from nanopaged.lora.extension import LoRA
 
     try:
         llm = LLM(args.model, **engine_settings(args))
-        models = served_models(args, llm.llm_engine.extensions.get("nanopaged.lora"), llm.llm_engine.config.max_model_len)
+        lora = llm.llm_engine.find(LoRA)
+        models = served_models(args, lora and lora.manager, llm.llm_engine.config.max_model_len)
     except ValueError as e:                     # a bad setting, model or adapter folder: say which, no traceback
         sys.exit(f"nanopaged serve: {e}")
     engine, metrics = llm.llm_engine, ServerMetrics()

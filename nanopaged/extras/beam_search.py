@@ -115,9 +115,11 @@ def beam_search(engine: LLMEngine, prompts: PromptType | list[PromptType],
         raise ValueError("beam_search does not run on an engine with speculative_config; build an LLM without it")
     # Every prompt must fit, before any work; max_tokens past the context is clipped, as generate does.
     loras = per_prompt("lora_request", lora_request, len(prompts))
-    checked = [engine.process_request(f"beam-check-{i}", p, SamplingParams(max_tokens=params.max_tokens), lora)
+    checked = [engine.process_request(f"beam-check-{i}", p, SamplingParams(max_tokens=params.max_tokens),
+                                     lora_request=lora)
                for i, (p, lora) in enumerate(zip(prompts, loras))]
-    return BeamSearcher(engine, params).run([(seqs[0].prompt_token_ids, seqs[0].max_tokens, seqs[0].lora_request)
+    return BeamSearcher(engine, params).run([(seqs[0].prompt_token_ids, seqs[0].max_tokens,
+                                              seqs[0].extension_fields.get("lora_request"))
                                              for seqs in checked])
 
 
@@ -191,7 +193,7 @@ class BeamSearcher:
         params = SamplingParams(temperature=0, ignore_eos=True,
                                 max_tokens=s.max_tokens - (len(tokens) - len(s.prompt)))
         [request] = self.engine.process_request(f"beam-{self.num_requests}", {"prompt_token_ids": tokens}, params,
-                                                s.lora_request)
+                                                lora_request=s.lora_request)
         return request
 
     # ---- one step of one prompt's search ---------------------------------------------

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanopaged.cpu.linear import CppLinear
+
 # nanopaged's fused projections and the Hugging Face projections they hold, in order
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -74,16 +76,14 @@ class Dpbf16SlotWeights:
 NO_BIAS = torch.empty(0)
 
 
-class LoRALinear(nn.Module):
+class LoRALinear(CppLinear):
     """base(x) plus, for the rows of each adapter in the step, that adapter's update."""
 
-    def __init__(self, base: nn.Module, layer: int, parts: tuple[str, ...], max_loras: int, step: StepAdapters,
-                 device: torch.device, ops=None) -> None:
+    def __init__(self, base: nn.Module, layer: int, parts: tuple[str, ...], widths: list[int], max_loras: int,
+                 step: StepAdapters, device: torch.device, ops=None) -> None:
         super().__init__()
         self.base, self.layer, self.parts, self.step, self.device = base, layer, parts, step, device
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.shard_sizes = getattr(base, "shard_sizes", None)
-        widths = self.shard_sizes or [self.out_features]
         self.columns = [(sum(widths[:i]), w) for i, w in enumerate(widths)]   # each part's first column, width
         self.ops = ops            # the C++ kernels: the updates run on nanopaged's bfloat16 kernel
         self.slots: list[SlotWeights | Dpbf16SlotWeights | None] = [None] * max_loras
@@ -97,6 +97,15 @@ class LoRALinear(nn.Module):
             if weights is not None:           # None: this adapter leaves the projection as it is
                 weights.add_to(y, x.index_select(0, rows), rows)
         return y
+
+    def describe_cpp(self, describe):
+        """To the fused layer loop: the base layer, with the updates beside it where they run in C++;
+        else None (called back in Python, F.linear's updates)."""
+        if self.cpp_slots is None:
+            return None
+        lin = describe(self.base)
+        lin.lora = self.cpp_slots
+        return lin
 
     def load(self, slot: int, adapter) -> None:
         """Put the adapter's update of this projection (if it has one) into `slot`."""
@@ -130,7 +139,18 @@ def wrap_linears(model: nn.Module, max_loras: int, step: StepAdapters, device: t
         for owner in (layer.self_attn, layer.mlp):
             for name, parts in FUSED_PARTS.items():
                 if hasattr(owner, name):
-                    lora = LoRALinear(getattr(owner, name), i, parts, max_loras, step, device, ops)
+                    base = getattr(owner, name)
+                    lora = LoRALinear(base, i, parts, part_widths(owner, name, base), max_loras, step, device, ops)
                     setattr(owner, name, lora)
                     wrapped.append(lora)
     return wrapped
+
+
+def part_widths(owner: nn.Module, name: str, linear: nn.Module) -> list[int]:
+    """The output widths of the Hugging Face projections a fused one holds, from the model's own
+    layers (the attention's split of q, k and v; gate and up are equal halves)."""
+    if name == "qkv_proj":
+        return [owner.q_size, owner.kv_size, owner.kv_size]
+    if name == "gate_up_proj":
+        return [linear.out_features // 2] * 2
+    return [linear.out_features]

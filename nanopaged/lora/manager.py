@@ -13,8 +13,10 @@ Two pools, as in vLLM (vllm/lora/worker_manager.py, models.py):
             stays in its slot after its requests finish; a new one takes the least recently used
             slot that the step does not need.
 
-Before each forward (`before_forward`, a ModelRunner hook) the manager puts the step's adapters into
-slots and tells the LoRA linears which rows use which slot. docs/12_lora.md.
+Its LoRA linears wrap the model's projections in the model pipeline's `adapters` stage (`wrap`), so
+the fused layer loop is built once with their slots. Before each forward (`before_forward`) the manager
+puts the step's adapters into slots and tells the LoRA linears which rows use which slot.
+extension.py attaches it to the engine; docs/12_lora.md.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import torch
 
 from nanopaged.core.request import Request
 from nanopaged.cpu.build import cpu_ops
+from nanopaged.cpu.fused import FusedLlamaModel
+from nanopaged.cpu.linear import Dpbf16Linear
 from nanopaged.lora.adapter import LoRAAdapter, load_adapter
 from nanopaged.lora.layers import StepAdapters, wrap_linears
 from nanopaged.lora.request import LoRARequest
@@ -59,11 +63,11 @@ class LoRAStats:
 
 
 class LoRAManager:
-    def __init__(self, engine) -> None:
-        cfg = engine.config
+    def __init__(self, cfg) -> None:
         self.max_loras, self.max_cpu_loras, self.max_lora_rank = cfg.max_loras, cfg.max_cpu_loras, cfg.max_lora_rank
-        self.model_config, self.dtype = engine.runner.model_config, engine.runner.dtype
-        self.device = engine.runner.device
+        # adapters run in one process (no tensor parallelism): the model's own shapes, dtype and device
+        self.model_config, self.dtype = cfg.model_config, getattr(torch, cfg.dtype)
+        self.device = torch.device(cfg.device)
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()   # read adapters, least recently used first
         self.requests: dict[int, LoRARequest] = {}                      # id -> the LoRARequest it was read for
         self.users: dict[int, weakref.WeakSet] = {}                     # id -> requests that name it
@@ -73,12 +77,19 @@ class LoRAManager:
         self.stats = LoRAStats()
         self.lock = threading.Lock()
         self.step = StepAdapters([])
-        fast = engine.runner.fast_path       # the updates run on nanopaged's bfloat16 kernel beside its linears
-        ops = cpu_ops() if fast.linear == "dpbf16" else None
-        self.layers = wrap_linears(engine.runner.model, self.max_loras, self.step, self.device, ops)
-        self.fused = describe_to_fused_loop(engine.runner.model) if fast.layers == "fused" else None
-        engine.runner.before_forward.append(self.before_forward)
-        engine.scheduler.admission_rules.append(self.has_slot)
+        self.layers: list = []
+        self.fused = None                     # the fused layer loop, where it runs the updates in C++
+
+    def wrap(self, model):
+        """The model pipeline's `adapters` stage: every decoder projection in a LoRA linear. Where the
+        linears run on nanopaged's bfloat16 kernel, the updates do too (each row alone: batch invariance)."""
+        ops = cpu_ops() if any(isinstance(m, Dpbf16Linear) for m in model.modules()) else None
+        self.layers = wrap_linears(model, self.max_loras, self.step, self.device, ops)
+        return model
+
+    def find_fused_loop(self, model) -> None:
+        """After the pipeline: the fused layer loop, if the fuse stage built one (its descriptors hold the slots)."""
+        self.fused = model.model if isinstance(getattr(model, "model", None), FusedLlamaModel) else None
 
     # ---- requests in ---------------------------------------------------------------------------
     def prepare(self, samples: list[Request], lora_request) -> None:
@@ -95,7 +106,7 @@ class LoRAManager:
             self._adapter(lora_request)
             users = self.users.setdefault(lora_request.lora_int_id, weakref.WeakSet())
             for sample in samples:
-                sample.lora_request = lora_request
+                sample.extension_fields["lora_request"] = lora_request
                 users.add(sample)
 
     def adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
@@ -187,21 +198,5 @@ class LoRAManager:
 
 def adapter_id(request: Request) -> int:
     """The request's lora_int_id; 0: the base model."""
-    return request.lora_request.lora_int_id if request.lora_request else 0
-
-
-def describe_to_fused_loop(model):
-    """The fused layer loop describes each linear once (cpu/fused.py): describe it again, each LoRA linear as
-    its base layer with the updates beside it (run in C++), or, where they run on F.linear, as a callable."""
-    from nanopaged.cpu.fused import FusedLlamaModel, describe
-    fused = model.model = FusedLlamaModel(model.model)
-    described = fused.decoder.layers                  # copies: changed here, then handed back
-    for desc, layer in zip(described, fused.layers):
-        for field, linear in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
-                              ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
-            if linear.cpp_slots is not None:
-                d = describe(linear.base)
-                d.lora = linear.cpp_slots
-                setattr(desc, field, d)
-    fused.decoder.layers = described
-    return fused
+    lora_request = request.extension_fields.get("lora_request")
+    return lora_request.lora_int_id if lora_request else 0

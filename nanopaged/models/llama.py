@@ -87,6 +87,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_size, self.kv_size = q_size, kv_size       # the split of qkv_proj's output, whatever runs it
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.qkv_proj.shard_sizes = [q_size, kv_size, kv_size]      # read by the loader
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
@@ -100,7 +101,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
-        q_size, kv_size, _ = self.qkv_proj.shard_sizes
+        q_size, kv_size = self.q_size, self.kv_size
         qk, v = self.qkv_proj(x).split([q_size + kv_size, kv_size], dim=-1)
         if self.qk_norm == "projection":
             qk = torch.cat((self.q_norm(qk[:, :q_size]), self.k_norm(qk[:, q_size:])), dim=1)

@@ -27,7 +27,7 @@ def embed(llm, prompts, pooling_params=None, use_tqdm: bool = True, lora_request
     params = per_prompt("PoolingParams", pooling_params, len(prompts))
     loras = per_prompt("lora_request", lora_request, len(prompts))
     with llm.one_call_at_a_time():
-        requests = [engine.process_request(llm._new_request_id(), p, pp, lora)
+        requests = [engine.process_request(llm._new_request_id(), p, pp, lora_request=lora)
                     for p, pp, lora in zip(prompts, params, loras)]     # all checked before any is queued
         for samples in requests:
             engine.queue(samples)

@@ -2,9 +2,9 @@
 
 The sampler (sampler.py: Sampler.process_logits) applies two kinds, in vLLM's order:
 
-  an extension's processors   added through `LLMEngine.add_logits_processor` (structured outputs'
-                              grammar mask): first, before the logprobs are taken, as vLLM applies
-                              its grammar bitmask before its sampler
+  the extensions' processors  each extension's `process_logits` (engine/extension.py; structured
+                              outputs' grammar mask): first, before the logprobs are taken, as vLLM
+                              applies its grammar bitmask before its sampler
   SamplingParams' own rules   after the logprobs, in vLLM's order (v1/sample/sampler.py):
                               allowed_token_ids, bad_words, logit_bias; then the penalties;
                               then min_tokens (EOS and stop tokens blocked before it)
@@ -21,13 +21,10 @@ from nanopaged.core.request import Request
 
 
 class LogitsProcessor(Protocol):
-    """An extension's processor: row i of `logits` is requests[i]'s."""
+    """An extension's processor (Extension.process_logits): row i of `logits` is requests[i]'s."""
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The logits to sample from, leaving the tensor it is given as it was."""
-
-    def forget(self, request: Request) -> None:
-        """The request is finished: drop what is kept for it."""
 
 
 def apply_sampling_rules(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -50,7 +50,7 @@ class Sampler:
         self.argmax = argmax or torch_argmax
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.request_generators: dict[Request, torch.Generator] = {}
-        # step 0: an extension's processors (LLMEngine.add_logits_processor), in the order added
+        # step 0: the extensions' processors (Extension.process_logits), handed over by the engine in its order
         self.logits_processors: list[LogitsProcessor] = []
 
     @torch.inference_mode()
@@ -117,10 +117,8 @@ class Sampler:
         return g
 
     def forget(self, request: Request) -> None:
-        """The request is finished: drop its generator, and what the logits processors keep for it."""
+        """The request is finished: drop its generator (an extension forgets its own: Extension.forget)."""
         self.request_generators.pop(request, None)
-        for process in self.logits_processors:
-            process.forget(request)
 
 
 def top_k_top_p_min_p(probs: torch.Tensor, top_k: list[int], top_p: list[float],

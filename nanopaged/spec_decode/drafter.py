@@ -1,6 +1,7 @@
 """The drafter: the engine's one proposer. For each running request that decodes next, its drafts are
 
-    1. the tokens its grammar forces (structured outputs: the manager's `forced_drafts`), then
+    1. the tokens its grammar forces (an extension offering the ForcedDrafts capability,
+       engine/extension.py: structured outputs), then
     2. its method's drafts (n-gram, suffix, draft model) after them, as many as the draft budget
        grants (draft_budget.py), kept up to the first one the grammar refuses.
 
@@ -14,9 +15,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from nanopaged.core.request import Request
+from nanopaged.engine.extension import ForcedDrafts
 from nanopaged.spec_decode.draft_budget import DraftBudget, room
-
-STRUCTURED = "nanopaged.structured_output"
 
 
 class DraftMethod(Protocol):
@@ -33,21 +33,19 @@ class Drafter:
     def __init__(self, engine, method: DraftMethod | None, k: int, stats) -> None:
         """`method`: the configured proposer, or None (forced drafts only); k: most drafts a step."""
         self.engine, self.method, self.k, self.stats = engine, method, k, stats
-        self.budget = DraftBudget(stats)
-        engine.observers.append(self.budget)
+        self.budget = DraftBudget(stats)          # observes each step (the extension's `observe`)
         stats.acceptance = self.budget.rates
 
     def __call__(self, running: list[Request]) -> None:
         if self.method is not None:
             self.method.follow(running)
-        grammar = self.engine.extensions.get(STRUCTURED)    # installed by the first structured request
+        grammar = self.engine.find(ForcedDrafts)        # an extension that knows forced tokens, if installed
         wanted, forced_of = [], []
         for request in running:
             most = room(request, self.k)
             if not most:
                 continue
-            structured = request.sampling_params.structured_outputs is not None and grammar is not None
-            forced = grammar.forced_drafts(request, most) if structured else []
+            forced = grammar.forced_drafts(request, most) if grammar is not None else []
             if self.method is None and not forced:
                 continue
             wanted.append((request, len(forced), 0 if self.method is None else most - len(forced)))
@@ -60,7 +58,7 @@ class Drafter:
         drafted = dict(zip([r for r, _, _ in todo], self.method.propose(todo))) if todo else {}
         for (request, _, _), forced in zip(wanted, forced_of):
             more = drafted.get(request, [])
-            if more and request.sampling_params.structured_outputs is not None:
+            if more and grammar is not None:
                 more = grammar.allowed_drafts(request, forced, more)
             request.spec_token_ids = forced + more
             if request.spec_token_ids:

@@ -13,8 +13,8 @@ Per step (vLLM: v1/worker/gpu_model_runner.py, `_prepare_inputs`):
   query_start_loc        cu_seqlens_q: where each request's rows start in the flat batch
   seq_lens               each request's context length after this step
 Only requests whose step reaches the end of their known tokens sample (a request in the
-middle of a chunked prompt has nothing to sample yet); one with k draft tokens (speculative
-decoding) samples from its last k + 1 rows. docs/05_model_runner_and_kernels.md.
+middle of a chunked prompt has nothing to sample yet); one with k draft tokens (vLLM's
+spec_token_ids, verified this step) samples from its last k + 1 rows. docs/05_model_runner_and_kernels.md.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from nanopaged.models.config import ModelConfig
 from nanopaged.models.llama import LlamaForCausalLM
 from nanopaged.models.loader import load_weights, weight_bytes
 from nanopaged.sampling_params import SamplingParams
+from nanopaged.models.pipeline import ModelStage, run_pipeline
 
 
 @dataclass
@@ -56,10 +57,11 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    """Built in four steps a subclass may override (the tensor-parallel rank runner does):
-    load_model, determine_num_kv_blocks, allocate_kv_cache, wrap_model."""
+    """Built in four steps a subclass may override (a runner of one rank among several does):
+    load_model, determine_num_kv_blocks, allocate_kv_cache, wrap_model. `stages`: the extensions'
+    stages of the model pipeline (models/pipeline.py), run with the fast path's at load."""
 
-    def __init__(self, config: EngineConfig, device: torch.device | None = None,
+    def __init__(self, config: EngineConfig, stages: list[ModelStage] = (), device: torch.device | None = None,
                  model_config: ModelConfig | None = None) -> None:
         self.config = config
         self.model_config = model_config or config.model_config   # a rank's share, under tensor parallelism
@@ -68,7 +70,8 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         self.kv_cache_dtype = getattr(torch, KV_CACHE_DTYPES[config.kv_cache_dtype] or config.dtype)
         self.fast_path: FastPath = choose(config)     # what runs in place of the reference, on this machine
-        self.before_forward: list = []    # called with (SchedulerOutput, ModelInput) before each forward
+        self.stages = list(stages)
+        self.before_forward: list = []    # the engine's hooks, called with (SchedulerOutput, ModelInput) before each forward
         self.backend = load_attention_backend(self.fast_path.attention_backend)
         self.model = self.load_model()
         self.num_kv_blocks = self.determine_num_kv_blocks()
@@ -86,8 +89,8 @@ class ModelRunner:
                           "load a smaller model or dtype")      # before a tensor is made or read
         model = self.build_model().to(self.dtype)
         load_weights(model, self.config.model)
-        self.fast_path.apply(model)       # the chosen fast layers swapped in (nanopaged/cpu/choose.py)
-        return model.eval()
+        # the chosen fast layers (nanopaged/cpu/choose.py) and the extensions' rewrites, in the pipeline's order
+        return run_pipeline(model, self.fast_path.stages() + self.stages).eval()
 
     def wrap_model(self, model: nn.Module):
         """How the backend launches the whole model (e.g. CUDA graphs: attention/cuda_graphs.py)."""
@@ -205,7 +208,7 @@ class ModelRunner:
         (the lm_head is the largest matmul of a small model)."""
         self.copy_blocks(out.blocks_to_copy)
         inputs = self.prepare_inputs(out)
-        for hook in self.before_forward:      # an extension's per-step inputs (LoRA: each row's adapter)
+        for hook in self.before_forward:      # an extension's per-step inputs (each row's adapter)
             hook(out, inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])

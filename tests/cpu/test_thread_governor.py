@@ -39,19 +39,19 @@ def test_the_governor_follows_a_neighbour_that_comes_and_goes(monkeypatch):
                          clock=lambda: machine.t)
     gov.tick = TICK
     machine.run(0.2, other_cores=1.0)
-    gov()
+    gov.observe()
     assert calls == []                          # less than half a second: no reading yet
     machine.run(0.4, other_cores=0.8)
-    gov()
+    gov.observe()
     assert calls == [1] and gov.threads == 1    # a neighbour took a core
     machine.run(0.6, other_cores=1.0)
-    gov()
+    gov.observe()
     assert calls == [1]                         # still there: no change, no call
     machine.run(0.6, other_cores=0.0)
-    gov()
+    gov.observe()
     assert calls == [1, 2]                      # gone: both threads back
     machine.run(0.6, other_cores=1.0)
-    gov()
+    gov.observe()
     gov.restore()
     assert calls == [1, 2, 1, 2] and gov.threads == 2
 
@@ -82,7 +82,7 @@ def test_without_proc_it_does_nothing():
     calls = []
     gov = ThreadGovernor(read=lambda: None, num_cores=2, set_threads=calls.append)
     gov.start()
-    gov()
+    gov.observe()
     gov.restore()
     assert calls == []
 
@@ -104,7 +104,7 @@ def test_auto_threads_give_the_same_tokens_and_give_the_threads_back(tiny_model_
     assert fixed.thread_governor is None
     plain = fixed.generate(prompts, params, use_tqdm=False)
     llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=32)              # "auto" is the default
-    assert llm.thread_governor in llm.llm_engine.observers
+    assert llm.llm_engine.find(ThreadGovernor) is llm.thread_governor
     auto = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in auto] == [o.outputs[0].token_ids for o in plain]
     assert torch.get_num_threads() == before

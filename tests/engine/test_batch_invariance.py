@@ -14,7 +14,8 @@ import random
 import pytest
 import torch
 
-from nanopaged import LLM, EngineConfig, SamplingParams, spec_decode
+from nanopaged import LLM, EngineConfig, SamplingParams
+from nanopaged.spec_decode.extension import SpeculativeDecoding
 from nanopaged.cpu.choose import choose
 
 
@@ -97,7 +98,7 @@ def test_alone_equals_with_drafts_verified_in_the_batch(case):
     llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                                          "prompt_lookup_min": 1})
     assert answers(llm, batch) == want
-    assert spec_decode.of(llm.llm_engine).stats.num_draft_tokens > 0
+    assert llm.llm_engine.find(SpeculativeDecoding).counters.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("method", ["int4", "int8"])

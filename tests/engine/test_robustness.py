@@ -14,6 +14,7 @@ import pytest
 
 from conftest import make_prompts
 from nanopaged import LLM, BeamSearchParams, SamplingParams
+from nanopaged.engine.extension import StepObserver
 from nanopaged.engine.llm_engine import EngineStalled
 from nanopaged.core.scheduler import SchedulerOutput
 from nanopaged.sample.sampler import Sampler
@@ -99,12 +100,12 @@ def test_ctrl_c_in_generate_leaves_nothing_behind(llm, reference):
         if len(steps) == 2:
             raise KeyboardInterrupt
 
-    llm.llm_engine.observers.append(interrupt)
+    watcher = llm.llm_engine.install(StepObserver(interrupt))
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:
-        llm.llm_engine.observers.remove(interrupt)
+        llm.llm_engine.remove(watcher)
     assert_clean_and_correct(llm, reference)
 
 
@@ -133,7 +134,7 @@ def test_a_second_thread_is_refused_not_let_in(llm, reference):
         inside.set()
         release.wait(timeout=30)
 
-    llm.llm_engine.observers.append(hold)
+    watcher = llm.llm_engine.install(StepObserver(hold))
     first = threading.Thread(target=lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     first.start()
     try:
@@ -146,7 +147,7 @@ def test_a_second_thread_is_refused_not_let_in(llm, reference):
     finally:
         release.set()
         first.join(timeout=60)
-        llm.llm_engine.observers.remove(hold)
+        llm.llm_engine.remove(watcher)
     assert not errors
     assert_clean_and_correct(llm, reference)
 

@@ -21,8 +21,8 @@ def adapter(int_id, parts, dtype=torch.float32, seed=0):
 
 def qkv_layer(base, slots=2, ops=None):
     step = StepAdapters([])
-    base.shard_sizes = [Q, KV, KV]
-    return LoRALinear(base, 0, ("q_proj", "k_proj", "v_proj"), slots, step, torch.device("cpu"), ops), step
+    return LoRALinear(base, 0, ("q_proj", "k_proj", "v_proj"), [Q, KV, KV], slots, step, torch.device("cpu"),
+                      ops), step
 
 
 def test_each_row_gets_its_adapters_update_part_by_part():

@@ -13,8 +13,10 @@ from test_spec_decode import NGRAM, draft, two_sample_chi2_passes
 pytest.importorskip("xgrammar", reason="the structured extra: pip install -e '.[structured]'")
 jsonschema = pytest.importorskip("jsonschema", reason="the test extra: pip install -e '.[test]'")
 
-import nanopaged.structured_output as structured  # noqa: E402
-from nanopaged import LLM, SamplingParams, StructuredOutputsParams, spec_decode  # noqa: E402
+import nanopaged.spec_decode.extension as spec_extension  # noqa: E402
+from nanopaged.structured_output.extension import StructuredOutputs  # noqa: E402
+from nanopaged import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from nanopaged.spec_decode.extension import SpeculativeDecoding  # noqa: E402
 
 SCHEMA = {"type": "object",
           "properties": {"role": {"enum": ["admin", "user", "guest"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -40,7 +42,7 @@ def prompts(n):
 
 
 def engine(model, spec=None, forced=True, monkeypatch=None):
-    monkeypatch.setattr(structured, "FORCED_DRAFTS", forced)
+    monkeypatch.setattr(spec_extension, "FORCED_DRAFTS", forced)
     return LLM(model, dtype="float32", speculative_config=spec, cpu_threads=None, num_kv_blocks=256, block_size=4)
 
 
@@ -51,7 +53,7 @@ def tokens(outs):
 def check_whole(llm):
     pool = llm.llm_engine.scheduler.block_pool
     assert pool.num_free_blocks == pool.num_blocks
-    assert not llm.llm_engine.extensions["nanopaged.structured_output"].matchers    # every matcher forgotten
+    assert not llm.llm_engine.find(StructuredOutputs).manager.matchers    # every matcher forgotten
 
 
 @pytest.mark.parametrize("spec", [None, "ngram", "suffix", "draft_model"])
@@ -61,7 +63,7 @@ def test_greedy_output_is_plain_decoding_with_each_method(tiny_model_dirs, spec,
     config = {None: None, "ngram": NGRAM, "suffix": SUFFIX, "draft_model": draft(model, k=3)}[spec]
     llm = engine(model, config, monkeypatch=monkeypatch)
     assert tokens(llm.generate(prompts(4), params(), use_tqdm=False)) == plain
-    s = spec_decode.of(llm.llm_engine).stats
+    s = llm.llm_engine.find(SpeculativeDecoding).counters
     assert s.num_forced_draft_tokens > 0 and s.num_accepted_forced_tokens > 0
     check_whole(llm)
 
@@ -72,7 +74,7 @@ def test_sampled_json_always_validates(tiny_model_dirs, monkeypatch):
     outs = llm.generate(prompts(1) * 60, [params(temperature=1.0, seed=i) for i in range(60)], use_tqdm=False)
     for o in outs:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
-    s = spec_decode.of(llm.llm_engine).stats
+    s = llm.llm_engine.find(SpeculativeDecoding).counters
     assert s.num_accepted_forced_tokens > 100
     check_whole(llm)
 
@@ -103,7 +105,7 @@ def test_the_matcher_follows_the_accepted_tokens_only(tiny_model_dirs, monkeypat
     manager = None
     while eng.has_unfinished_requests():
         eng.step()
-        manager = eng.extensions["nanopaged.structured_output"]
+        manager = eng.find(StructuredOutputs).manager
         for r in eng.scheduler.running:
             state = manager.matchers.get(r)
             if state is not None:
@@ -111,7 +113,7 @@ def test_the_matcher_follows_the_accepted_tokens_only(tiny_model_dirs, monkeypat
                 mask = torch.empty(1, (manager.backend.vocab_size + 31) // 32, dtype=torch.int32)
                 state.matcher.fill_row(mask, 0)                  # where the output leaves it: not ended
                 assert mask.any()
-    assert spec_decode.of(eng).stats.num_draft_tokens > spec_decode.of(eng).stats.num_accepted_tokens
+    assert eng.find(SpeculativeDecoding).counters.num_draft_tokens > eng.find(SpeculativeDecoding).counters.num_accepted_tokens
     check_whole(llm)
 
 
@@ -125,7 +127,7 @@ def test_demo_model_greedy_json_unchanged(demo_model_dir, monkeypatch):
         outs[forced] = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
     assert outs[True].token_ids == outs[False].token_ids
     jsonschema.validate(json.loads(outs[True].text), SCHEMA)
-    s = spec_decode.of(llm.llm_engine).stats
+    s = llm.llm_engine.find(SpeculativeDecoding).counters
     assert s.num_accepted_forced_tokens > 0
-    assert spec_decode.of(llm.llm_engine).config is None          # forced drafts alone: no speculative config
+    assert llm.llm_engine.find(SpeculativeDecoding).spec is None          # forced drafts alone: no speculative config
     check_whole(llm)

@@ -12,7 +12,8 @@ import torch
 from conftest import chi2_critical, torch_threads
 from safetensors.torch import load_file, save_file
 
-from nanopaged import LLM, SamplingParams, spec_decode
+from nanopaged import LLM, SamplingParams
+from nanopaged.spec_decode.extension import SpeculativeDecoding
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -65,7 +66,7 @@ def token_ids(llm, prompts, params):
 
 
 def stats(llm):
-    return spec_decode.of(llm.llm_engine).stats
+    return llm.llm_engine.find(SpeculativeDecoding).counters
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

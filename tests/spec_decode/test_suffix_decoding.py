@@ -9,7 +9,8 @@ from conftest import torch_threads
 from test_spec_decode import (ALLOWED, GREEDY, engine, repeating_prompts, sampled_tokens, stats, token_ids,
                               two_sample_chi2_passes)
 
-from nanopaged import SamplingParams, spec_decode
+from nanopaged import SamplingParams
+from nanopaged.spec_decode.extension import SpeculativeDecoding
 from nanopaged.core.request import Request, RequestStatus
 from nanopaged.spec_decode.config import SpeculativeConfig
 from nanopaged.spec_decode.suffix_proposer import SuffixProposer
@@ -340,7 +341,7 @@ def one_thread():
 
 
 def proposer_of(llm) -> SuffixProposer:
-    return spec_decode.of(llm.llm_engine).proposer
+    return llm.llm_engine.find(SpeculativeDecoding).proposer
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

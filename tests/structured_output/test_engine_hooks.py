@@ -18,11 +18,11 @@ import torch
 pytest.importorskip("xgrammar", reason="the structured extra: pip install -e '.[structured]'")
 
 from nanopaged import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from nanopaged.structured_output.extension import StructuredOutputs  # noqa: E402
 from nanopaged.core.request import Request, RequestStatus, SampledToken  # noqa: E402
 from nanopaged.engine.output_processor import check_stop  # noqa: E402
 from nanopaged.sample.sampler import Sampler  # noqa: E402
 
-EXTENSION = "nanopaged.structured_output"
 # Every string bounded and no free whitespace: even a random model's output ends inside max_tokens.
 SCHEMA = {"type": "object",
           "properties": {"role": {"enum": ["admin", "user"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -109,13 +109,13 @@ def test_preemption_keeps_every_matcher_and_every_output(tiny_model_dirs, llm):
     assert [o.outputs[0].text for o in got] == expected
     assert tight.get_stats()["num_preemptions"] > 0
     assert all(o.outputs[0].finish_reason == "stop" for o in got)
-    assert not tight.llm_engine.extension(EXTENSION).matchers         # each forgotten when it finished
+    assert not tight.llm_engine.extension(StructuredOutputs).manager.matchers         # each forgotten when it finished
 
 
 def test_n_samples_each_get_a_matcher_and_give_it_back(llm):
     out = llm.generate(prompts(1), json_params(n=5, temperature=1.0, seed=4), use_tqdm=False)[0]
     assert len(out.outputs) == 5 and all(json.loads(c.text) for c in out.outputs)
-    assert not llm.llm_engine.extension(EXTENSION).matchers
+    assert not llm.llm_engine.extension(StructuredOutputs).manager.matchers
 
 
 def test_an_aborted_request_gives_its_matcher_back(llm):
@@ -123,10 +123,10 @@ def test_an_aborted_request_gives_its_matcher_back(llm):
     engine.add_request("gone", prompts(1)[0], json_params())
     for _ in range(3):
         engine.step()
-    assert len(engine.extension(EXTENSION).matchers) == 1
+    assert len(engine.extension(StructuredOutputs).manager.matchers) == 1
     engine.abort_request("gone")
     engine.step()
-    assert not engine.extension(EXTENSION).matchers and not engine.has_unfinished_requests()
+    assert not engine.extension(StructuredOutputs).manager.matchers and not engine.has_unfinished_requests()
 
 
 def test_a_token_the_grammar_refuses_ends_the_request(llm, caplog):
@@ -154,7 +154,7 @@ def test_the_extension_is_installed_once_even_from_many_threads(tiny_model_dirs)
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda i: engine.process_request(str(i), prompts(1)[0], json_params()), range(16)))
     assert len(engine.sampler.logits_processors) == 1 and len(engine.output_processor.stop_rules) == 1
-    assert len(engine.extension(EXTENSION).compiles) == 1             # and the schema compiled once
+    assert len(engine.extension(StructuredOutputs).manager.compiles) == 1             # and the schema compiled once
 
 
 def test_without_xgrammar_a_constraint_is_a_value_error_naming_the_extra(tiny_model_dirs, monkeypatch):

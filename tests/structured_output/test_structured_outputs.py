@@ -19,6 +19,7 @@ pytest.importorskip("xgrammar", reason="the structured extra: pip install -e '.[
 jsonschema = pytest.importorskip("jsonschema", reason="the test extra: pip install -e '.[test]'")
 
 from nanopaged import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from nanopaged.structured_output.extension import StructuredOutputs  # noqa: E402
 
 SCHEMA = {                  # nested objects, an array, enums, an integer and a number, each bounded
     "type": "object",
@@ -167,7 +168,7 @@ def hf_masked_greedy(model_dir, llm, prompt_ids, params, max_tokens):
 
     class GrammarMask(LogitsProcessor):
         def __init__(self):
-            self.matcher = xgr.GrammarMatcher(llm.llm_engine.extension("nanopaged.structured_output").grammar(params))
+            self.matcher = xgr.GrammarMatcher(llm.llm_engine.extension(StructuredOutputs).manager.grammar(params))
             self.bitmask = xgr.allocate_token_bitmask(1, llm.llm_engine.config.model_config.vocab_size)
 
         def __call__(self, input_ids, scores):
@@ -249,7 +250,7 @@ def test_the_grammar_end_stops_a_request_even_with_ignore_eos(llm, chat):
 
 
 def test_each_constraint_compiles_once(llm, chat):
-    manager = llm.llm_engine.extension("nanopaged.structured_output")
+    manager = llm.llm_engine.extension(StructuredOutputs).manager
     schema = {"type": "object", "properties": {"once": {"type": "boolean"}}, "required": ["once"]}
     before = len(manager.compiles)
     for _ in range(3):

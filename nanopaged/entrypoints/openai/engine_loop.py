@@ -128,7 +128,7 @@ class EngineLoop:
         try:
             prompts = ([render_chat(engine.tokenizer, conv) for conv in r.prompts] if r.kind == "chat"
                        else r.prompts)
-            batches = [engine.process_request(rid, p, r.params, r.lora_request)
+            batches = [engine.process_request(rid, p, r.params, lora_request=r.lora_request)
                        for rid, p in zip(submission.request_ids, prompts)]
             if r.max_tokens_given:
                 _refuse_past_context(batches, r, engine.config.max_model_len)

@@ -28,7 +28,7 @@ class Table:
 
 class ServedModels:
     def __init__(self, name: str, path: str, max_model_len: int, lora_manager=None) -> None:
-        """`lora_manager`: the engine's (engine.extensions["nanopaged.lora"]); None: the base model only."""
+        """`lora_manager`: the engine's (its LoRA extension's manager); None: the base model only."""
         self.name, self.path, self.max_model_len, self.lora_manager = name, path, max_model_len, lora_manager
         self.base_card = self._card(name, path, None, int(time.time()))
         self.lock = threading.Lock()            # one load or unload at a time

@@ -10,12 +10,11 @@ budget (`kv_cache_memory_bytes`, `gpu_memory_utilization`) is per rank, as in vL
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import nn
 
 from nanopaged.config import EngineConfig
+from nanopaged.models.pipeline import ModelStage, run_pipeline
 from nanopaged.worker.model_runner import ModelRunner
 from nanopaged.extras.tensor_parallel.layers import parallelize, rank_config
 from nanopaged.extras.tensor_parallel.parallel_state import RankGroup
@@ -30,14 +29,16 @@ class RankRunner(ModelRunner):
         self.memory = group.gather_ints([self.weight_bytes(), self.kv_cache.nbytes])   # rank 0: per rank
 
     def load_model(self) -> nn.Module:
-        """This rank's share of the model: the parallel layers swapped in, its slices loaded."""
-        model = self.build_model()
-        parallelize(model, self.config.model_config, self.group)
-        model = model.to(self.dtype)
+        """This rank's share of the model: the pipeline's tensor_parallel stage runs before its slices
+        load (the parallel layers decide which); the fast path packs and fuses nothing under tensor
+        parallelism (cpu/choose.py), so the rest of the pipeline is the extensions' own, if any."""
+        model = run_pipeline(self.build_model(), [ModelStage("tensor_parallel", self._parallelize)]).to(self.dtype)
         load_shard(model, self.config.model, self.group.rank)
-        # The parallel layers keep their own forward: nothing is packed or fused (the attention stays chosen).
-        self.fast_path = replace(self.fast_path, linear="reference", layers="reference")
-        return model.eval()
+        return run_pipeline(model, self.fast_path.stages() + self.stages).eval()
+
+    def _parallelize(self, model: nn.Module) -> nn.Module:
+        parallelize(model, self.config.model_config, self.group)
+        return model
 
     def determine_num_kv_blocks(self) -> int:
         """Every rank must hold the same blocks: the smallest count any rank can afford."""

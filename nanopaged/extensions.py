@@ -1,0 +1,12 @@
+"""Every extension the engine can install: one registration line each (docs/00_how_to_extend.md).
+
+The order is the order of their hooks within a step: pooling takes the token-selection seat before
+anything could wrap it; adapters join before the others see requests; a grammar masks logits and
+ends outputs before the drafter, which asks it for forced drafts, wraps token selection.
+"""
+from nanopaged.lora.extension import LoRA
+from nanopaged.pooling.extension import Pooling
+from nanopaged.spec_decode.extension import SpeculativeDecoding
+from nanopaged.structured_output.extension import StructuredOutputs
+
+EXTENSIONS = (Pooling, LoRA, StructuredOutputs, SpeculativeDecoding)
