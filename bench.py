@@ -133,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # engine settings, passed through to nanopaged (and mirrored in the peers where they exist)
     for name in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--block-size",
                  "--max-model-len", "--tensor-parallel-size"):
-        p.add_argument(name, type=int, help="nanopaged engine setting (README); default: the engine's")
+        p.add_argument(name, type=int, help="nanopaged engine setting (docs/settings.md); default: the engine's")
     p.add_argument("--cpu-linear", choices=["auto", "packed", "dpbf16", "reference"],
                    help="nanopaged's CPU linear kernel: packed (oneDNN bfloat16 on packed weights), dpbf16 "
                         "(nanopaged's, on AVX512-BF16), reference (F.linear); auto (the engine's default): by the "

@@ -1,6 +1,6 @@
 """What `LLM.generate` returns: vLLM's RequestOutput and CompletionOutput, as plain records.
 
-Built by engine/output_processor.py (the README's API section lists the fields).
+Built by engine/output_processor.py (docs/api.md lists the fields).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Plain data, no torch. Every value a user can get wrong is checked here, when the object is
 built (with the one range check, `nanopaged/validation.py: check_range`), so a bad value fails
 with the field's name and its allowed range before any work; what needs the model (a token id
-inside the vocabulary) is checked by the input processor. The README's API section lists the
+inside the vocabulary) is checked by the input processor. docs/api.md lists the
 fields; vLLM's fields that nanopaged does not implement are accepted at their off value and
 refused by name otherwise (VLLM_ONLY). `structured_outputs` is checked by its own module
 (nanopaged/structured_output/params.py), read only when a request sets it.

@@ -16,7 +16,7 @@ so none is silently dropped:
 SamplingParams' fields that vLLM has and nanopaged does not implement are checked the same way
 (NOT_IMPLEMENTED_SAMPLING). Read only when such an argument or field is given
 (`EngineConfig.from_kwargs`, `SamplingParams`) or a client asks for `llm.llm_engine.model_config`;
-the README's API section lists them.
+docs/api.md and docs/settings.md list them.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Print both reading paths' line counts, or write them into README.md and docs/00_how_to_read.md.
+"""Print both reading paths' line counts, or write them into docs/00_how_to_read.md (and any copy).
 
     python scripts/reading_path.py           # both paths, file by file, and their totals
-    python scripts/reading_path.py --write   # update the two documents' tables and totals in place
+    python scripts/reading_path.py --write   # update the tables and totals in place, wherever printed
 
 The reference path is what `LLM.generate` runs on the reference kernels (torch everywhere); the
 default path is what it runs with default settings on a CPU with bfloat16 matrix units: the
@@ -15,9 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from test_reading_path import DEFAULT_PATH, READING_PATH, REPLACED, TABLES, THREE_PARTS, lines, total  # noqa: E402
-
-DOCS = [ROOT / "README.md", ROOT / "docs" / "00_how_to_read.md"]
+from test_reading_path import (DEFAULT_PATH, READING_PATH, REPLACED, TABLES, THREE_PARTS,  # noqa: E402
+                               documents_printing_the_paths, lines, total)
 
 
 def write(doc: Path) -> None:
@@ -44,8 +43,8 @@ def main() -> None:
     print(f"reference path: {total(READING_PATH):,} lines in {len(READING_PATH)} files; the three parts {parts:,} lines")
     print(f"default path: {total(DEFAULT_PATH):,} lines in {len(DEFAULT_PATH)} files (C++ included)")
     if "--write" in sys.argv[1:]:
-        for doc in DOCS:
-            write(doc)
+        for doc in documents_printing_the_paths():
+            write(ROOT / doc)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def test_demo_model_on_cuda_in_bfloat16(demo_model_dir):
 
 def test_every_sampling_rule_runs_on_cuda_and_a_seed_reproduces_it(tiny_model_dirs):
     """The sampler's tensors and generators must live on the logits' device (on CPU, a
-    tensor or generator left on the default device goes unnoticed: see README, Developing)."""
+    tensor or generator left on the default device goes unnoticed: docs/testing.md says what ran on a GPU)."""
     llm = LLM(tiny_model_dirs["llama"], device="cuda", dtype="float32", num_kv_blocks=64)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(512, n=4, seed=41)]
     rules = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2,

@@ -7,7 +7,7 @@ the model's own torch ops, nn.Linear): the reference path. On a CPU with bfloat1
 annex's fast layers (nanopaged/cpu/) replace the decoder layers, the linears and the attention,
 and the C++ kernels they call are compiled and loaded: the default path. These tests generate
 in a fresh interpreter both ways, list every nanopaged module each call imported, and hold the
-lists to the ones the README and docs/00_how_to_read.md print, in reading order, with each
+lists to the ones docs/00_how_to_read.md (and any other page that copies them) prints, in reading order, with each
 file's line count (comments and docstrings included; the C++ files the build compiles are
 counted on the default path). Code `generate` never runs (beam search, tensor parallelism, the
 server, the demo model's converter, the Triton and flash backends) is not imported and not
@@ -175,8 +175,16 @@ def expected_tables() -> str:
     return "\n".join(rows) + f"\nreference {total(READING_PATH)}, default {total(DEFAULT_PATH)}"
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/00_how_to_read.md"])
-def test_readme_and_chapter_0_print_both_paths_with_each_files_count(doc):
+def documents_printing_the_paths() -> list[str]:
+    """Chapter 0, where the reading path is printed in full, and any other page (the README, a docs
+    page) that prints a row of its tables: a copy is held to the same counts, never left to drift."""
+    pages = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    copies = [str(p.relative_to(ROOT)) for p in pages if table_rows(p.read_text())]
+    return sorted(set(copies) | {"docs/00_how_to_read.md"})
+
+
+@pytest.mark.parametrize("doc", documents_printing_the_paths())
+def test_every_page_that_prints_the_paths_prints_each_files_count(doc):
     text = (ROOT / doc).read_text()
     hint = f"{doc}: the reading-path tables should read (python scripts/reading_path.py --write)\n{expected_tables()}"
     assert table_rows(text) == [(p, lines(p)) for p in TABLES], hint

@@ -4,7 +4,7 @@
     nanopaged serve /path/to/hf/folder --port 9000 --max-num-seqs 64 --block-size 16
     python -m nanopaged.entrypoints.serve ...                     # the same
 
-Every engine setting (README, "Engine settings") is a flag in kebab case; `--port 0` takes a
+Every engine setting (docs/settings.md) is a flag in kebab case; `--port 0` takes a
 free port, and the line printed when the server is ready names it. `--api-key KEY` (or
 NANOPAGED_API_KEY) locks every route but /health and /metrics; the server's other limits
 (body size, timeouts, concurrency) are flags with defaults, listed by `--help`. LoRA adapters,
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_limits(p.add_argument_group("access and limits (docs/08_server.md: Limits and access control)"))
     add_lora(p.add_argument_group("LoRA adapters, with --enable-lora (docs/08_server.md: LoRA adapters)"))
     add_tool_calling(p.add_argument_group("tool calling (docs/08_server.md: Tool calling)"))
-    engine = p.add_argument_group("engine settings (README: Engine settings)")
+    engine = p.add_argument_group("engine settings (docs/settings.md)")
     for f in fields(EngineConfig):
         if f.init and f.name != "model":
             add_setting(engine, f.name, str(f.type), f.default)
