@@ -9,7 +9,7 @@ C++, which a settings check never does). Each table of choices lives with its us
 and devices here, the prefix-cache hash functions with the block pool
 (`nanopaged/core/block_pool.py: HASH_FUNCTIONS`), the attention backends beside them
 (`nanopaged/attention/backends.py: ATTENTION_BACKENDS`);
-the checks are `nanopaged/validation.py`'s. The README's settings table says what each means.
+the checks are `nanopaged/validation.py`'s. docs/settings.md says what each means.
 vLLM's engine arguments that are not settings here are read by `nanopaged/vllm_compat.py`.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from nanopaged.attention.backends import ATTENTION_BACKENDS
 from nanopaged.core.block_pool import HASH_FUNCTIONS
 from nanopaged.cpu.features import auto_cpu_dtype
 from nanopaged.models.config import ModelConfig
+from nanopaged.models.demo_model import find_gguf
 from nanopaged.sampling_params import MAX_LOGPROBS
 from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_range
 
@@ -192,7 +193,6 @@ def check_quantization(cfg: "EngineConfig") -> str | None:
             raise ValueError(f"quantization_group_size={group} must divide the model's {name}={width}")
     if cfg.quantization != "gguf":
         return None
-    from nanopaged.models.demo_model import find_gguf
     return find_gguf(cfg.model)
 
 

@@ -23,22 +23,24 @@ import threading
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from nanopaged.config import EngineConfig
 from nanopaged.cpu.features import bf16_matrix_units
 from nanopaged.cpu.thread_governor import ThreadGovernor
+from nanopaged.engine.chat_tools import chat_with_tools
 from nanopaged.engine.input_processor import PromptType, render_chat
 from nanopaged.engine.llm_engine import LLMEngine
-from nanopaged.models.pipeline import ModelStage
 from nanopaged.engine.stats import EngineStats, ProgressBar
+from nanopaged.extras.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from nanopaged.models.demo_model import DEMO_MODEL, demo_model_path, gguf_folder
+from nanopaged.models.pipeline import ModelStage
 from nanopaged.outputs import RequestOutput
+from nanopaged.pooling.embed import embed
 from nanopaged.sampling_params import RequestOutputKind, SamplingParams
 from nanopaged.validation import per_prompt
+from nanopaged.vllm_compat import check_priority
 from nanopaged.worker.model_runner import ModelRunner
-
-if TYPE_CHECKING:
-    from nanopaged.extras.beam_search import BeamSearchOutput, BeamSearchParams
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,6 @@ class LLM:
         """Generate for one prompt or many; outputs come back in the order of the prompts. `lora_request`:
         one LoRARequest for all, or one per prompt (None: the base model); `priority`: None or zeros."""
         if priority is not None:
-            from nanopaged.vllm_compat import check_priority
             check_priority(priority, len(prompts) if isinstance(prompts, (list, tuple)) else 1)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -128,7 +129,6 @@ class LLM:
         if not isinstance(conversations, (list, tuple)):
             raise ValueError(f"messages must be a conversation or a list of them, got {type(messages).__name__}")
         if tools is not None:            # checked, with each assistant's tool calls (engine/chat_tools.py)
-            from nanopaged.engine.chat_tools import chat_with_tools
             conversations = [chat_with_tools(conv, tools) for conv in conversations]
         tokenizer = self.llm_engine.tokenizer
         prompts = [render_chat(tokenizer, conv, chat_template) for conv in conversations]
@@ -180,13 +180,11 @@ class LLM:
     def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
                     lora_request=None) -> list[BeamSearchOutput]:
         """Beam search with Hugging Face's rule; beams share blocks (extras/beam_search.py)."""
-        from nanopaged.extras.beam_search import beam_search
         with self.one_call_at_a_time():
             return beam_search(self.llm_engine, prompts, params, lora_request)
 
     def embed(self, prompts, pooling_params=None, use_tqdm: bool = True, lora_request=None) -> list:
         """vLLM's EmbeddingRequestOutput per prompt, with runner="pooling" (nanopaged/pooling/embed.py)."""
-        from nanopaged.pooling.embed import embed
         return embed(self, prompts, pooling_params, use_tqdm, lora_request)
 
     def get_stats(self) -> dict:
@@ -213,11 +211,9 @@ def final_only(params: list) -> list:
 
 def model_folder(model: str | None) -> str:
     """The folder to load: `model` itself; for a .gguf file, the folder converted once from it;
-    the demo model's when no model (or the demo model's name) is given. Only then is the
-    converter imported."""
+    the demo model's when no model (or the demo model's name) is given."""
     if model is not None and Path(model).is_dir():
         return str(model)
-    from nanopaged.models.demo_model import DEMO_MODEL, demo_model_path, gguf_folder
     if model is not None and str(model).endswith(".gguf") and Path(model).is_file():
         return str(gguf_folder(Path(model)))
     return str(demo_model_path()) if model is None or model == DEMO_MODEL else str(model)

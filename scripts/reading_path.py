@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from test_reading_path import (DEFAULT_PATH, READING_PATH, REPLACED, TABLES, THREE_PARTS,  # noqa: E402
+from test_reading_path import (DEFAULT_PATH, LOADED, READING_PATH, REPLACED, TABLES, THREE_PARTS,  # noqa: E402
                                documents_printing_the_paths, lines, total)
 
 
@@ -24,8 +24,9 @@ def write(doc: Path) -> None:
     for path in TABLES:
         text = re.sub(rf"^(\|\s*\d+\s*\|\s*`{re.escape(path)}`\s*\|\s*)\d+", rf"\g<1>{lines(path)}", text,
                       flags=re.MULTILINE)
-    for name, paths in (("reference", READING_PATH), ("default", DEFAULT_PATH)):
-        text = re.sub(rf"{name} path: [\d,]+ lines in \d+ files", f"{name} path: {total(paths):,} lines in "
+    for name, paths in (("reference path", READING_PATH), ("default path", DEFAULT_PATH),
+                        ("loaded, run only when installed", LOADED)):
+        text = re.sub(rf"{name}: [\d,]+ lines in \d+ files", f"{name}: {total(paths):,} lines in "
                       f"{len(paths)} files", text)
     parts = sum(lines(p) for files in THREE_PARTS.values() for p in files)
     text = re.sub(r"the three parts: [\d,]+ lines", f"the three parts: {parts:,} lines", text)
@@ -37,11 +38,15 @@ def main() -> None:
     for path in READING_PATH:
         print(f"{lines(path):5d}  {path}")
     print(f"default path: the reference path's files but {', '.join(REPLACED)}, and")
-    for path in TABLES[len(READING_PATH):]:
+    for path in TABLES[len(READING_PATH):len(TABLES) - len(LOADED)]:
+        print(f"{lines(path):5d}  {path}")
+    print("imported by every call, run only when installed or chosen:")
+    for path in LOADED:
         print(f"{lines(path):5d}  {path}")
     parts = sum(lines(p) for files in THREE_PARTS.values() for p in files)
     print(f"reference path: {total(READING_PATH):,} lines in {len(READING_PATH)} files; the three parts {parts:,} lines")
     print(f"default path: {total(DEFAULT_PATH):,} lines in {len(DEFAULT_PATH)} files (C++ included)")
+    print(f"loaded, run only when installed: {total(LOADED):,} lines in {len(LOADED)} files")
     if "--write" in sys.argv[1:]:
         for doc in documents_printing_the_paths():
             write(ROOT / doc)

@@ -5,8 +5,7 @@ The whole scheduler runs on two counters (the seed article, section 2.5): `num_t
 in the cache). A step schedules `num_new_tokens` for a request to let the second counter
 chase the first; a prompt, a chunk of a prompt, a decode step and a recomputation after
 preemption are all the same thing seen through these two numbers (docs/04_scheduler.md).
-Draft tokens only raise the target: `num_tokens_with_spec` counts the tokens guessed ahead
-(vLLM's spec_token_ids), which a step computes beside the real ones to verify them.
+Drafts only raise the target: `num_tokens_with_spec` adds vLLM's spec_token_ids, verified in one step.
 """
 from __future__ import annotations
 
@@ -51,10 +50,8 @@ class Request:
     num_preemptions: int = 0
     num_seqs: int = 1                     # seats it takes in max_num_seqs: n while n - 1 samples will fork off it
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in its next step
-    # What extensions add (engine/extension.py: Extension.prepare): fields they implement, by the name the
-    # request was given them with (vLLM's `lora_request`), and what else its K/V depend on (its prefix-cache keys).
-    extension_fields: dict = field(default_factory=dict)
-    extra_keys: tuple = ()
+    extension_fields: dict = field(default_factory=dict)   # by name (vLLM's lora_request): Extension.prepare
+    extra_keys: tuple = ()                # what else its K/V depend on (from extensions): prefix-cache keys
 
     @property
     def num_prompt_tokens(self) -> int:

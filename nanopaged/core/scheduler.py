@@ -78,8 +78,7 @@ class Scheduler:
             token_budget -= num_new
 
         # 2. Waiting requests, oldest first; none while this step had to preempt, since
-        #    memory is short (vLLM does the same). One an admission rule holds back (its LoRA
-        #    adapter has no slot: lora/manager.py) waits in place while the next ones are tried.
+        #    memory is short (vLLM does the same). One an admission rule holds back waits; the next are tried.
         for request in list(self.waiting):
             if out.preempted or token_budget == 0:
                 break

@@ -35,6 +35,7 @@ from typing import Callable
 from torch import nn
 
 from nanopaged.attention.backends import resolve_attention_backend
+from nanopaged.cpu.build import available, cpu_ops
 from nanopaged.cpu.features import bf16_matrix_units
 from nanopaged.cpu.fused import argmax_rows, fuse_layers
 from nanopaged.cpu.linear import pack_linears
@@ -154,13 +155,11 @@ def choose_linear(name: str, device: str, dtype: str, invariant: bool = False) -
     if name == "dpbf16" and "avx512_bf16" not in units:
         raise ValueError(f"cpu_linear='dpbf16' needs AVX512-BF16 (the CPU's flag avx512_bf16); this CPU has {units}")
     if name == "dpbf16" and not dpbf16_builds():
-        from nanopaged.cpu.build import available
         raise ValueError(f"cpu_linear='dpbf16': {available() or 'the kernels were built without AVX512-BF16'}")
     return name
 
 
 def dpbf16_builds() -> bool:
-    from nanopaged.cpu.build import available, cpu_ops
     return available() is None and bool(cpu_ops().has_avx512_bf16)
 
 
@@ -171,7 +170,6 @@ def choose_layers(name: str, device: str, linear: str, attention_backend: str, b
     candidate = device == "cpu" and linear != "reference" and attention_backend in ("auto", "cpu") and block_size >= 2
     if name == "reference" or (name == "auto" and not candidate):
         return "reference"
-    from nanopaged.cpu.build import available     # only when the fast path is a candidate
     if name == "auto":
         return "fused" if available() is None else "reference"
     if device != "cpu":
@@ -187,7 +185,6 @@ def choose_layers(name: str, device: str, linear: str, attention_backend: str, b
 
 def check_cpu_attention(block_size: int) -> None:
     """The `cpu` backend needs its kernels, and pairs of tokens side by side in a block."""
-    from nanopaged.cpu.build import available
     why_not = available()
     if why_not:
         raise ValueError(f"attention_backend='cpu': {why_not}")

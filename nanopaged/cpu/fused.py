@@ -42,6 +42,7 @@ from torch import nn
 
 from nanopaged.cpu.build import cpu_ops
 from nanopaged.cpu.linear import CppLinear
+from nanopaged.cpu.moe import group_experts
 from nanopaged.models.llama import LlamaModel, RMSNorm
 
 NO_WEIGHT = torch.empty(0)      # an absent norm or bias
@@ -119,7 +120,6 @@ def fuse_layers(model: nn.Module) -> int:
     """Swap a loaded model's LlamaModel for the fused one, a mixture's experts grouped first (cpu/moe.py),
     after quantizing and packing its linears, whose layers it describes; how many layers."""
     if model.config.moe is not None:
-        from nanopaged.cpu.moe import group_experts
         group_experts(model, describe)
     model.model = FusedLlamaModel(model.model)
     return len(model.model.layers)

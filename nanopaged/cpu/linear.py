@@ -21,6 +21,8 @@ import logging
 import torch
 from torch import nn
 
+from nanopaged.cpu.build import cpu_ops
+
 logger = logging.getLogger(__name__)
 
 
@@ -58,7 +60,6 @@ class Dpbf16Linear(CppLinear):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        from nanopaged.cpu.build import cpu_ops     # built on first use (cpu/build.py)
         self.ops = cpu_ops()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight = self.ops.pack_bf16_weight(linear.weight.detach())

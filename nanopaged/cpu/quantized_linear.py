@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from nanopaged.cpu.linear import CppLinear
+from nanopaged.cpu.build import available, cpu_ops
+from nanopaged.models.gguf import BLOCK, load_gguf_linears
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,6 @@ def quantized_ops_available() -> bool:
 def nanopaged_kernels():
     """nanopaged's compiled kernels where they built with AVX512-VNNI, else None (torch's weight-only
     kernels then: the plain loops of a build without VNNI are slower than they are)."""
-    from nanopaged.cpu.build import available, cpu_ops
     return cpu_ops() if available() is None and cpu_ops().has_avx512_vnni else None
 
 
@@ -218,7 +219,6 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
                 "weights_replaced": 0}
     found, left_dense = {}, []
     if method == "gguf":
-        from nanopaged.models.gguf import BLOCK, load_gguf_linears
         found, left_dense = load_gguf_linears(gguf_path, model.config)
         group_size = BLOCK
     swapped = []

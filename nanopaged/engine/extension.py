@@ -19,17 +19,44 @@ docs/00_how_to_extend.md lists which extension uses which hook.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
 
-if TYPE_CHECKING:                      # type hints only: this module imports nothing at run time
+if TYPE_CHECKING:                      # type hints only: this module imports nothing of the package at run time
     import torch
 
     from nanopaged.config import EngineConfig
-    from nanopaged.core.request import Request
+    from nanopaged.core.request import Request, RequestStatus, SampledToken
     from nanopaged.core.scheduler import SchedulerOutput
-    from nanopaged.engine.llm_engine import LLMEngine, StepRecord, TokenSelection
     from nanopaged.models.pipeline import ModelStage
-    from nanopaged.worker.model_runner import ModelInput
+    from nanopaged.outputs import RequestOutput
+    from nanopaged.worker.model_runner import ModelInput, ModelRunnerOutput
+
+
+class TokenSelection(Protocol):
+    """The engine's own rule (sample/: ParallelSampler; an extension may wrap or replace it): it also
+    learns of every request queued and finished."""
+
+    def __call__(self, runner_output: ModelRunnerOutput) -> dict[Request, list[SampledToken]]: ...
+    def add(self, samples: list[Request]) -> None: ...
+    def forget(self, request: Request) -> None: ...
+
+
+@dataclass
+class StepRecord:
+    """What one step did, for observers; taken before the stopped requests free their blocks."""
+    scheduler_output: SchedulerOutput
+    sampled: dict[Request, list[SampledToken]]
+    outputs: list[RequestOutput]
+    stopped: list[tuple[Request, RequestStatus]]
+    running: list[Request]                  # the requests holding blocks during the step
+    times: tuple[float, float, float, float]   # perf_counter at start, scheduled, executed, updated
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the step generated (with drafts, a request may get several)."""
+        return sum(map(len, self.sampled.values()))
+
 
 class Extension:
     """Every method is optional: the engine calls only those a subclass overrides (`overrides`)."""
@@ -59,8 +86,8 @@ class Extension:
         """Its rewrites of the model, run once at load (only for extensions installed with the engine)."""
         return []
 
-    def attach(self, engine: LLMEngine) -> None:
-        """The engine's runner, scheduler and tokenizer exist: look, keep references, change nothing."""
+    def attach(self, engine) -> None:
+        """`engine`, the LLMEngine: its runner, scheduler and tokenizer exist; look, keep references, change nothing."""
 
     # ---- one request ---------------------------------------------------------------------------------------
     def prepare(self, samples: list[Request], fields: dict) -> None:

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, fields as dataclass_fields
+from dataclasses import fields as dataclass_fields
 from functools import cached_property
-from typing import Callable, Protocol, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 from nanopaged.config import EngineConfig
 from nanopaged.core.block_pool import BlockPool
 from nanopaged.core.request import Request, RequestStatus, SampledToken
 from nanopaged.core.scheduler import Scheduler, SchedulerOutput
-from nanopaged.engine.extension import Extension
+from nanopaged.engine.extension import Extension, StepRecord, TokenSelection
 from nanopaged.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from nanopaged.engine.output_processor import OutputProcessor
 from nanopaged.extensions import EXTENSIONS
@@ -41,31 +41,6 @@ from nanopaged.worker.model_runner import ModelRunner, ModelRunnerOutput
 # A token-selection rule: each sampling request's tokens this step (one; with drafts, those accepted and one more)
 SelectTokens = Callable[[ModelRunnerOutput], dict[Request, list[SampledToken]]]
 E = TypeVar("E")
-
-
-class TokenSelection(Protocol):
-    """The engine's own rule (sample/: ParallelSampler; an extension may wrap or replace it): it also
-    learns of every request queued and finished."""
-
-    def __call__(self, runner_output: ModelRunnerOutput) -> dict[Request, list[SampledToken]]: ...
-    def add(self, samples: list[Request]) -> None: ...
-    def forget(self, request: Request) -> None: ...
-
-
-@dataclass
-class StepRecord:
-    """What one step did, for observers; taken before the stopped requests free their blocks."""
-    scheduler_output: SchedulerOutput
-    sampled: dict[Request, list[SampledToken]]
-    outputs: list[RequestOutput]
-    stopped: list[tuple[Request, RequestStatus]]
-    running: list[Request]                  # the requests holding blocks during the step
-    times: tuple[float, float, float, float]   # perf_counter at start, scheduled, executed, updated
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the step generated (with drafts, a request may get several)."""
-        return sum(map(len, self.sampled.values()))
 
 
 class LLMEngine:

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from nanopaged.cpu.features import bf16_matrix_units
 from nanopaged.engine.extension import Extension
 from nanopaged.engine.llm_engine import LLMEngine, StepRecord
+from nanopaged.models.moe import expert_load
 
 
 class EngineStats(Extension):
@@ -43,7 +44,6 @@ class EngineStats(Extension):
         """A mixture of experts' load per expert (models/moe.py: expert_load); None for a dense model."""
         if self.engine.config.model_config.moe is None:
             return None
-        from nanopaged.models.moe import expert_load
         return expert_load(self.engine.runner.model, reset)
 
     def extension_stats(self) -> dict:

@@ -19,6 +19,7 @@ from torch import nn
 
 from nanopaged.attention.metadata import AttentionMetadata
 from nanopaged.models.config import ModelConfig
+from nanopaged.models.moe import SparseMoeBlock
 
 
 # ---- building blocks ----------------------------------------------------------------
@@ -134,7 +135,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.moe is not None and index not in cfg.moe.dense_layers:   # a mixture of experts (models/moe.py)
-            from nanopaged.models.moe import SparseMoeBlock
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe)
         else:
             self.mlp = MLP(cfg)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanopaged.validation import check_range
+from nanopaged.models.config import ModelConfig
 
 METHODS = ("ngram", "draft_model", "suffix")
 OTHER_VLLM_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
@@ -102,7 +103,6 @@ def _lookup(longest, shortest) -> tuple[int, int]:
 def check_draft_model(path, target, check_model_folder) -> str:
     """The draft model must exist, be a model nanopaged runs, and score the same vocabulary as the
     target: its token ids are the target's (it shares the tokenizer)."""
-    from nanopaged.models.config import ModelConfig
     if not path:
         raise ValueError("speculative_config method 'draft_model' needs a 'model': the draft model's folder")
     check_model_folder(path, target.tokenizer)      # the draft model uses the target's tokenizer

@@ -57,21 +57,19 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    """Built in four steps a subclass may override (a runner of one rank among several does):
-    load_model, determine_num_kv_blocks, allocate_kv_cache, wrap_model. `stages`: the extensions'
-    stages of the model pipeline (models/pipeline.py), run with the fast path's at load."""
+    """Built in four steps a subclass may override (a runner of one rank among several does): load_model,
+    determine_num_kv_blocks, allocate_kv_cache, wrap_model; `stages`: the extensions' (models/pipeline.py)."""
 
     def __init__(self, config: EngineConfig, stages: list[ModelStage] = (), device: torch.device | None = None,
                  model_config: ModelConfig | None = None) -> None:
         self.config = config
         self.model_config = model_config or config.model_config   # a rank's share, under tensor parallelism
-        self.block_size = config.block_size
-        self.device = device or torch.device(config.device)
+        self.block_size, self.device = config.block_size, device or torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.kv_cache_dtype = getattr(torch, KV_CACHE_DTYPES[config.kv_cache_dtype] or config.dtype)
         self.fast_path: FastPath = choose(config)     # what runs in place of the reference, on this machine
         self.stages = list(stages)
-        self.before_forward: list = []    # the engine's hooks, called with (SchedulerOutput, ModelInput) before each forward
+        self.before_forward: list = []    # the engine's hooks, called with (SchedulerOutput, ModelInput)
         self.backend = load_attention_backend(self.fast_path.attention_backend)
         self.model = self.load_model()
         self.num_kv_blocks = self.determine_num_kv_blocks()
