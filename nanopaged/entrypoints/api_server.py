@@ -53,8 +53,7 @@ def run_api_server(name: str, args, sock, address: str, lifeline, core: tuple, s
     """The process's body. `core`: (EngineConfig, num_kv_blocks, serves adapters) from the engine core;
     `started` hears ("started", name) once the socket is served, or ("error", text); `key`: the API key
     (or None), `updating`: whether the LoRA load and unload routes exist."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: None)     # uvicorn shuts down on it, then raises it again
+    signal.signal(signal.SIGINT, signal.SIG_IGN)       # SIGTERM exits at once until the server exists
     from nanopaged.engine.input_processor import load_tokenizer
     from nanopaged.entrypoints.openai.core_client import CoreClient
     from nanopaged.entrypoints.openai.metrics import ServerMetrics
@@ -74,6 +73,9 @@ def run_api_server(name: str, args, sock, address: str, lifeline, core: tuple, s
                     tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     server = uvicorn_server(args, app, lambda host, port: started.send(("started", name)))
     server.ignore_sigint = True
+    # From here SIGTERM shuts the server down (before uvicorn takes the signal, it starts and stops at once);
+    # uvicorn raises it again after its shutdown, when this handler is back: harmless then.
+    signal.signal(signal.SIGTERM, lambda sig, frame: setattr(server, "should_exit", True))
     try:
         server.run(sockets=[sock])
     finally:

@@ -9,12 +9,14 @@ line close (a pipe only the core writes to), ends the requests in flight with an
 answers /health with 503; the supervisor gives them a moment to say so, stops them and exits
 1. If an API server dies, the engine core aborts that server's requests (ClientGone) and the
 others serve on; with none left, the supervisor exits 1. SIGINT or SIGTERM stops every process
-and exits 0; a child whose supervisor is killed stops itself (it checks its parent). Processes
-are spawned, not forked: torch's thread pools are not fork-safe. vLLM: vllm/v1/utils.py
+and exits 0. A supervisor killed outright (SIGKILL) can stop nothing: each child asked Linux, first
+thing, for SIGTERM when its parent dies (prctl's PR_SET_PDEATHSIG), so the port is free within
+seconds. Processes are spawned, not forked: torch's thread pools are not fork-safe. vLLM: vllm/v1/utils.py
 (APIServerProcessManager), vllm/v1/engine/utils.py. docs/08_server.md, "Processes".
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import shutil
@@ -32,6 +34,7 @@ from nanopaged.entrypoints.engine_core import run_engine_core
 
 GRACE_S = 2.0            # after the engine core died: time for the API servers to answer with the error
 STOP_S = 10.0            # a process that has not stopped by then is killed
+PR_SET_PDEATHSIG = 1     # <linux/prctl.h>: the signal a process gets when its parent dies
 
 
 def serve_processes(args, settings: dict, describe, key: str | None, updating: bool) -> int:
@@ -56,8 +59,8 @@ def start_engine_core(ctx, model, settings: dict, address: str):
     or (None, None, why not)."""
     ready_r, ready_w = ctx.Pipe(duplex=False)
     life_r, life_w = ctx.Pipe(duplex=False)
-    core = ctx.Process(target=run_engine_core, args=(model, settings, address, ready_w, life_w),
-                       name="nanopaged-engine-core")
+    core = ctx.Process(target=child_main, name="nanopaged-engine-core",
+                       args=(os.getpid(), run_engine_core, model, settings, address, ready_w, life_w))
     core.start()
     ready_w.close()
     life_w.close()                     # from here on only the core holds the life line's write end
@@ -88,8 +91,9 @@ class Supervisor:
         for i in range(args.api_server_count):
             name = f"api-{i}"
             self.api_servers[name] = self.ctx.Process(
-                target=run_api_server, name=f"nanopaged-{name}",
-                args=(name, args, listener, self.address, self.lifeline, info, started_w, key, updating))
+                target=child_main, name=f"nanopaged-{name}",
+                args=(os.getpid(), run_api_server, name, args, listener, self.address, self.lifeline, info,
+                      started_w, key, updating))
             self.api_servers[name].start()
         started_w.close()
         error = self.wait_started(started_r)
@@ -163,6 +167,24 @@ class Supervisor:
             _join(self.core)
         self.socket.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def child_main(supervisor: int, body, *args) -> None:
+    """A child's entry: it stops when the supervisor (pid `supervisor`) dies, then runs `body(*args)`.
+    SIGTERM raises SystemExit, so multiprocessing's exit still stops the child's own daemon processes
+    (tensor-parallel ranks); the API server hands SIGTERM to uvicorn once it serves."""
+    signal.signal(signal.SIGTERM, _exit)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != supervisor:         # it died before we asked: no signal will come
+        raise SystemExit(1)
+    body(*args)
+
+
+def _exit(sig, frame) -> None:
+    raise SystemExit(0)
 
 
 def _join(process) -> None:

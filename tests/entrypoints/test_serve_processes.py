@@ -4,7 +4,8 @@ Two API servers in front of one engine core give the offline greedy answers to c
 streams; a storm of clients that leave mid-stream gives every block back; killing the engine
 core ends every request in flight with an error, /health says 503 and the server exits non-zero
 within seconds; killing an API server aborts its requests and the other serves on; SIGINT and
-SIGTERM exit 0 with no process left behind. What crosses the socket is checked on its own.
+SIGTERM exit 0 with no process left behind, and so does SIGKILL of the supervisor (its port free).
+What crosses the socket is checked on its own.
 """
 import asyncio
 import http.client
@@ -12,6 +13,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import sys
 import time
 import urllib.error
@@ -192,6 +194,40 @@ def test_the_engine_core_killed_ends_every_request_with_an_error_and_the_server_
         assert s.process.wait(timeout=15) == 1 and time.monotonic() - started < 15
     assert "the engine core died" in s.log.read_text()
     assert not any(alive(p) for p in descendants(s.process.pid))
+
+
+def test_the_supervisor_killed_leaves_no_process_and_frees_the_port(tiny_model_dirs):
+    """SIGKILL gives the supervisor no chance to stop its children: each stops itself on its parent's
+    death (a parent-death signal), a stream in flight included, and a new server can bind the port."""
+    with start_nanopaged(tiny_model_dirs["llama"], TWO, served_model_name="tiny", timeout_s=120) as s:
+        port = int(s.base_url.rsplit(":", 1)[1])
+        children = descendants(s.process.pid)
+        assert len(children) >= 3                       # the engine core and two API servers
+        conn, response = stream_request(s, max_tokens=450)
+        try:
+            s.process.kill()
+            s.process.wait(timeout=10)
+            deadline = time.monotonic() + 60              # guards a hang; the children stop within seconds
+            while any(alive(p) for p in children) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not any(alive(p) for p in children), [p for p in children if alive(p)]
+            while not port_free(port) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert port_free(port)
+        finally:
+            conn.close()
+            try:                                         # whatever outlived its supervisor (before the fix)
+                os.killpg(s.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def port_free(port: int) -> bool:
+    try:
+        socket.create_server(("127.0.0.1", port)).close()
+    except OSError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -6,12 +6,19 @@ Ray does it on real machines (`ray start --head` and `ray start --address`, two 
 loopback, each with its own CPU count and a custom resource): one replica per node equals
 LLM.generate row for row; a replica killed mid-dataset loses no row and doubles none; the same
 processor through a running `nanopaged serve`, and Ray's own HttpRequestProcessorConfig against it.
+A server replica forwards every sampling field a server request carries and refuses the others by
+name; a wrong key or model fails the job, not each row; a cancelled batch stops its work.
 """
 import asyncio
+import dataclasses
+import http.server
+import json
 import os
 import re
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +30,8 @@ from nanopaged import LLM, SamplingParams  # noqa: E402
 from nanopaged.extras.ray_data import EngineProcessorConfig, ServerProcessorConfig, build_processor  # noqa: E402
 from nanopaged.extras.ray_data.replica import EngineReplica  # noqa: E402
 from nanopaged.extras.ray_data.rows import table_of  # noqa: E402
+from nanopaged.extras.ray_data.server_replica import ServerReplica  # noqa: E402
+from nanopaged.sampling_params import VLLM_ONLY  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = dict(dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=16)
@@ -129,6 +138,155 @@ def test_chat_rows_go_through_the_chat_template(tiny_model_dirs):
     assert row["num_input_tokens"] == len(chat.prompt_token_ids)
 
 
+def test_rows_with_different_logit_bias_keys_each_get_their_own_bias(tiny_model_dirs, expected):
+    """One batch's rows become one Arrow table: logit_bias turns into a struct with every row's keys,
+    None where a row has none. Each row still gets its own bias, and a row without one none."""
+    replica = EngineReplica(tiny_model_dirs["llama"], SETTINGS, cpus=1)
+    params = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
+    given = [{"id": 0, "prompt_token_ids": PROMPTS[1], "sampling_params": {**params, "logit_bias": {"11": 100.0}}},
+             {"id": 1, "prompt_token_ids": PROMPTS[1], "sampling_params": {**params, "logit_bias": {"13": 100.0}}},
+             {"id": 2, "prompt_token_ids": PROMPTS[0],
+              "sampling_params": {**params, "max_tokens": MAX_TOKENS[0]}}]
+    out = {r["id"]: r for r in run_batches(replica, [given])}
+    assert [out[i]["error"] for i in range(3)] == [None] * 3, out
+    assert out[0]["generated_tokens"] == [11] * 4 and out[1]["generated_tokens"] == [13] * 4
+    assert out[2]["generated_tokens"] == expected[0]
+
+
+def wait_for(condition, limit_s=60.0) -> bool:
+    """Poll until `condition()`; the limit only guards a hang."""
+    deadline = time.monotonic() + limit_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_cancelled_batch_aborts_its_rows_in_the_engine(tiny_model_dirs):
+    """Ray cancels an async actor's call by cancelling its task: the rows it queued are aborted, their
+    blocks freed, far fewer tokens made than the rows asked for."""
+    replica = EngineReplica(tiny_model_dirs["llama"], SETTINGS, cpus=1)
+    asked = 2 * 400
+    batch = [{"id": i, "prompt_token_ids": PROMPTS[i],
+              "sampling_params": {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}} for i in range(2)]
+
+    async def cancel_midway():
+        task = asyncio.ensure_future(run_one(replica, batch))
+        while replica.llm.stats.num_generated_tokens < 8:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 60              # the loop stays open, as Ray's does; guards a hang
+        while replica.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    asyncio.run(cancel_midway())
+    assert not replica.engine.has_unfinished_requests()
+    assert replica.llm.stats.num_generated_tokens < asked / 2
+    assert replica.engine.scheduler.block_pool.usage() == 0.0
+
+
+async def run_one(replica, batch):
+    return [t async for t in replica(table_of(batch))]
+
+
+def server_replica(url="http://127.0.0.1:9", **kw):
+    return ServerReplica(url, "tiny", {}, max_concurrent_requests=8, sampling_params=None, timeout_s=600, **kw)
+
+
+# A value away from the default for each SamplingParams field a row may set (n: one per row)
+NOT_DEFAULT = dict(temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop=["x"], stop_token_ids=[7],
+                   include_stop_str_in_output=True, ignore_eos=True, max_tokens=9, min_tokens=2, logprobs=2,
+                   prompt_logprobs=1, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                   skip_special_tokens=False, spaces_between_special_tokens=False, detokenize=False,
+                   truncate_prompt_tokens=3, bad_words=["no"], allowed_token_ids=[5, 6], logit_bias={"5": 1.0})
+
+
+def test_a_server_replica_forwards_each_sampling_field_or_refuses_it_by_name():
+    """Every SamplingParams field either reaches the request body under the server's name, or the row
+    (or the config) is refused naming it: nothing is dropped in silence."""
+    fields = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - set(VLLM_ONLY) - {
+        "n", "output_kind", "structured_outputs"}
+    assert set(NOT_DEFAULT) == fields               # a new field needs a value here
+    replica = server_replica()
+    for name, value in NOT_DEFAULT.items():
+        row = {"prompt": "a", "sampling_params": {name: value}}
+        try:
+            _, body = replica.request_of(row)
+        except ValueError as e:
+            assert name in str(e), (name, str(e))
+            with pytest.raises(ValueError, match=name):
+                ServerProcessorConfig(url="http://127.0.0.1:9", sampling_params={name: value})
+            continue
+        assert body.get(name) == value, (name, body)
+
+
+class StubServer(http.server.ThreadingHTTPServer):
+    """Answers every POST with `status` and an OpenAI error body; with status None it never answers,
+    and counts the requests that came in and the clients that closed their connection."""
+    daemon_threads = True
+
+    def __init__(self, status):
+        self.status, self.opened, self.closed = status, [], []
+        super().__init__(("127.0.0.1", 0), StubHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class StubHandler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.server.status is None:
+            self.server.opened.append(1)
+            while self.rfile.read(1):                    # until the client closes
+                pass
+            self.server.closed.append(1)
+            return
+        body = json.dumps({"error": {"message": f"stub says {self.server.status}"}}).encode()
+        self.send_response(self.server.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_a_wrong_key_or_model_fails_the_batch_not_each_row(status):
+    """A 401/403 (the key) or a 404 (the model's name) is no row's fault: the batch fails with the
+    server's message, so Ray stops the dataset once instead of writing it into every row."""
+    stub = StubServer(status)
+    try:
+        with pytest.raises(RuntimeError, match=f"HTTP {status}.*stub says {status}"):
+            run_batches(server_replica(stub.url), [[{"id": i, "prompt": "a"} for i in range(3)]])
+    finally:
+        stub.shutdown()
+
+
+def test_a_cancelled_batch_closes_its_requests_to_the_server():
+    """A cancelled call closes the connections of its rows' requests, so the server sees each client
+    leave (and aborts its request, tests/entrypoints/test_serve.py)."""
+    stub = StubServer(None)
+    replica = server_replica(stub.url)
+
+    async def cancel_midway():
+        task = asyncio.ensure_future(run_one(replica, [{"id": i, "prompt": "a"} for i in range(3)]))
+        while len(stub.opened) < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    try:
+        asyncio.run(asyncio.wait_for(cancel_midway(), 60))
+        assert wait_for(lambda: len(stub.closed) == 3), len(stub.closed)
+    finally:
+        stub.shutdown()
+
+
 # ---- a cluster of two nodes on loopback ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -223,6 +381,12 @@ def test_the_same_processor_through_a_running_server(cluster, server, expected):
         else:
             assert r["error"] is None and list(r["generated_tokens"]) == expected[r["id"]], r["id"]
             assert r["finish_reason"] == "length" and r["num_input_tokens"] == len(PROMPTS[r["id"]])
+
+
+def test_a_wrong_model_name_fails_the_job_once_with_the_servers_message(cluster, server):
+    config = ServerProcessorConfig(url=server.base_url, model="no-such-model", batch_size=4)
+    with pytest.raises(Exception, match="HTTP 404.*no-such-model"):
+        list(build_processor(config)(ray.data.from_items(rows(8))).iter_rows())
 
 
 def test_rays_own_http_processor_against_nanopaged_serve(cluster, server, expected):

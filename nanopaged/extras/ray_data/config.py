@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanopaged.sampling_params import SamplingParams
+from nanopaged.extras.ray_data.rows import params_of
+from nanopaged.extras.ray_data.server_replica import check_sendable
 from nanopaged.validation import check_range
 
 
@@ -61,7 +62,7 @@ class ServerProcessorConfig:
     cpus_per_replica: float = 0.25            # a replica only waits on HTTP
     resources_per_replica: dict | None = None
     sampling_params: dict | None = None
-    timeout_s: float = 600.0                  # one request's limit; past it the batch fails and Ray retries it
+    timeout_s: float = 600.0                  # one request's limit; past it the batch fails, and the dataset
 
     def __post_init__(self) -> None:
         check_common(self)
@@ -72,6 +73,8 @@ class ServerProcessorConfig:
         check_range("timeout_s", self.timeout_s, 0, lo_open=True)
         if not isinstance(self.headers, dict):
             raise ValueError(f"headers must be a dict, got {type(self.headers).__name__}")
+        if self.sampling_params is not None:
+            check_sendable(params_of({}, self.sampling_params))
 
     def replica_kwargs(self) -> dict:
         """The replica's constructor arguments (server_replica.py: ServerReplica)."""
@@ -93,7 +96,7 @@ def check_common(config) -> None:
     if config.sampling_params is not None:
         if not isinstance(config.sampling_params, dict):
             raise ValueError(f"sampling_params must be a dict of SamplingParams fields, got {config.sampling_params!r}")
-        SamplingParams(**config.sampling_params)          # its own checks, here rather than on every replica
+        params_of({}, config.sampling_params)             # a row's checks, here rather than on every row
 
 
 def check_concurrency(concurrency) -> None:

@@ -10,6 +10,9 @@ engine stage in ray.data.llm does the same with its async engine).
     Ray's calls (event loop)        queue rows, await their futures, yield the batch's rows out
     the engine thread               take queued rows, LLMEngine.step(), resolve finished rows
 
+A call Ray cancels (its task cancelled) queues a Cancelled after its rows: the engine thread aborts
+them, so a cancelled batch frees its blocks instead of generating to the end.
+
 The engine thread is the only one that touches the engine, as in the server's engine loop
 (entrypoints/openai/engine_loop.py). A row the engine refuses (ValueError) resolves as that row's
 error at once. A failed step fails every row in flight, and their batches (Ray Data stops the
@@ -26,6 +29,7 @@ import queue
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -61,7 +65,11 @@ class EngineReplica:
         futures = [loop.create_future() for _ in rows]
         for row, future in zip(rows, futures):
             self.inbox.put((row, loop, future))
-        results = await asyncio.gather(*futures)       # a RequestOutput, or the row's error message
+        try:
+            results = await asyncio.gather(*futures)   # a RequestOutput, or the row's error message
+        except asyncio.CancelledError:                 # Ray cancelled the call: its rows stop generating
+            self.inbox.put(Cancelled(frozenset(futures)))
+            raise
         self.rows_done += len(rows)
         stats = self.stats()
         yield table_of([result_row(row, stats, error=r) if isinstance(r, str) else
@@ -109,7 +117,10 @@ class EngineReplica:
         try:
             item = self.inbox.get() if wait else self.inbox.get_nowait()
             while True:
-                self._add(*item)
+                if isinstance(item, Cancelled):
+                    self._abort(item.futures)
+                else:
+                    self._add(*item)
                 item = self.inbox.get_nowait()
         except queue.Empty:
             pass
@@ -127,11 +138,24 @@ class EngineReplica:
         self.engine.queue(samples)
         self.waiting[request_id] = (loop, future)
 
+    def _abort(self, futures: frozenset) -> None:
+        """A cancelled call's rows, aborted in the engine (their blocks freed). They were queued before
+        the Cancelled item, so each is in `waiting` or already settled."""
+        for request_id in [rid for rid, (_, future) in self.waiting.items() if future in futures]:
+            self.engine.abort_request(request_id)
+            del self.waiting[request_id]
+
     def _fail_all(self, error: Exception) -> None:
         for request_id, (loop, future) in self.waiting.items():
             self.engine.abort_request(request_id)
             loop.call_soon_threadsafe(_fail, future, error)
         self.waiting.clear()
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """In the inbox after a cancelled call's rows: abort those of these futures still running."""
+    futures: frozenset
 
 
 def engine_prompt(engine, row: dict):

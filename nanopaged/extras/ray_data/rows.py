@@ -15,7 +15,9 @@ A bad row is that row's error, never a failed dataset: one typo in a million row
 other rows' work. Columns travel as Arrow tables (batch_format="pyarrow"), so nested values
 (messages, sampling params) arrive as plain lists and dicts, with every key any row has (None where
 this row has none: dropped here). So give a JSON schema as its text: as a dict, Arrow would merge
-the schemas of all rows into one.
+the schemas of all rows into one. `logit_bias` is a dict keyed by token ids as strings, as in OpenAI's
+JSON ({"13": 5.0}: Arrow names a struct's fields by strings); a key only another row has arrives as
+None and is dropped.
 """
 from __future__ import annotations
 
@@ -63,6 +65,8 @@ def params_of(row: dict, default: dict | None) -> SamplingParams:
     if given is not None and not isinstance(given, dict):
         raise ValueError(f"sampling_params must be a dict of SamplingParams fields, got {given!r}")
     fields = {k: v for k, v in (given or {}).items() if v is not None}
+    if isinstance(fields.get("logit_bias"), dict):
+        fields["logit_bias"] = {token: bias for token, bias in fields["logit_bias"].items() if bias is not None}
     if isinstance(fields.get("structured_outputs"), dict):
         from nanopaged.structured_output.params import StructuredOutputsParams
         fields["structured_outputs"] = StructuredOutputsParams(
@@ -70,6 +74,10 @@ def params_of(row: dict, default: dict | None) -> SamplingParams:
     params = SamplingParams(**fields)
     if params.n != 1:
         raise ValueError(f"sampling_params n={params.n}: a row gets one completion; repeat the row for more")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            raise ValueError(f"sampling_params {name}={getattr(params, name)}: a row out has no column for "
+                             "logprobs, so they would be computed and dropped")
     return params
 
 
