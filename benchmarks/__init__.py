@@ -1,7 +1,7 @@
 """The pieces bench.py uses, one idea a module; bench.py reads them in this order.
 
-    models.py          the model folder: --model, the demo model, random weights of a named shape;
-                       and the spec workload's draft model, cut from it
+    models.py          the model folder: --model, the demo model, random weights of a named shape (dense
+                       or a mixture of experts); and the spec workload's draft model, cut from it
     trace.py           the trace every engine runs, its warm-up prompt, and Run (one timed generation)
     nanopaged_run.py   nanopaged stepped through the trace, with a look at KV memory every step
     memory.py          KV slots held: paged blocks vs the reservation allocators and HF's padded cache
@@ -32,7 +32,8 @@
                        their own environments (peers.py starts them); besides their engine they import
                        only the standard library, decode_speed.py and trace.py
     machine.py         the machine and the library versions a result was measured with
-    report.py          the tables printed and the plot drawn (report_spec.py: the spec workload's)
+    hooks.py           every use of the engine's extension hooks (a step observer, the proposers timed)
+    report.py          every table printed (every workload's) and the plot drawn
     tokenizer.py       a tiny tokenizer trained in-process, for the random-weight models (and the tests' tiny ones)
 
 research/ holds the tools bench.py does not use: the step profile, the skinny-matmul probe and

@@ -28,13 +28,20 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+import torch
+
 from benchmarks.machine import machine_info, versions
+from benchmarks.models import vocab_limit
+from benchmarks.report import print_ray
 from benchmarks.serve import free_port
 from benchmarks.trace import WARMUP_PROMPT, make_trace
+from nanopaged import LLM, SamplingParams
+from nanopaged.llm import model_folder
 
 
 # ---- a Ray node, as `ray start` makes one (the tests start theirs with it too) --------------------
@@ -69,7 +76,7 @@ def ray_cluster(log_dir: Path, nodes: list[dict], timeout_s: float = 90):
     """A cluster of `nodes` ({"num_cpus", "resources"} each), the first the head, each a `ray start`
     process on 127.0.0.(2 + i); this process joins as the driver. Yields the head's address;
     every node's processes are killed on the way out."""
-    import ray
+    import ray          # the [ray] extra: only this workload needs it
     started = []
     try:
         head_log = log_dir / "node0.log"
@@ -99,8 +106,6 @@ def dataset_rows(trace) -> list[dict]:
 
 
 def run_generate(model: str, engine_kwargs: dict, rows: list[dict], cores: int) -> dict:
-    import torch
-    from nanopaged import LLM, SamplingParams
     torch.set_num_threads(cores)
     llm = LLM(model, **engine_kwargs, cpu_threads=None)
     llm.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -151,12 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.num_rows < 1 or not 1 <= args.input_len[0] <= args.input_len[1] or \
             not 1 <= args.output_len[0] <= args.output_len[1]:
         p.error("--num-rows >= 1, and lengths with 1 <= MIN <= MAX")
-    import tempfile
-    from nanopaged.llm import model_folder
     model = model_folder(args.model)
     engine_kwargs = {"dtype": args.dtype}
     cores = os.cpu_count() or 1
-    from benchmarks.models import vocab_limit
     trace = make_trace(args.num_rows, args.input_len, args.output_len, args.seed, vocab_limit(model))
     rows = dataset_rows(trace)
     runs = [run_generate(model, engine_kwargs, rows, cores)]
@@ -186,17 +188,6 @@ def main(argv: list[str] | None = None) -> dict:
 def ray_version() -> str:
     import ray
     return ray.__version__
-
-
-def print_ray(result: dict) -> None:
-    m = result["machine"]
-    print(f"\nRay Data: {result['rows']} rows, input {result['input_len']}, output {result['output_len']} tokens, "
-          f"dtype {result['dtype']}, batch_size {result['batch_size']} x {result['max_concurrent_batches']} in "
-          f"flight; {m['cpu']}, {m['cpu_cores']} cores, flags {' '.join(m['matrix_flags'])}")
-    print(f"{'run':<14}{'rows/s':>9}{'out tok/s':>11}{'gen s':>8}{'wall s':>8}{'vs generate':>13}  same tokens")
-    for r in result["runs"]:
-        print(f"{r['run']:<14}{r['rows_per_s']:>9.2f}{r['output_tokens_per_s']:>11.1f}{r['generation_s']:>8.1f}"
-              f"{r['wall_s']:>8.1f}{r['overhead_vs_generate']:>+12.0%}  {r['same_tokens_as_generate']}")
 
 
 if __name__ == "__main__":

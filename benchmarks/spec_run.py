@@ -12,6 +12,7 @@ import sys
 import time
 import traceback
 
+from benchmarks.hooks import timing_proposers
 from benchmarks.nanopaged_run import resolved_settings
 from benchmarks.trace import WARMUP_PROMPT
 from nanopaged import LLM, SamplingParams
@@ -65,24 +66,10 @@ def timed(llm: LLM, groups: list[list[int]], prompts: list, params: list) -> dic
     """The prompts in `groups` (one generate call each, in turn): wall time, output tokens/s, each
     call's wall time, the time the proposers took, and speculation's counters. get_stats() counts
     since reset_stats() (the engine's own counters, spec_decode.of(engine).stats, run on)."""
-    engine = llm.llm_engine
-    propose_s = [0.0]
-
-    def timing(propose):
-        def wrapped(running):
-            t = time.perf_counter()
-            try:
-                return propose(running)
-            finally:
-                propose_s[0] += time.perf_counter() - t
-        return wrapped
-
-    proposers = list(engine.proposers)
-    engine.proposers[:] = [timing(p) for p in proposers]
     token_ids, texts, reasons = [None] * len(prompts), [None] * len(prompts), [None] * len(prompts)
     call_s = []
     llm.reset_stats()
-    try:
+    with timing_proposers(llm) as propose_s:
         start = time.perf_counter()
         for group in groups:
             t = time.perf_counter()
@@ -92,8 +79,6 @@ def timed(llm: LLM, groups: list[list[int]], prompts: list, params: list) -> dic
                 token_ids[i], texts[i] = list(o.outputs[0].token_ids), o.outputs[0].text
                 reasons[i] = o.outputs[0].finish_reason
         wall = time.perf_counter() - start
-    finally:
-        engine.proposers[:] = proposers
     stats = llm.get_stats()
     spec = stats["spec_decode"]
     tokens = sum(map(len, token_ids))
