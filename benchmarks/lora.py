@@ -1,13 +1,5 @@
 """bench.py --workload lora: many LoRA adapters mixed in one batch, against the base model alone.
-
-The default trace's shape (random prompts, ignore_eos, greedy), its requests spread evenly over 1, 4
-and 16 random rank-16 adapters on all seven projections (written as PEFT saves them: adapter_config.json
-and adapter_model.safetensors), on one engine with `enable_lora=True` and as many slots as adapters.
-Every configuration runs twice, alternating with the base model on an engine without adapters, in one
-process; each figure is the faster of its two runs. With `--peers vllm`, vLLM's CPU engine runs the same
-trace on the same folders (enable_lora=True, 4 adapters) and without adapters, in its own environment.
-Targets (issue 38): with 4 adapters, at least 80% of the base model's throughput; at least 1.5x vLLM's
-with the same adapters. docs/12_lora.md explains the figures.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

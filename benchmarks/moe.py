@@ -1,20 +1,5 @@
 """bench.py --workload moe: a mixture of experts at a real model's shape, against what its active weights allow.
-
-    python bench.py --workload moe --random-weights olmoe-1b-7b --peers vllm
-    python bench.py --workload moe --random-weights qwen3-30b-a3b-12l --quantization int4 --peers vllm
-
-The models: random weights at the shape of OLMoE-1B-7B (6.9B parameters, 1.3B active, 64 experts, top-8)
-and of Qwen3-30B-A3B (128 experts of 768, top-8) cut to its first 12 of 48 layers: nanopaged quantizes
-after it has loaded the bfloat16 weights, so the whole model in bfloat16 (61 GB) would not fit a 24 GiB
-machine, and 12 layers (15 GB) do. Both are written shard by shard, a layer at a time, so the generator
-never holds the model either (benchmarks/models.py: write_random_moe).
-
-Two figures for nanopaged, on one engine: one request at a time (decode tokens/s, timed by
-benchmarks/decode_speed.py) against the active-weight floor (the bytes one token reads: attention, router,
-its top-k experts, the lm_head, as stored, over the rate a sum reads memory at), and the default trace's
-throughput; then vLLM's CPU engine on the same folder and trace, in its own environment, after nanopaged's
-engine is gone (both at once would not fit). Targets (issue 39): one request at a time at least 60% of
-the floor; the trace at least 1.5x vLLM's. docs/13_moe.md explains the figures.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

@@ -1,24 +1,6 @@
 """The ray workload: one dataset through Ray Data replicas, against plain LLM.generate.
 
-    python bench.py --workload ray                    # demo model, 64 rows, the three runs below
-    python bench.py --workload ray --num-rows 128 --input-len 32 128 --output-len 32 64 --json out.json
-
-Every run gets the same rows (seeded random token ids, lengths uniform in the ranges, greedy,
-ignore_eos), and runs after the one before has ended:
-
-    generate      LLM.generate in this process, torch on all the host's cores (after a warm-up)
-    ray 1 x N     one replica with N threads (N: the host's cores), through build_processor
-    ray N x 1     N replicas with one thread each
-
-on a one-node Ray cluster started here as on a real machine (`ray start --head`, on loopback), or
-the cluster this process has already joined.
-Per run: rows/s and output tokens/s over the generation (from the first row a replica takes to
-the last row out: what Ray's scheduling, batching and serialization cost shows here), the wall
-time from submitting the dataset (replica start and model load included), and the overhead of
-Ray against generate. On one host, N replicas share its memory bandwidth: a decode step streams
-every weight, so N x 1 is no faster than 1 x N unless one engine leaves cores idle. What N
-machines would give is N times one machine's figure less Ray's overhead; one host cannot show it.
-docs/14_ray_data.md; figures in docs/benchmarks.md, "Ray Data".
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

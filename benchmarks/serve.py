@@ -1,32 +1,7 @@
 """The serve workload: streaming clients against a running OpenAI-compatible server, in the
 shape of `vllm bench serve`.
 
-    python bench.py --workload serve                         # demo model: nanopaged, its in-process ablation, vLLM
-    python bench.py --workload serve --rate 1 2 4 inf --dataset random chat --peers vllm,transformers
-    python -m benchmarks.serve --rate 4 --num-requests 32 --model /path/to/hf/folder
-
-Two prompt sets (--dataset): `random`, a completion of seeded common words; `chat`, a chat
-completion whose messages begin with one system prompt of about 300 words, the same for every
-request (so prefix caching matters), then a short user message. Each server runs every rate
-(--rate, requests per second; inf: all at once) of every set in one start, after a warm-up
-request per set (chat's has the system prompt too, as a server that has been up a while would).
-Requests arrive as a Poisson process, each from its own streaming client (the official `openai`
-client), greedy, with the same seeded prompts for every server; each rate has prompts of its own
-(seed + its index), so no rate finds the previous one's prompts cached.
-
-Per request it records the time of every streamed chunk that carries text. From those: the time
-to the first one (TTFT), the time per output token after it (TPOT = (last - first) / (tokens - 1))
-and the gaps between consecutive ones (ITL, pooled over all requests); p50/p90/p99 of each,
-request throughput and output tokens/s. Output tokens come from the usage chunk the stream ends
-with (stream_options include_usage), else are counted as text chunks; the JSON says which.
-vLLM's `vllm bench serve` measures the same figures.
-
-The servers run as processes of their own, started and stopped here: `nanopaged serve` (an
-API-server process and an engine-core process), `nanopaged serve --engine-in-process` (the old
-one-process layout, the ablation), vLLM's CPU build (`vllm.entrypoints.openai.api_server`, in the
-environment scripts/setup_vllm_peer.sh builds, with nanopaged's resolved settings) and Hugging
-Face's `transformers serve --continuous-batching`. One that does not start is reported skipped,
-with why. Issue 40's targets are checked per set; docs/benchmarks.md, "Server".
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

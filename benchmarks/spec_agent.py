@@ -1,12 +1,6 @@
 """The spec workload's agent-like run: one tool call asked again and again with small changes
 (benchmarks/agent_prompts.py), one request at a time, in order, on one engine per configuration.
-
-Suffix decoding keeps the outputs of finished requests (its global tree): from the second request on,
-the answer to draft is an earlier answer with another city, date and unit. N-gram lookup sees only the
-request's own prompt, which holds one worked answer. Prefix caching is on, as an agent's server runs:
-every prompt starts with the same system prompt and worked exchange, computed once. Per configuration:
-output tokens/s over all requests, the first request's against the rest's (what the cache learned),
-and speculation's counters; off's answers are checked against the one the worked exchange teaches.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

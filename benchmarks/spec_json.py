@@ -1,15 +1,7 @@
 """The spec workload's structured outputs: the agent's tool call (benchmarks/agent_prompts.py) under
 its JSON schema (TOOL_CALL_SCHEMA: fixed keys, two enums, a date pattern), no whitespace between tokens,
 greedy, ending where the grammar ends, one at a time and all the prompts at once.
-
-Much of such an output is forced: `{"name":"get_weather","arguments":{"city":"` has no alternative,
-nor the rest of an enum value once its first letter is out. Drafts computed from the grammar (forced
-drafts) verify those tokens in one pass instead of one step each. Whether this engine drafts them and how
-they are turned off is read at run time (forced_drafts): the configurations are no drafts at all (off,
-the baseline), forced drafts without a speculative config, and n-gram (the largest --ngram-k) and
-suffix (the first --suffix-k) with forced drafts off where a speculative_config key turns them off and
-as the engine runs by default. Whether a run had forced drafts is what its counters say, where the
-engine counts them. The figure: forced drafts alone over no drafts (the target); the others beside it.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

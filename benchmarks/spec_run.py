@@ -1,8 +1,6 @@
 """The spec workloads' timed runs (benchmarks/spec.py, spec_agent.py, spec_json.py): an engine per
 configuration and concurrency, the prompts in groups of that many, each run against speculation off's.
-
-Every concurrency gets a fresh engine: suffix decoding keeps the outputs of finished requests, and an
-engine that had answered the same prompts at another concurrency would draft from those answers.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
 """--workload structured: what a JSON schema costs per output token, and what compiling one costs.
-
-The same requests run with and without a JSON schema, in one process, alternating (unconstrained,
-constrained, twice; the faster of each pair counts, as the machine is shared). Both generate exactly
-their trace's output lengths: ignore_eos for the plain run, and a schema whose array needs more items
-(minItems) than any request has tokens for the constrained one, so the runs compare like for like.
-Reported: output tokens/s of each, the constrained run's extra cost per output token (target: at
-most 10% on CPU), the share of each constrained step spent filling and applying masks and advancing
-matchers, and the compile time of a few constraints, cold and cached. docs/10_structured_outputs.md.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

@@ -2,20 +2,7 @@
 time goes (issue 12: "a profile of one decode step before and after, and the per-step
 count of torch ops").
 
-    python -m benchmarks.research.profile_step [--rows 24] [--model DIR] [--threads 2] [--dtype D] [--cpu-kernels K] [--cpu-linear L] [--without]
-
-It queues `--rows` requests with prompts of the default trace's lengths, steps until every
-one of them decodes, times a few decode-only steps, then profiles one more. Ops are
-counted at the top level (an aten op called from Python, not the ones it calls inside),
-and their self time is grouped into what a reader can act on: the matmuls, attention
-(gathering K/V from the blocks and the attention kernel), storing K/V, and the rest.
-
-The profiler slows small ops more than large ones, so `--without` also answers "what if this
-piece cost nothing" unprofiled: it times the decode step again with each piece of the layer
-replaced by a pass-through (attention returns its queries, RMSNorm, rotary and SiLU-times-up
-return their input), one piece at a time, then all four (what is left: the matmuls, the
-residual adds, the embedding, sampling and the engine). The tokens are garbage then; the
-timing is what counts.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """The cpu attention kernel alone, with shared prefixes read once and row by row (issue 37).
 
-    python -m benchmarks.research.shared_prefix_kernel [--rows 32] [--prefix-blocks 64] [--own]
-                                                       [--shape LAYERS,HEADS,KV_HEADS,HEAD_DIM]
-
-`--rows` decode rows, each behind the same `--prefix-blocks` blocks of 16 tokens (or, with `--own`,
-each behind its own copy of them) and 4 blocks of its own, attend once per layer over `--shape`'s
-layers (default: the demo model's 30 layers, 9 heads, 3 KV heads of 64), each layer's cache its own
-memory. Both ways alternate in one process, 12 rounds each; the best and the median round are
-printed. The engine's view, decode steps with the model and sampler around the kernel, is
-`bench.py --workload cascade`.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

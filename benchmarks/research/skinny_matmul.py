@@ -1,16 +1,7 @@
 """Why a decode step costs what it costs on a CPU: one pass of the model's matmuls at a few
 row counts and thread counts, against how fast this machine moves the same bytes.
 
-    python -m benchmarks.research.skinny_matmul [--model DIR] [--rows 1 8 16 24 32 64]
-
-A decode step multiplies every weight of the model by a handful of rows (one per request),
-so its matmuls are "skinny": little arithmetic per weight byte. If they were limited by
-memory, their time would be the weights' bytes over the memory bandwidth whatever the row
-count. This prints, for each row count, the time of one pass over all the model's weights
-(every layer's q/k/v, o, gate/up, down and the lm_head, as separate tensors that stream from
-memory, `roofline.own_matmul_seconds`), the weight bytes read per second, and the
-FLOP/s; then the same bytes copied, for the bandwidth the memory itself gives.
-benchmarks/LOG.md reads the figures (2026-12-01, third round).
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

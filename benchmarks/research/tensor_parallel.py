@@ -1,10 +1,5 @@
 """Tensor parallelism's figures: per-rank weight and KV bytes, bytes sent per step, throughput.
-
-    python -m benchmarks.research.tensor_parallel [--random-weights qwen3-0.6b] [--sizes 1 2]
-
-For each tensor_parallel_size: one LLM on a random-weight model (benchmarks/models.py), a
-warm-up, then one timed generate of a fixed trace (ignore_eos, so every size generates the
-same tokens). Prints one markdown row per size (docs/benchmarks.md, "Tensor parallelism").
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
