@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from benchmarks.models import vocab_limit
-from benchmarks.peers import not_set_up, run_side, side_python, vllm_job
-from benchmarks.trace import WARMUP_PROMPT, make_trace
-from nanopaged import LLM, EngineConfig, LoRARequest, SamplingParams
+from benchmarks.nanopaged_run import greedy, resolved_settings, timed_generate, token_prompts, warm_up
+from benchmarks.peers import run_vllm_side, vllm_job
+from benchmarks.trace import make_trace
+from nanopaged import LLM, EngineConfig, LoRARequest
 from nanopaged.lora.adapter import projection_shapes
 
 ADAPTER_COUNTS = (1, 4, 16)
@@ -50,8 +50,8 @@ def make_random_adapters(model_dir: str, root: Path, count: int, rank: int = RAN
 
 def run_lora(args, model_dir: str, settings: dict) -> dict:
     trace = make_trace(args.num_requests, args.input_len, args.output_len, args.seed, vocab_limit(model_dir))
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in trace.output_lens]
-    prompts = [{"prompt_token_ids": p} for p in trace.prompts]
+    params = [greedy(n) for n in trace.output_lens]
+    prompts = token_prompts(trace.prompts)
     with tempfile.TemporaryDirectory() as tmp:
         folders = make_random_adapters(model_dir, Path(tmp), max(ADAPTER_COUNTS), seed=args.seed)
         engines = {"base": (LLM(model_dir, **settings), [None] * len(prompts))}
@@ -85,33 +85,20 @@ def run_lora(args, model_dir: str, settings: dict) -> dict:
 def timed(llm: LLM, prompts, params, loras) -> dict:
     """One warm-up request per adapter (each read and put in a slot), then the trace, timed."""
     for lora in dict.fromkeys(loras):
-        llm.generate(WARMUP_PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), lora_request=lora,
-                     use_tqdm=False)
+        warm_up(llm, lora_request=lora)
     llm.reset_stats()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-    wall = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-            "token_ids": [o.outputs[0].token_ids for o in outs]}
+    run, outs = timed_generate(llm, prompts, params, lora_request=loras)
+    return {**run, "token_ids": [o.outputs[0].token_ids for o in outs]}
 
 
 def run_vllm_lora(args, model_dir: str, trace, folders: list[str], base_llm: LLM) -> dict:
     """vLLM's CPU engine with the same adapters (and without), in its own environment; an error says why not."""
-    from benchmarks import vllm_peer
-    from benchmarks.nanopaged_run import resolved_settings
     engine = base_llm.llm_engine
-    python = side_python(args, "vllm")
-    if python is None:
-        return {"error": not_set_up("vllm")}
     resolved = resolved_settings(engine.config, base_llm.get_stats())
     job = {**vllm_job(model_dir, engine.config.model_config, resolved, trace.prompts, trace.output_lens),
            "lora_adapters": folders, "max_lora_rank": RANK}
-    try:
-        out = run_side(python, vllm_peer, job)
-    except RuntimeError as e:
-        return {"error": str(e)}
-    return {"version": out["vllm"], **{k: out[k] for k in ("lora", "base")}}
+    out = run_vllm_side(args, job)
+    return out if "error" in out else {"version": out["vllm"], **{k: out[k] for k in ("lora", "base")}}
 
 
 def lora_targets(r: dict) -> dict:

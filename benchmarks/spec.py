@@ -15,8 +15,8 @@ from benchmarks.nanopaged_run import run_nanopaged
 from benchmarks.spec_agent import run_agent
 from benchmarks.spec_json import run_json
 from benchmarks.spec_prompts import INSTRUCTIONS, MAX_TOKENS_SLACK, NUM_TYPOS, SpecPrompt, build_workload
-from benchmarks.spec_run import (compare, concurrency_levels, draft_policy, drop_outputs, ngram_config, run_configs,
-                                 run_levels, suffix_config, versus_off)
+from benchmarks.spec_run import (compare, concurrency_levels, configurations, draft_policy, drop_outputs, ngram_config,
+                                 run_configs, run_levels, suffix_config, versus_off)
 from benchmarks.spec_vllm import run_vllm_spec
 from benchmarks.quality import TEXTS
 from benchmarks.trace import make_trace
@@ -39,19 +39,6 @@ TARGETS = {
 
 
 # ==== the repeating workload ============================================================
-
-def configurations(args, draft_dir: str) -> dict:
-    """name -> (label, speculative_config); off first, the baseline of the others."""
-    configs = {"off": ("off", None)}
-    for k in args.ngram_k:
-        configs[f"ngram_k{k}"] = (f"ngram k={k}", ngram_config(k, args))
-    for k in args.suffix_k:
-        configs[f"suffix_k{k}"] = (f"suffix k={k}", suffix_config(k))
-    configs[f"draft_k{args.draft_k}"] = (f"draft k={args.draft_k} ({args.draft_layers} layers)",
-                                         {"method": "draft_model", "model": draft_dir,
-                                          "num_speculative_tokens": args.draft_k})
-    return configs
-
 
 def run_repeating(args, model_dir: str, settings: dict, items: list[SpecPrompt], draft_dir: str) -> dict:
     levels = concurrency_levels(args.concurrency, len(items))

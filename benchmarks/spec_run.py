@@ -31,6 +31,21 @@ def suffix_config(k: int) -> dict:
     return {"method": "suffix", "num_speculative_tokens": k}
 
 
+def configurations(args, draft_dir: str | None = None) -> dict:
+    """name -> (label, speculative_config); off first, the baseline of the others; the draft model last,
+    where there is one."""
+    configs = {"off": ("off", None)}
+    for k in args.ngram_k:
+        configs[f"ngram_k{k}"] = (f"ngram k={k}", ngram_config(k, args))
+    for k in args.suffix_k:
+        configs[f"suffix_k{k}"] = (f"suffix k={k}", suffix_config(k))
+    if draft_dir:
+        configs[f"draft_k{args.draft_k}"] = (f"draft k={args.draft_k} ({args.draft_layers} layers)",
+                                             {"method": "draft_model", "model": draft_dir,
+                                              "num_speculative_tokens": args.draft_k})
+    return configs
+
+
 def concurrency_levels(asked: list[int], num_prompts: int) -> list[int]:
     """The concurrencies run: 1 always (one at a time), none above the prompts there are."""
     return sorted({1, *(min(c, num_prompts) for c in asked)})
