@@ -19,9 +19,10 @@ import torch
 
 from benchmarks.machine import machine_info, versions
 from benchmarks.models import vocab_limit
+from benchmarks.nanopaged_run import timed_generate, token_prompts, warm_up
 from benchmarks.report import print_ray
 from benchmarks.serve import free_port
-from benchmarks.trace import WARMUP_PROMPT, make_trace
+from benchmarks.trace import make_trace
 from nanopaged import LLM, SamplingParams
 from nanopaged.llm import model_folder
 
@@ -90,14 +91,13 @@ def dataset_rows(trace) -> list[dict]:
 def run_generate(model: str, engine_kwargs: dict, rows: list[dict], cores: int) -> dict:
     torch.set_num_threads(cores)
     llm = LLM(model, **engine_kwargs, cpu_threads=None)
-    llm.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)
+    warm_up(llm, SamplingParams(max_tokens=4))
     params = [SamplingParams(**r["sampling_params"]) for r in rows]
-    started = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in rows], params, use_tqdm=False)
-    wall = time.perf_counter() - started
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    run, outs = timed_generate(llm, token_prompts([r["prompt_token_ids"] for r in rows]), params)
+    wall = run["wall_s"]
     return {"run": "generate", "replicas": 1, "threads": cores, "generation_s": wall, "wall_s": wall,
-            "rows_per_s": len(rows) / wall, "output_tokens_per_s": tokens / wall, "output_tokens": tokens,
+            "rows_per_s": len(rows) / wall, "output_tokens_per_s": run["output_tokens_per_s"],
+            "output_tokens": run["output_tokens"],
             "tokens": {r["id"]: list(o.outputs[0].token_ids) for r, o in zip(rows, outs)}}
 
 

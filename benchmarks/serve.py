@@ -117,13 +117,6 @@ def ready_details(line: str) -> dict:
     return {} if m is None else dict(zip(("num_kv_blocks", "block_size", "max_model_len"), map(int, m.groups())))
 
 
-def serve_has_flag(flag: str) -> bool:
-    """Whether `nanopaged serve --help` lists `flag` (--engine-in-process arrives with the new server)."""
-    done = subprocess.run([sys.executable, "-m", "nanopaged.entrypoints.serve", "--help"], capture_output=True,
-                          text=True, env=_env(), cwd=ROOT, timeout=120)
-    return re.search(rf"{re.escape(flag)}\b", done.stdout) is not None
-
-
 def start_transformers(model: str, device: str = "cpu", dtype: str = "float32",
                        timeout_s: float = START_TIMEOUT_S) -> ServerProcess:
     """`transformers serve MODEL --continuous-batching` on `device`, offline; ready when
@@ -455,9 +448,6 @@ def start_server(name: str, model: str, device: str, dtype: str, args, ready: di
     if name == "nanopaged":
         return start_nanopaged(model, flags)
     if name == "nanopaged-in-process":
-        if not serve_has_flag("--engine-in-process"):
-            raise RuntimeError("`nanopaged serve --help` lists no --engine-in-process (the flag of the old "
-                               "one-process layout) in this checkout")
         return start_nanopaged(model, [*flags, "--engine-in-process"], name=name)
     if name == "vllm":
         python = side_python(args, "vllm")

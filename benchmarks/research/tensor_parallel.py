@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 from benchmarks.models import RANDOM_CONFIGS, build_random_model, vocab_limit
-from benchmarks.trace import WARMUP_PROMPT, make_trace
+from benchmarks.nanopaged_run import greedy, timed_generate, token_prompts, warm_up
+from benchmarks.trace import make_trace
 from nanopaged import LLM, SamplingParams
 
 MIB = 2 ** 20
@@ -19,12 +19,9 @@ def measure(model_dir: str, size: int, args) -> dict:
     memory = getattr(runner, "memory", None) or [
         [sum(p.nbytes for p in runner.model.parameters()), runner.kv_cache.nbytes]]
     trace = make_trace(args.num_requests, args.input_len, args.output_len, args.seed, vocab_limit(model_dir))
-    llm.generate(WARMUP_PROMPT, SamplingParams(max_tokens=4), use_tqdm=False)
+    warm_up(llm, SamplingParams(max_tokens=4))
     sent_before, steps_before = getattr(runner, "bytes_sent", 0), getattr(runner, "steps_sent", 0)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in trace.output_lens]
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in trace.prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    wall = timed_generate(llm, token_prompts(trace.prompts), [greedy(n) for n in trace.output_lens])[0]["wall_s"]
     steps = getattr(runner, "steps_sent", 0) - steps_before
     sent = getattr(runner, "bytes_sent", 0) - sent_before
     if size > 1:
