@@ -5,11 +5,11 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
+from benchmarks.report import print_shared_prefix_kernel
 from nanopaged.cpu.build import cpu_ops
 
 BLOCK, OWN_BLOCKS, ROUNDS = 16, 4, 12
@@ -54,11 +54,7 @@ def main() -> None:
     for _ in range(ROUNDS):
         for share in (False, True):
             times[share].append(attend(share))
-    print(f"{args.rows} rows, prefix {args.prefix_blocks} blocks ({'own copies' if args.own else 'shared'}), "
-          f"shape {args.shape}, {torch.get_num_threads()} threads")
-    for share, name in ((False, "row by row"), (True, "read once")):
-        t = times[share]
-        print(f"  {name:<11} best {1e3 * min(t):7.1f} ms   median {1e3 * statistics.median(t):7.1f} ms")
+    print_shared_prefix_kernel(args, torch.get_num_threads(), {"row by row": times[False], "read once": times[True]})
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import argparse
 
 import torch
 
+from benchmarks.report import print_skinny
 from benchmarks.roofline import copy_bytes_per_s, matmul_flops, own_matmul_seconds, step_weights
 from nanopaged.models.demo_model import demo_model_path
 from nanopaged.models.config import ModelConfig
@@ -44,13 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     m = ModelConfig.from_folder(args.model or str(demo_model_path()))
     threads = args.threads or sorted({1, torch.get_num_threads()})
     figs = skinny_figures(m, args.rows, threads)
-    print(f"one pass over the model's {weight_bytes(m) / 1e6:.0f} MB of float32 matmul weights:")
-    for f in figs:
-        if f["rows"]:
-            print(f"  {f['threads']} thread(s), {f['rows']:3d} rows: {f['ms']:6.1f} ms  "
-                  f"{f['weight_bytes_per_s'] / 1e9:5.1f} GB/s of weights  {f['flops_per_s'] / 1e9:6.1f} GFLOP/s")
-        else:
-            print(f"  {f['threads']} thread(s), a copy of the same bytes reads {f['copy_bytes_per_s'] / 1e9:5.1f} GB/s")
+    print_skinny(weight_bytes(m), figs)
     return figs
 
 

@@ -6,12 +6,10 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.models import RANDOM_CONFIGS, build_random_model, vocab_limit
+from benchmarks.report import print_tensor_parallel_head, tensor_parallel_row
 from benchmarks.nanopaged_run import greedy, timed_generate, token_prompts, warm_up
 from benchmarks.trace import make_trace
 from nanopaged import LLM, SamplingParams
-
-MIB = 2 ** 20
-
 
 def measure(model_dir: str, size: int, args) -> dict:
     llm = LLM(model_dir, tensor_parallel_size=size, num_kv_blocks=args.num_kv_blocks)
@@ -30,13 +28,6 @@ def measure(model_dir: str, size: int, args) -> dict:
             "bytes_per_step": sent / steps if steps else 0.0, "steps": steps}
 
 
-def row(r: dict) -> str:
-    weights = " / ".join(f"{w / MIB:.1f}" for w, _ in r["memory"])
-    kv = " / ".join(f"{k / MIB:.1f}" for _, k in r["memory"])
-    message = f"{r['bytes_per_step']:,.0f}" if r["size"] > 1 else "-"
-    return (f"| {r['size']} | {weights} | {kv} | {message} | {r['out_tok_s']:.1f} | {r['wall_s']:.1f} |")
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.research.tensor_parallel")
     p.add_argument("--random-weights", choices=sorted(RANDOM_CONFIGS), default="qwen3-0.6b")
@@ -48,13 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     model_dir = str(build_random_model(args.random_weights))
-    print(f"{args.random_weights} (random weights, float32), {args.num_requests} requests, input "
-          f"{args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
-          f"{args.num_kv_blocks} KV blocks")
-    print("| N | weights per rank MiB | KV cache per rank MiB | bytes sent per step | out tok/s | wall s |")
-    print("|---|---|---|---|---|---|")
+    print_tensor_parallel_head(args)
     for size in args.sizes:
-        print(row(measure(model_dir, size, args)), flush=True)
+        print(tensor_parallel_row(measure(model_dir, size, args)), flush=True)
 
 
 if __name__ == "__main__":
