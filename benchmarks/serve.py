@@ -474,7 +474,7 @@ def run(args) -> dict:
         "percentiles": "nearest rank"}, "servers": {}}
     # The same device and dtype for all: --dtype, else what nanopaged resolves for this model and device
     # (bfloat16 on CUDA and on a CPU with bf16 matrix units, else float32).
-    device = args.device if args.device != "auto" else ("cuda" if _cuda() else "cpu")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or default_dtype(model, device)
     result["settings"].update(device=device, dtype=dtype)
     ready = {}
@@ -525,10 +525,6 @@ def default_dtype(model: str, device: str) -> str:
         return EngineConfig(model, device=device).dtype
     except ValueError:
         return "float32" if device == "cpu" else "bfloat16"
-
-
-def _cuda() -> bool:
-    return torch.cuda.is_available()
 
 
 def positive_rate(text: str) -> float:
