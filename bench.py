@@ -30,15 +30,14 @@ import torch
 from benchmarks.figures import PUBLISHED, overhead_figures, ratios, target_figures
 from benchmarks.machine import machine_info, versions
 from benchmarks.memory import memory_figures
-from benchmarks.models import RANDOM_CONFIGS, resolve_model, vocab_limit
+from benchmarks.models import MOE_CONFIGS, RANDOM_CONFIGS, resolve_model, vocab_limit
 from benchmarks.nanopaged_run import batch_invariance_cost, quantized_vs_dense, resolved_settings, run_nanopaged
 from benchmarks.noise import noise_figures
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
 from benchmarks.lora import run_lora
-from benchmarks.moe import MOE_CONFIGS, print_moe, run_moe
-from benchmarks.report import (plot, print_cascade, print_lora, print_shared_prefix, print_sharing,
-                               print_structured, print_table)
-from benchmarks.report_spec import print_spec
+from benchmarks.moe import run_moe
+from benchmarks.report import (plot, print_cascade, print_lora, print_moe, print_shared_prefix, print_sharing,
+                               print_spec, print_structured, print_table)
 from benchmarks.quality import quality_figures, text_ids
 from benchmarks.roofline import measure_matmul_flops, roofline_figures
 from benchmarks.single_stream import single_stream_figures, single_stream_length

@@ -1,14 +1,5 @@
 """The spec workload's agent-like prompts: one tool-using task asked again and again with small changes.
-
-Every prompt is the same conversation but for its last line: a system prompt that gives the model
-one tool (TOOL, a JSON schema of its arguments) and says how to call it, one worked exchange (the
-user asks for the weather somewhere; the assistant answers with the tool call as JSON on one line
-and one sentence saying what it asked for), then the user's own request, which differs from the
-others in its city, date and unit only. The answer the exchange teaches (expected_answer) repeats
-every earlier answer but for those three values: what a suffix tree over earlier outputs can draft.
-Cities, dates and units follow `seed` alone, so a prompt is the same every run.
-
-TOOL_CALL_SCHEMA is the same call as a JSON schema (fixed keys, enums): the structured-output runs.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

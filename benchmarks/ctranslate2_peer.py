@@ -1,27 +1,6 @@
 """CTranslate2 (OpenNMT's inference engine) on bench.py's trace, run in its own environment
 (scripts/setup_ctranslate2_peer.sh).
-
-    PYTHONPATH=REPO VENV/bin/python -m benchmarks.ctranslate2_peer IN.json OUT.json
-
-bench.py (benchmarks/peers.py: run_side) writes IN.json (the model folder, the folder to cache its
-conversions in, the compute types to time, the threads, the batch limit, the trace) and reads OUT.json
-back. The model folder is converted once per compute type by CTranslate2's TransformersConverter (the
-weights quantized as it converts), into a cached folder named after the source folder, its weights and
-the compute type; a ctranslate2.Generator runs it on the CPU with bench.py's thread count. "auto" is the
-best compute type the CPU supports, int8 first (CHOICE).
-
-Exact output lengths: `generate_batch` takes one max_length per call and ends a row at EOS, while the
-trace gives every request its own length and ignores EOS. So each call gets end_token=[] (no token ends
-a row, as ignore_eos), max_length = its longest request, and a callback, which CTranslate2 calls for
-every token it generates, ends each row at its own length. The lengths produced are checked against
-the trace; any difference fails the run.
-
-Batching, as a user of `generate_batch` gets it: the trace goes in calls of at most max_batch_size
-requests, in trace order; a call lasts as long as its longest request, no request joins a call that has
-started, and only the shortest prompt of a call is computed at once (the rest of each longer prompt is
-fed a token a step). One warm-up, then output tokens / wall time of the whole trace, as bench.py times
-every engine. This file imports ctranslate2 (only inside main(), so bench.py can import it to find it),
-the standard library, and of benchmarks/ only trace.py.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
 """Decode tokens/s of one request, the rule every engine's single-stream figure is timed by.
-
-Decode speed is measured apart from the prefill: an engine generates 1 token, then N tokens,
-from the same prompt, and decode tokens/s = (N - 1) / (time(N) - time(1)). Each figure is the
-best of REPEATS rounds, and each round times every engine given, in turn, so a host that slows
-down part-way slows them all alike. The engine must compute the whole prompt both times (no
-prefix-cache hit): each caller's `generate` sees to it.
-
-Standard library only: the peers' side scripts (vllm_peer.py, llamacpp_peer.py) time their
-figure with it in their own environments.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

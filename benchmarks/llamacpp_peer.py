@@ -1,14 +1,5 @@
 """llama.cpp on bench.py's trace and prompts, run in its own environment (scripts/setup_llamacpp_peer.sh).
-
-    PYTHONPATH=REPO VENV/bin/python -m benchmarks.llamacpp_peer IN.json OUT.json
-
-llama.cpp reads the GGUF file itself, the very file the demo model ships as, with its own 4-bit
-kernels; it serves one request at a time (its Python API has no batching), so its trace figure
-is the trace run request after request, and its single-stream figure the one that compares.
-bench.py (benchmarks/peers.py: run_side) writes IN.json (the GGUF path, the threads, the trace, the
-single-stream prompt, the perplexity text's token ids) and reads OUT.json back. This file imports
-llama_cpp (only inside main(), so bench.py can import it to find it), the standard library, and of
-benchmarks/ only decode_speed.py, which imports nothing else.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

@@ -1,28 +1,20 @@
 """bench.py --workload lora: many LoRA adapters mixed in one batch, against the base model alone.
-
-The default trace's shape (random prompts, ignore_eos, greedy), its requests spread evenly over 1, 4
-and 16 random rank-16 adapters on all seven projections (written as PEFT saves them: adapter_config.json
-and adapter_model.safetensors), on one engine with `enable_lora=True` and as many slots as adapters.
-Every configuration runs twice, alternating with the base model on an engine without adapters, in one
-process; each figure is the faster of its two runs. With `--peers vllm`, vLLM's CPU engine runs the same
-trace on the same folders (enable_lora=True, 4 adapters) and without adapters, in its own environment.
-Targets (issue 38): with 4 adapters, at least 80% of the base model's throughput; at least 1.5x vLLM's
-with the same adapters. docs/12_lora.md explains the figures.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from benchmarks.models import vocab_limit
-from benchmarks.peers import not_set_up, run_side, side_python, vllm_job
-from benchmarks.trace import WARMUP_PROMPT, make_trace
-from nanopaged import LLM, EngineConfig, LoRARequest, SamplingParams
+from benchmarks.nanopaged_run import greedy, resolved_settings, timed_generate, token_prompts, warm_up
+from benchmarks.peers import run_vllm_side, vllm_job
+from benchmarks.trace import make_trace
+from nanopaged import LLM, EngineConfig, LoRARequest
 from nanopaged.lora.adapter import projection_shapes
 
 ADAPTER_COUNTS = (1, 4, 16)
@@ -58,8 +50,8 @@ def make_random_adapters(model_dir: str, root: Path, count: int, rank: int = RAN
 
 def run_lora(args, model_dir: str, settings: dict) -> dict:
     trace = make_trace(args.num_requests, args.input_len, args.output_len, args.seed, vocab_limit(model_dir))
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in trace.output_lens]
-    prompts = [{"prompt_token_ids": p} for p in trace.prompts]
+    params = [greedy(n) for n in trace.output_lens]
+    prompts = token_prompts(trace.prompts)
     with tempfile.TemporaryDirectory() as tmp:
         folders = make_random_adapters(model_dir, Path(tmp), max(ADAPTER_COUNTS), seed=args.seed)
         engines = {"base": (LLM(model_dir, **settings), [None] * len(prompts))}
@@ -93,33 +85,20 @@ def run_lora(args, model_dir: str, settings: dict) -> dict:
 def timed(llm: LLM, prompts, params, loras) -> dict:
     """One warm-up request per adapter (each read and put in a slot), then the trace, timed."""
     for lora in dict.fromkeys(loras):
-        llm.generate(WARMUP_PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), lora_request=lora,
-                     use_tqdm=False)
+        warm_up(llm, lora_request=lora)
     llm.reset_stats()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-    wall = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-            "token_ids": [o.outputs[0].token_ids for o in outs]}
+    run, outs = timed_generate(llm, prompts, params, lora_request=loras)
+    return {**run, "token_ids": [o.outputs[0].token_ids for o in outs]}
 
 
 def run_vllm_lora(args, model_dir: str, trace, folders: list[str], base_llm: LLM) -> dict:
     """vLLM's CPU engine with the same adapters (and without), in its own environment; an error says why not."""
-    from benchmarks import vllm_peer
-    from benchmarks.nanopaged_run import resolved_settings
     engine = base_llm.llm_engine
-    python = side_python(args, "vllm")
-    if python is None:
-        return {"error": not_set_up("vllm")}
     resolved = resolved_settings(engine.config, base_llm.get_stats())
     job = {**vllm_job(model_dir, engine.config.model_config, resolved, trace.prompts, trace.output_lens),
            "lora_adapters": folders, "max_lora_rank": RANK}
-    try:
-        out = run_side(python, vllm_peer, job)
-    except RuntimeError as e:
-        return {"error": str(e)}
-    return {"version": out["vllm"], **{k: out[k] for k in ("lora", "base")}}
+    out = run_vllm_side(args, job)
+    return out if "error" in out else {"version": out["vllm"], **{k: out[k] for k in ("lora", "base")}}
 
 
 def lora_targets(r: dict) -> dict:

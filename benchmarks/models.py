@@ -1,6 +1,7 @@
-"""The model every engine loads: --model, the demo model, or random weights of a named shape;
-and the spec workload's draft model, cut from the target. Folders made here are written once
-into the cache (cache_dir()/bench)."""
+"""The model every engine loads: --model, the demo model, or random weights of a named shape (dense,
+or a mixture of experts at OLMoE's or Qwen3-30B-A3B's shape, written a layer at a time so the writer
+never holds the model); and the spec workload's draft model, cut from the target. Folders made here
+are written once into the cache (cache_dir()/bench)."""
 from __future__ import annotations
 
 import hashlib
@@ -32,6 +33,71 @@ RANDOM_CONFIGS = {
 }
 
 
+# Mixtures of experts for the moe workload (benchmarks/moe.py); tiny-olmoe is for tests.
+MOE_CONFIGS = {
+    "olmoe-1b-7b": dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", vocab_size=50304, hidden_size=2048,
+                        intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                        num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, rms_norm_eps=1e-5,
+                        rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False),
+    "qwen3-30b-a3b-12l": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+                              hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                              num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                              num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                              mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                              max_position_embeddings=40960, tie_word_embeddings=False),
+    "tiny-olmoe": dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", vocab_size=4096, hidden_size=128,
+                       intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False),   # for tests
+}
+
+
+def write_random_moe(name: str, folder: Path) -> None:
+    """`name`'s config and random bfloat16 weights as Hugging Face lays them out (each expert's gate, up and
+    down on its own), one safetensors shard per layer, written as drawn."""
+    from safetensors.torch import save_file
+    cfg = {**MOE_CONFIGS[name], "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "dtype": "bfloat16"}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(torch.bfloat16)
+
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    weight_map = {}
+
+    def write(name: str, tensors: dict) -> None:
+        save_file(tensors, folder / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+
+    write("model-outer.safetensors", {"model.embed_tokens.weight": rand(vocab, h), "lm_head.weight": rand(vocab, h),
+                                      "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    for i in range(cfg["num_hidden_layers"]):
+        write(f"model-layer{i:02d}.safetensors", random_layer(cfg, i, rand))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    train_tokenizer(4096, model_max_length=cfg["max_position_embeddings"]).save_pretrained(folder)
+
+
+def random_layer(cfg: dict, i: int, rand) -> dict:
+    h, p = cfg["hidden_size"], f"model.layers.{i}."
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv, inter = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d, cfg.get("moe_intermediate_size",
+                                                                                              cfg["intermediate_size"])
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)          # noqa: E731
+    t = {p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
+         p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
+         p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
+         p + "mlp.gate.weight": rand(cfg["num_experts"], h)}
+    norms = (q, kv) if cfg["model_type"] == "olmoe" else (d, d)   # OLMoE's q/k norm spans the projection
+    t[p + "self_attn.q_norm.weight"], t[p + "self_attn.k_norm.weight"] = ones(norms[0]), ones(norms[1])
+    for e in range(cfg["num_experts"]):
+        x = f"{p}mlp.experts.{e}."
+        t[x + "gate_proj.weight"], t[x + "up_proj.weight"] = rand(inter, h), rand(inter, h)
+        t[x + "down_proj.weight"] = rand(h, inter)
+    return t
+
+
 def resolve_model(args) -> str:
     if args.random_weights:
         return str(build_random_model(args.random_weights))
@@ -47,7 +113,6 @@ def build_random_model(name: str) -> Path:
     """
     folder = cache_dir() / "bench" / f"{name}-random-v2"   # v2: its own tokenizer
     if name not in RANDOM_CONFIGS:                         # a mixture of experts, written layer by layer
-        from benchmarks.moe import write_random_moe
         return write_once(folder, f"random weights for {name}", lambda tmp: write_random_moe(name, tmp))
 
     def write(tmp: Path) -> None:

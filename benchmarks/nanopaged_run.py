@@ -1,10 +1,12 @@
-"""nanopaged's timed run of the trace, with a look at its KV memory after every step; and the same
-trace again with one setting changed, alternating (quantization, batch invariance)."""
+"""nanopaged's timed run of the trace, with a look at its KV memory after every step; the same trace
+again with one setting changed, alternating (quantization, batch invariance); and the warm-up and
+timed generate call every other workload runs nanopaged with."""
 from __future__ import annotations
 
 import time
 
 from benchmarks.decode_speed import decode_tokens_per_s
+from benchmarks.hooks import observing
 from benchmarks.memory import kv_sample
 from benchmarks.trace import WARMUP_PROMPT, Run, StepTiming, Trace
 from nanopaged import LLM, EngineConfig, SamplingParams
@@ -22,12 +24,10 @@ def run_nanopaged(model_dir: str, trace: Trace, settings: dict) -> tuple[Run, di
     """
     llm = LLM(model_dir, **settings)
     engine = llm.llm_engine
-    llm.generate(WARMUP_PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+    warm_up(llm)
     llm.reset_stats()                        # count only the timed run
 
-    requests = [engine.process_request(f"bench-{i}", {"prompt_token_ids": p},
-                                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    requests = [engine.process_request(f"bench-{i}", {"prompt_token_ids": p}, greedy(n))
                 for i, (p, n) in enumerate(zip(trace.prompts, trace.output_lens))]
     samples, steps, look_s = [], [], 0.0
 
@@ -42,16 +42,14 @@ def run_nanopaged(model_dir: str, trace: Trace, settings: dict) -> tuple[Run, di
                                 sum(causal_pairs(n, r.num_computed_tokens) for r, n in scheduled)))
         look_s += time.perf_counter() - t
 
-    engine.observers.append(look)
     # as in generate: one call at a time, and cpu_threads="auto" fits the threads, then gives them back
-    with llm.one_call_at_a_time():
+    with observing(llm, look), llm.one_call_at_a_time():
         start = time.perf_counter()
         for r in requests:
             engine.queue(r)
         while engine.has_unfinished_requests():
             engine.step()
         wall = time.perf_counter() - start
-    engine.observers.remove(look)
 
     run = Run("nanopaged", wall, sum(r[0].num_output_tokens for r in requests),
               trace.num_prompt_tokens, len(requests), {"kv_look_s": look_s}, steps,
@@ -126,6 +124,30 @@ def batch_invariance_cost(model_dir: str, trace: Trace, settings: dict, first: R
 def one_request(llm: LLM, prompt: list[int]):
     """`generate(tokens)` for decode_tokens_per_s: the prompt, greedy, exactly `tokens` tokens."""
     def generate(tokens: int) -> None:
-        llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
-                     use_tqdm=False)
+        llm.generate({"prompt_token_ids": prompt}, greedy(tokens), use_tqdm=False)
     return generate
+
+
+# ==== what every workload runs nanopaged with ==================================================
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """Greedy and exactly `max_tokens` tokens: the trace's sampling."""
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def warm_up(llm: LLM, params: SamplingParams | None = None, **kwargs) -> None:
+    """One short request before the clock (WARMUP_PROMPT starts no prompt of a trace)."""
+    llm.generate(WARMUP_PROMPT, params or greedy(4), use_tqdm=False, **kwargs)
+
+
+def timed_generate(llm: LLM, prompts: list, params, **kwargs) -> tuple[dict, list]:
+    """One timed generate call: {wall_s, output_tokens, output_tokens_per_s}, and its outputs."""
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False, **kwargs)
+    wall = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall}, outs
+
+
+def token_prompts(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in prompts]

@@ -194,6 +194,17 @@ def run_side(python: Path, script, job: dict) -> dict:
 
 # ---- vLLM ---------------------------------------------------------------------------------
 
+def run_vllm_side(args, job: dict) -> dict:
+    """benchmarks/vllm_peer.py on `job` in vLLM's environment: its result, or {"error": why not}."""
+    python = side_python(args, "vllm")
+    if python is None:
+        return {"error": not_set_up("vllm")}
+    try:
+        return run_side(python, vllm_peer, job)
+    except RuntimeError as e:
+        return {"error": str(e)}
+
+
 def vllm_job(model_dir: str, m: ModelConfig, resolved: dict, prompts: list[list[int]], output_lens: list[int]) -> dict:
     """The job benchmarks/vllm_peer.py runs: these prompts with nanopaged's resolved dtype, KV bytes
     and batch limits; vLLM keeps its own block size (its CPU attention takes multiples of 32 only)."""

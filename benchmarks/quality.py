@@ -1,12 +1,7 @@
 """What quantized weights cost in quality: perplexity on a fixed English text written for the bench,
 benchmarks/data/english.txt (the spec workload's passages too) then english_more.txt: 3,332 tokens in
 the demo model's tokenizer.
-
-Perplexity = exp(mean negative logprob of each token given those before it), from the logits of the
-prompt (prompt_logprobs), in chunks of the engine's max_num_batched_tokens (a quantized layer runs
-its quantized weight at every row count). The same weights dequantized to float32 (the model folder
-as converted) are the reference; llama.cpp on the same file is the other (its figure comes with its
-peer row).
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

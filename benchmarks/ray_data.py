@@ -1,24 +1,6 @@
 """The ray workload: one dataset through Ray Data replicas, against plain LLM.generate.
 
-    python bench.py --workload ray                    # demo model, 64 rows, the three runs below
-    python bench.py --workload ray --num-rows 128 --input-len 32 128 --output-len 32 64 --json out.json
-
-Every run gets the same rows (seeded random token ids, lengths uniform in the ranges, greedy,
-ignore_eos), and runs after the one before has ended:
-
-    generate      LLM.generate in this process, torch on all the host's cores (after a warm-up)
-    ray 1 x N     one replica with N threads (N: the host's cores), through build_processor
-    ray N x 1     N replicas with one thread each
-
-on a one-node Ray cluster started here as on a real machine (`ray start --head`, on loopback), or
-the cluster this process has already joined.
-Per run: rows/s and output tokens/s over the generation (from the first row a replica takes to
-the last row out: what Ray's scheduling, batching and serialization cost shows here), the wall
-time from submitting the dataset (replica start and model load included), and the overhead of
-Ray against generate. On one host, N replicas share its memory bandwidth: a decode step streams
-every weight, so N x 1 is no faster than 1 x N unless one engine leaves cores idle. What N
-machines would give is N times one machine's figure less Ray's overhead; one host cannot show it.
-docs/14_ray_data.md; figures in docs/benchmarks.md, "Ray Data".
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
@@ -28,13 +10,21 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+import torch
+
 from benchmarks.machine import machine_info, versions
+from benchmarks.models import vocab_limit
+from benchmarks.nanopaged_run import timed_generate, token_prompts, warm_up
+from benchmarks.report import print_ray
 from benchmarks.serve import free_port
-from benchmarks.trace import WARMUP_PROMPT, make_trace
+from benchmarks.trace import make_trace
+from nanopaged import LLM, SamplingParams
+from nanopaged.llm import model_folder
 
 
 # ---- a Ray node, as `ray start` makes one (the tests start theirs with it too) --------------------
@@ -69,7 +59,7 @@ def ray_cluster(log_dir: Path, nodes: list[dict], timeout_s: float = 90):
     """A cluster of `nodes` ({"num_cpus", "resources"} each), the first the head, each a `ray start`
     process on 127.0.0.(2 + i); this process joins as the driver. Yields the head's address;
     every node's processes are killed on the way out."""
-    import ray
+    import ray          # the [ray] extra: only this workload needs it
     started = []
     try:
         head_log = log_dir / "node0.log"
@@ -99,18 +89,15 @@ def dataset_rows(trace) -> list[dict]:
 
 
 def run_generate(model: str, engine_kwargs: dict, rows: list[dict], cores: int) -> dict:
-    import torch
-    from nanopaged import LLM, SamplingParams
     torch.set_num_threads(cores)
     llm = LLM(model, **engine_kwargs, cpu_threads=None)
-    llm.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)
+    warm_up(llm, SamplingParams(max_tokens=4))
     params = [SamplingParams(**r["sampling_params"]) for r in rows]
-    started = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in rows], params, use_tqdm=False)
-    wall = time.perf_counter() - started
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    run, outs = timed_generate(llm, token_prompts([r["prompt_token_ids"] for r in rows]), params)
+    wall = run["wall_s"]
     return {"run": "generate", "replicas": 1, "threads": cores, "generation_s": wall, "wall_s": wall,
-            "rows_per_s": len(rows) / wall, "output_tokens_per_s": tokens / wall, "output_tokens": tokens,
+            "rows_per_s": len(rows) / wall, "output_tokens_per_s": run["output_tokens_per_s"],
+            "output_tokens": run["output_tokens"],
             "tokens": {r["id"]: list(o.outputs[0].token_ids) for r, o in zip(rows, outs)}}
 
 
@@ -151,12 +138,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.num_rows < 1 or not 1 <= args.input_len[0] <= args.input_len[1] or \
             not 1 <= args.output_len[0] <= args.output_len[1]:
         p.error("--num-rows >= 1, and lengths with 1 <= MIN <= MAX")
-    import tempfile
-    from nanopaged.llm import model_folder
     model = model_folder(args.model)
     engine_kwargs = {"dtype": args.dtype}
     cores = os.cpu_count() or 1
-    from benchmarks.models import vocab_limit
     trace = make_trace(args.num_rows, args.input_len, args.output_len, args.seed, vocab_limit(model))
     rows = dataset_rows(trace)
     runs = [run_generate(model, engine_kwargs, rows, cores)]
@@ -186,17 +170,6 @@ def main(argv: list[str] | None = None) -> dict:
 def ray_version() -> str:
     import ray
     return ray.__version__
-
-
-def print_ray(result: dict) -> None:
-    m = result["machine"]
-    print(f"\nRay Data: {result['rows']} rows, input {result['input_len']}, output {result['output_len']} tokens, "
-          f"dtype {result['dtype']}, batch_size {result['batch_size']} x {result['max_concurrent_batches']} in "
-          f"flight; {m['cpu']}, {m['cpu_cores']} cores, flags {' '.join(m['matrix_flags'])}")
-    print(f"{'run':<14}{'rows/s':>9}{'out tok/s':>11}{'gen s':>8}{'wall s':>8}{'vs generate':>13}  same tokens")
-    for r in result["runs"]:
-        print(f"{r['run']:<14}{r['rows_per_s']:>9.2f}{r['output_tokens_per_s']:>11.1f}{r['generation_s']:>8.1f}"
-              f"{r['wall_s']:>8.1f}{r['overhead_vs_generate']:>+12.0%}  {r['same_tokens_as_generate']}")
 
 
 if __name__ == "__main__":

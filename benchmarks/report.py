@@ -1,9 +1,13 @@
-"""What a run prints: the throughput table and the plot, then the other workloads' tables
-(--workload serve prints its own: benchmarks/serve.py; spec's: benchmarks/report_spec.py)."""
+"""What every workload prints, in one place: the throughput table and the plot, then each other
+workload's tables (spec, moe, serve, ray among them) and the research tools', each from the figures its
+run returns."""
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
+
+from benchmarks.figures import SERVE_TARGETS
 
 
 def print_table(r: dict) -> None:
@@ -234,3 +238,298 @@ def print_structured(r: dict) -> None:
     print(f"{'compile':<14}{'cold ms':>10}{'cached ms':>11}")
     for name, t in r["compile"].items():
         print(f"{name:<14}{t['cold_s'] * 1e3:>10.2f}{t['cached_s'] * 1e3:>11.4f}")
+
+
+# ==== --workload spec ====================================================================
+
+SAME = ("  acc len: mean acceptance length, tokens a verify step emits (1 + accepted / drafts); acc rate: drafts "
+        "accepted / drafts; = off: greedy outputs equal to off's token for token")
+
+
+def _f(x, fmt: str, width: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:>{width}{fmt}}"
+
+
+def _row(y: dict) -> str:
+    """out tok/s, speedup, acc len, acc rate, = off of one run."""
+    same = f"{y['identical_to_off']}/{y['num_requests']}" if "identical_to_off" in y else "-"
+    return (f"{y['output_tokens_per_s']:>10.1f}{_f(y.get('speedup_vs_off'), '.2f', 8)}x"
+            f"{_f(y['mean_acceptance_length'], '.2f', 9)}{_f(y['draft_acceptance_rate'], '.1%', 9)}{same:>7}")
+
+
+HEAD = f"{'out tok/s':>10}{'speedup':>9}{'acc len':>9}{'acc rate':>9}{'= off':>7}"
+
+
+def print_spec(r: dict) -> None:
+    s = r["settings"]
+    print(f"\nspeculative decoding: model {Path(s['model']).name}, {s['threads']} torch threads, greedy; "
+          f"n-gram prompt_lookup_max {s['prompt_lookup_max']}, min {s['prompt_lookup_min']}; suffix: vLLM's defaults, "
+          f"k as given; draft model: {s['draft_note']}; drafts per step: {s['draft_policy']}")
+    if "repeating" in r:
+        print_repeating(r)
+    if "agent" in r:
+        print_agent(r["agent"])
+    if "json" in r:
+        print_json(r["json"])
+    if "trace" in r:
+        print_trace(r["trace"])
+    print()
+    for t in r["targets"].values():
+        value = "not run" if t["value"] is None else f"{t['value']:.2f}x ({t['of']})"
+        print(f"target: {t['what']} >= {t['target']}x: {value}: {'met' if t['met'] else 'missed'}")
+    v = r.get("peers", {}).get("vllm")
+    if v is not None:
+        print_vllm(v)
+
+
+def print_repeating(r: dict) -> None:
+    s, rep = r["settings"], r["repeating"]
+    n = s["num_prompts"]
+    max_tokens = s["max_tokens"] or f"passage tokens + {s['max_tokens_slack']}"
+    kinds = {}
+    for p in r["prompts"]:
+        kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
+    print(f"\nrepeating: {n} chat prompts ({', '.join(f'{v} {k}' for k, v in kinds.items())}) over passages of "
+          f"{r['passage_tokens'][0]}-{r['passage_tokens'][1]} tokens of {', '.join(s['texts'])}; stops at EOS, "
+          f"max_tokens {max_tokens}; prefix caching off")
+    print(f"\n{'one request at a time':26}{HEAD}")
+    for x in rep["configs"].values():
+        print(f"{x['label']:26}" + (f" failed: {x['error']}" if "error" in x else _row(x["concurrency"]["1"])))
+    print(SAME)
+    levels = [c for c in rep["concurrency"] if c > 1]
+    if levels:
+        print(f"\n{'at once: out tok/s (x off)':26}" + "".join(f"{f'{c} at once':>18}" for c in levels))
+        for x in rep["configs"].values():
+            if "error" not in x:
+                print(f"{x['label']:26}" + "".join(
+                    f"{x['concurrency'][str(c)]['output_tokens_per_s']:>10.1f} ("
+                    f"{_f(x['concurrency'][str(c)].get('speedup_vs_off'), '.2f', 4)}x)" for c in levels))
+        print(f"  drafts per step: {s['draft_policy']}")
+    for x in rep["configs"].values():
+        diffs = {c: y["first_differences"] for c, y in x.get("concurrency", {}).items() if y.get("first_differences")}
+        if diffs:
+            print(f"  {x['label']}: outputs that differ from off's first differ at output token "
+                  + "; ".join(f"{c} at once: {', '.join(map(str, d))}" for c, d in diffs.items()))
+    if "copies" in rep:
+        same = ", ".join(f"{c} at once {v}/{n}" for c, v in rep["off_batched_identical_to_one_at_a_time"].items()
+                         if c != "1")
+        print(f"  off's answers equal to the passage: {', '.join(f'{k} {v}' for k, v in rep['copies'].items())} "
+              f"(of {', '.join(f'{v} {k}' for k, v in kinds.items())}); off = off one at a time: {same or '-'}")
+
+
+def print_agent(a: dict) -> None:
+    s = a["settings"]
+    print(f"\nagent: one tool call asked {s['num_prompts']} times with another city, date and unit, one request at a "
+          f"time in order on one engine; prompts {s['prompt_tokens'][0]}-{s['prompt_tokens'][1]} tokens (system "
+          f"prompt, tool schema, one worked exchange), answers as taught {s['expected_answer_tokens'][0]}-"
+          f"{s['expected_answer_tokens'][1]} tokens, max_tokens {s['max_tokens']}; prefix caching on")
+    print(f"{'configuration':26}{HEAD}{'first req':>11}{'the rest':>10}")
+    for x in a["configs"].values():
+        if "error" in x:
+            print(f"{x['label']:26} failed: {x['error']}")
+            continue
+        fr = x["first_and_rest"]
+        print(f"{x['label']:26}{_row(x['concurrency']['1'])}{fr['first_tokens_per_s']:>11.1f}"
+              f"{_f(fr['rest_tokens_per_s'], '.1f', 10)}")
+    print("  first req / the rest: out tok/s of the first request (nothing learned yet) and of the others")
+    if "answers_as_taught" in a:
+        print(f"  off's answers equal to the one the worked exchange teaches: {a['answers_as_taught']}/"
+              f"{s['num_prompts']}")
+
+
+def print_json(j: dict) -> None:
+    s = j["settings"]
+    levels = s["concurrency"]
+    print(f"\njson: the agent's tool call under its JSON schema (fixed keys, two enums, a date pattern, no "
+          f"whitespace), {s['num_prompts']} requests, max_tokens {s['max_tokens']}; forced drafts: "
+          f"{s['forced_drafts']}")
+    print(f"{'configuration':36}" + "".join(f"{('one at a time' if c == 1 else f'{c} at once'):>28}" for c in levels))
+    for x in j["configs"].values():
+        if "error" in x:
+            print(f"{x['label']:36} failed: {x['error']}")
+            continue
+        line = f"{x['label']:36}"
+        for c in levels:
+            y = x["concurrency"][str(c)]
+            line += (f"{y['output_tokens_per_s']:>10.1f} tok/s {_f(y.get('speedup_vs_off'), '.2f', 5)}x "
+                     f"len {_f(y['mean_acceptance_length'], '.2f', 4)}")
+        print(line)
+    for key, where in (("forced_vs_without", "one at a time"), ("forced_vs_without_at_once", "all at once")):
+        value, of = j[key]
+        if value is not None:
+            print(f"  with forced drafts over without, {where}: {value:.2f}x ({of})")
+    if "valid_calls" in j:
+        print(f"  off's outputs that call the tool with the request's city, date and unit: "
+              f"{j['valid_calls']}/{s['num_prompts']}")
+
+
+def print_trace(t: dict) -> None:
+    ts = t["settings"]
+    print(f"\nrandom-token trace (the throughput workload's: {ts['num_requests']} requests, input {ts['input_len'][0]}-"
+          f"{ts['input_len'][1]}, output {ts['output_len'][0]}-{ts['output_len'][1]} tokens, greedy, ignore_eos)")
+    for name in ("off", f"ngram_k{ts['ngram_k']}", f"suffix_k{ts['suffix_k']}"):
+        x = t[name]
+        if "error" in x:
+            print(f"  {name:12} failed: {x['error']}")
+            continue
+        spec, extra = x.get("spec_decode"), ""
+        if spec and "speedup_vs_off" in x:
+            drafted = (f"acceptance length {spec['mean_acceptance_length']:.2f}, rate "
+                       f"{spec['draft_acceptance_rate']:.1%} over {spec['num_drafts']} drafting steps"
+                       if spec["num_drafts"] else "no drafts proposed")
+            extra = f", {x['speedup_vs_off']:.2f}x off's, {drafted}, = off {x['identical_to_off']}/{ts['num_requests']}"
+            extra += (f"; costs {x['cost']:.1%}" if x["cost"] >= 0 else
+                      f"; gains {-x['cost']:.1%} (drafts found in the model's own output)")
+        print(f"  {name:12} {x['output_tokens_per_s']:8.1f} out tok/s{extra}")
+
+
+def print_vllm(v: dict) -> None:
+    print("\nvLLM (its own environment, the same prompts and token ids, its own n-gram and suffix speculation; one engine "
+          "for every concurrency, so its suffix cache holds the answers of the concurrencies before: optimistic past 1)")
+    if "skipped" in v:
+        print(f"  not run: {v['skipped']}")
+        return
+    for name, x in v.items():
+        if "skipped" in x:
+            print(f"  {name:12} not run: {x['skipped']}")
+            continue
+        parts = []
+        runs = {**{(f"{c} at once" if c != "1" else "one at a time"): y for c, y in x["concurrency"].items()},
+                **({"agent": x["agent"]} if "agent" in x else {})}
+        for label, y in runs.items():
+            rel = f" ({y['speedup_vs_off']:.2f}x, = off {y['identical_to_off']}" if "speedup_vs_off" in y else ""
+            if rel and y.get("spec_decode"):
+                rel += f", acc len {y['spec_decode']['mean_acceptance_length']:.2f}"
+            parts.append(f"{label} {y['output_tokens_per_s']:.1f}{rel + ')' if rel else ''}")
+        print(f"  {name:12} vllm {x['version']} out tok/s: " + "; ".join(parts))
+
+
+# ==== --workload moe, serve, ray ========================================================
+
+def print_moe(r: dict) -> None:
+    s, e, f = r["settings"], r["engine"], r["floor"]
+    print(f"\nmixture of experts: {s['random_weights']} (random weights), {s['num_requests']} requests, input "
+          f"{s['input_len'][0]}-{s['input_len'][1]}, output {s['output_len'][0]}-{s['output_len'][1]}, "
+          f"{s['threads']} threads; {r['machine']['cpu']}, flags {' '.join(r['machine']['matrix_flags'])}")
+    print(f"  nanopaged ({e['stats']['cpu_linear']}, {e['stats']['cpu_kernels']}, quantization "
+          f"{(e['quantization'] or {}).get('quantization')}): trace {e['output_tokens_per_s']:.1f} tok/s, one request "
+          f"{e['decode_tokens_per_s']:.2f} tok/s, loaded in {e['load_s']:.0f} s; busiest expert {e['expert_load']:.2f}x "
+          "the mean")
+    print(f"  active-weight floor: {f['active_weight_bytes'] / 1e9:.2f} GB a token at {f['read_bytes_per_s'] / 1e9:.1f} "
+          f"GB/s read (a copy: {f['copy_bytes_per_s'] / 1e9:.1f} GB/s) = {f['decode_tokens_per_s']:.2f} tok/s; one "
+          f"request at {f['fraction']:.0%} of it")
+    v = r.get("vllm")
+    if v and "error" in v:
+        print(f"  vLLM CPU: {v['error']}")
+    elif v:
+        print(f"  vLLM CPU {v['version']}: trace {v['output_tokens_per_s']:.1f} tok/s, one request "
+              f"{v['decode_tokens_per_s'] or 0:.2f} tok/s, loaded in {v['load_s']:.0f} s")
+    for name, t in r["targets"].items():
+        print(f"  target {name}: {t['value']:.2f} {'MET' if t['met'] else 'MISSED'}")
+
+
+def print_serve(result: dict) -> None:
+    s = result["settings"]
+    chat = f" (chat: after a shared {s['system_prompt_words']}-word system prompt)" if "chat" in s["datasets"] else ""
+    print(f"\nserve: {s['num_requests']} streamed requests per rate, Poisson arrivals at {', '.join(s['rates'])}/s, "
+          f"prompts {s['input_len_words'][0]}-{s['input_len_words'][1]} words{chat}, "
+          f"max_tokens {s['output_len'][0]}-{s['output_len'][1]}, "
+          f"greedy; model {s['model']}, {s['device']} {s['dtype']}")
+    for name, r in result["servers"].items():
+        if "skipped" in r:
+            print(f"{name} skipped: {r['skipped']}")
+        elif r["server"].get("cpu_binding"):
+            print(f"{name} {r['server'].get('version') or ''}: {', '.join(r['server']['cpu_binding'])}")
+    for d in s["datasets"]:
+        print(f"\n{d}:")
+        head = (f"{'server':<22}{'rate':>5}{'done':>6}{'req/s':>7}{'out tok/s':>10}"
+                f"{'TTFT p50/p99 ms':>17}{'TPOT p50/p99 ms':>17}{'ITL p50/p99 ms':>16}")
+        print(head)
+        print("-" * len(head))
+        for name, r in result["servers"].items():
+            for rate, f in r.get("datasets", {}).get(d, {}).items():
+                print(f"{name:<22}{rate:>5}{f['completed']:>6}{f['requests_per_s']:>7.2f}"
+                      f"{f['output_tokens_per_s']:>10.1f}{_p50_p99(f, 'ttft', '.0f'):>17}"
+                      f"{_p50_p99(f, 'tpot', '.1f'):>17}{_p50_p99(f, 'itl', '.1f'):>16}")
+                if f["failed"]:
+                    print(f"{'':<22}{f['failed']} failed: {f['errors']}")
+        for peer, n in result["same_text"].get(d, {}).items():
+            print(f"greedy answers identical to nanopaged's: {peer} {n['identical']} of {n['of']}")
+        print(f"targets (issue 40), {d}: " + "; ".join(describe_target(t) for t in result["targets"][d].values()))
+
+
+def _p50_p99(f: dict, key: str, fmt: str) -> str:
+    return "/".join(format(f[f"{key}_ms_{p}"], fmt) for p in ("p50", "p99"))
+
+
+def describe_target(t: dict) -> str:
+    if t["status"] in ("met", "missed") and "rate" in t:
+        return (f"p99 TTFT at {t['rate']}/s, where vllm's is {t['vllm']:.0f} ms: {t['value']:.0f} ms "
+                f"(< {SERVE_TARGETS['ttft_p99_ms']:.0f}): {t['status']}")
+    if t["status"] in ("met", "missed"):
+        return (f"all at once {t['value']:.2f}x vllm's out tok/s ({t['nanopaged']:.1f} vs {t['vllm']:.1f}; "
+                f">= {SERVE_TARGETS['saturated_vs_vllm']}x): {t['status']}")
+    return f"{t['target']}: {t['status']}" + (f" ({t['why']})" if "why" in t else "")
+
+
+def print_ray(result: dict) -> None:
+    m = result["machine"]
+    print(f"\nRay Data: {result['rows']} rows, input {result['input_len']}, output {result['output_len']} tokens, "
+          f"dtype {result['dtype']}, batch_size {result['batch_size']} x {result['max_concurrent_batches']} in "
+          f"flight; {m['cpu']}, {m['cpu_cores']} cores, flags {' '.join(m['matrix_flags'])}")
+    print(f"{'run':<14}{'rows/s':>9}{'out tok/s':>11}{'gen s':>8}{'wall s':>8}{'vs generate':>13}  same tokens")
+    for r in result["runs"]:
+        print(f"{r['run']:<14}{r['rows_per_s']:>9.2f}{r['output_tokens_per_s']:>11.1f}{r['generation_s']:>8.1f}"
+              f"{r['wall_s']:>8.1f}{r['overhead_vs_generate']:>+12.0%}  {r['same_tokens_as_generate']}")
+
+
+# ==== the research tools (benchmarks/research/) ======================================
+
+def print_profile(fig: dict, top: int = 12) -> None:
+    print(f"decode step, {fig['rows']} rows: {fig['step_ms']:.1f} ms (median of 7, unprofiled); "
+          f"{fig['num_ops']} torch ops launched")
+    total = sum(fig["self_ms_by_group"].values())
+    for group, ms in fig["self_ms_by_group"].items():
+        print(f"  {group:17s} {ms:7.1f} ms  {ms / total:6.1%}")
+    print("  most launched: " + ", ".join(f"{n.removeprefix('aten::')} {c}"
+                                           for n, c in list(fig["ops_by_name"].items())[:top]))
+
+
+def print_without(fig: dict) -> None:
+    base = fig["step_ms"]
+    print(f"unprofiled, {fig['rows']} rows: {base:.1f} ms with everything")
+    for name, ms in fig["without_ms"].items():
+        print(f"  without {name:9s} {ms:6.1f} ms  (the piece costs {base - ms:+5.1f} ms)")
+    print(f"  without all four  {fig['without_all_ms']:6.1f} ms  (matmuls, residual adds, embedding, sampling, engine)")
+
+
+def print_tensor_parallel_head(args) -> None:
+    print(f"{args.random_weights} (random weights, float32), {args.num_requests} requests, input "
+          f"{args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
+          f"{args.num_kv_blocks} KV blocks")
+    print("| N | weights per rank MiB | KV cache per rank MiB | bytes sent per step | out tok/s | wall s |")
+    print("|---|---|---|---|---|---|")
+
+
+def tensor_parallel_row(r: dict) -> str:
+    weights = " / ".join(f"{w / 2**20:.1f}" for w, _ in r["memory"])
+    kv = " / ".join(f"{k / 2**20:.1f}" for _, k in r["memory"])
+    message = f"{r['bytes_per_step']:,.0f}" if r["size"] > 1 else "-"
+    return (f"| {r['size']} | {weights} | {kv} | {message} | {r['out_tok_s']:.1f} | {r['wall_s']:.1f} |")
+
+
+def print_skinny(weight_bytes: int, figs: list[dict]) -> None:
+    print(f"one pass over the model's {weight_bytes / 1e6:.0f} MB of float32 matmul weights:")
+    for f in figs:
+        if f["rows"]:
+            print(f"  {f['threads']} thread(s), {f['rows']:3d} rows: {f['ms']:6.1f} ms  "
+                  f"{f['weight_bytes_per_s'] / 1e9:5.1f} GB/s of weights  {f['flops_per_s'] / 1e9:6.1f} GFLOP/s")
+        else:
+            print(f"  {f['threads']} thread(s), a copy of the same bytes reads {f['copy_bytes_per_s'] / 1e9:5.1f} GB/s")
+
+
+def print_shared_prefix_kernel(args, threads: int, times: dict) -> None:
+    print(f"{args.rows} rows, prefix {args.prefix_blocks} blocks ({'own copies' if args.own else 'shared'}), "
+          f"shape {args.shape}, {threads} threads")
+    for name, t in times.items():
+        print(f"  {name:<11} best {1e3 * min(t):7.1f} ms   median {1e3 * statistics.median(t):7.1f} ms")

@@ -1,32 +1,7 @@
 """The serve workload: streaming clients against a running OpenAI-compatible server, in the
 shape of `vllm bench serve`.
 
-    python bench.py --workload serve                         # demo model: nanopaged, its in-process ablation, vLLM
-    python bench.py --workload serve --rate 1 2 4 inf --dataset random chat --peers vllm,transformers
-    python -m benchmarks.serve --rate 4 --num-requests 32 --model /path/to/hf/folder
-
-Two prompt sets (--dataset): `random`, a completion of seeded common words; `chat`, a chat
-completion whose messages begin with one system prompt of about 300 words, the same for every
-request (so prefix caching matters), then a short user message. Each server runs every rate
-(--rate, requests per second; inf: all at once) of every set in one start, after a warm-up
-request per set (chat's has the system prompt too, as a server that has been up a while would).
-Requests arrive as a Poisson process, each from its own streaming client (the official `openai`
-client), greedy, with the same seeded prompts for every server; each rate has prompts of its own
-(seed + its index), so no rate finds the previous one's prompts cached.
-
-Per request it records the time of every streamed chunk that carries text. From those: the time
-to the first one (TTFT), the time per output token after it (TPOT = (last - first) / (tokens - 1))
-and the gaps between consecutive ones (ITL, pooled over all requests); p50/p90/p99 of each,
-request throughput and output tokens/s. Output tokens come from the usage chunk the stream ends
-with (stream_options include_usage), else are counted as text chunks; the JSON says which.
-vLLM's `vllm bench serve` measures the same figures.
-
-The servers run as processes of their own, started and stopped here: `nanopaged serve` (an
-API-server process and an engine-core process), `nanopaged serve --engine-in-process` (the old
-one-process layout, the ablation), vLLM's CPU build (`vllm.entrypoints.openai.api_server`, in the
-environment scripts/setup_vllm_peer.sh builds, with nanopaged's resolved settings) and Hugging
-Face's `transformers serve --continuous-batching`. One that does not start is reported skipped,
-with why. Issue 40's targets are checked per set; docs/benchmarks.md, "Server".
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
@@ -46,7 +21,18 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
+
+import torch
+
+from benchmarks.figures import SERVE_TARGETS
+from benchmarks.machine import machine_info, versions
+from benchmarks.peers import not_set_up, side_python, vllm_job
+from benchmarks.report import print_serve
+from nanopaged.config import MAX_NUM_BATCHED_TOKENS, EngineConfig
+from nanopaged.models.config import ModelConfig
+from nanopaged.models.demo_model import demo_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Sized for a few minutes on a 2-core CPU with the demo model and the default peers, vLLM's
@@ -60,9 +46,6 @@ SHORT_NAMES = {"in-process": "nanopaged-in-process"}
 DEFAULT_PEERS = "in-process,vllm"
 START_TIMEOUT_S = 180
 VLLM_START_TIMEOUT_S = 900        # vLLM's CPU build compiles its model before /health answers
-# Issue 40, on this project's 2-core CPU host: all at once (the inf rate), at least 1.5x vLLM's
-# output tokens/s; at the lowest measured rate where vLLM's p99 TTFT passes 2 s, nanopaged's below 1 s.
-TARGETS = {"saturated_vs_vllm": 1.5, "vllm_ttft_p99_ms": 2000.0, "ttft_p99_ms": 1000.0}
 # Prompt text: common words, so every tokenizer gives about one token each.
 WORDS = ("the of and to in is was for on that with as by at from his her they this which have "
          "one all were when there been more their time would about if out up into some them "
@@ -134,13 +117,6 @@ def ready_details(line: str) -> dict:
     return {} if m is None else dict(zip(("num_kv_blocks", "block_size", "max_model_len"), map(int, m.groups())))
 
 
-def serve_has_flag(flag: str) -> bool:
-    """Whether `nanopaged serve --help` lists `flag` (--engine-in-process arrives with the new server)."""
-    done = subprocess.run([sys.executable, "-m", "nanopaged.entrypoints.serve", "--help"], capture_output=True,
-                          text=True, env=_env(), cwd=ROOT, timeout=120)
-    return re.search(rf"{re.escape(flag)}\b", done.stdout) is not None
-
-
 def start_transformers(model: str, device: str = "cpu", dtype: str = "float32",
                        timeout_s: float = START_TIMEOUT_S) -> ServerProcess:
     """`transformers serve MODEL --continuous-batching` on `device`, offline; ready when
@@ -188,9 +164,6 @@ def vllm_settings(model: str, dtype: str, ready: dict, engine_args: list[str], d
     bytes and the cap on max_model_len are benchmarks/peers.py's vllm_job's, as the offline peer's.
     vLLM keeps its own block size: its CPU attention takes multiples of 32 only (vLLM 0.32.0 with
     --block-size 16: 'No common block size for 16 (CPU_ATTN: [MultipleOf(32)])', after compiling)."""
-    from benchmarks.peers import vllm_job
-    from nanopaged.config import MAX_NUM_BATCHED_TOKENS, EngineConfig
-    from nanopaged.models.config import ModelConfig
     if not ready:
         raise RuntimeError("no nanopaged settings to match: nanopaged did not start, or its ready line named "
                            "no KV blocks, block size and max_model_len")
@@ -351,7 +324,7 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
 async def run_load(base_url: str, model: str, prompts: list[tuple], rate: float, seed: int,
                    extra_body: dict | None = None) -> tuple[list[RequestResult], float]:
     """Every request on its own streaming client, arriving as a Poisson process at `rate`/s."""
-    from openai import AsyncOpenAI
+    from openai import AsyncOpenAI     # the [serve] extra: only this workload needs it
     client = AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=600)
     extra_body = extra_body or {}
 
@@ -416,7 +389,7 @@ def target_figures(servers: dict, datasets: list[str]) -> dict:
 
 def throughput_target(ours: dict, theirs: dict) -> dict:
     """All at once (the inf rate): nanopaged's output tokens/s over vLLM's, at least 1.5."""
-    goal = TARGETS["saturated_vs_vllm"]
+    goal = SERVE_TARGETS["saturated_vs_vllm"]
     out = {"target": f">= {goal}x vllm's output tokens/s at rate inf", "value": None}
     if "inf" not in ours or "inf" not in theirs:
         why = "vllm did not run" if not theirs else "nanopaged did not run" if not ours else "no inf rate measured"
@@ -429,7 +402,7 @@ def throughput_target(ours: dict, theirs: dict) -> dict:
 
 def ttft_target(ours: dict, theirs: dict) -> dict:
     """At the lowest measured rate where vLLM's p99 TTFT passes 2 s, nanopaged's below 1 s."""
-    limit, goal = TARGETS["vllm_ttft_p99_ms"], TARGETS["ttft_p99_ms"]
+    limit, goal = SERVE_TARGETS["vllm_ttft_p99_ms"], SERVE_TARGETS["ttft_p99_ms"]
     out = {"target": f"p99 TTFT < {goal:.0f} ms where vllm's first passes {limit:.0f} ms", "value": None, "rate": None}
     if not theirs or not ours:
         return {**out, "status": "not measured", "why": "vllm did not run" if not theirs else "nanopaged did not run"}
@@ -475,12 +448,8 @@ def start_server(name: str, model: str, device: str, dtype: str, args, ready: di
     if name == "nanopaged":
         return start_nanopaged(model, flags)
     if name == "nanopaged-in-process":
-        if not serve_has_flag("--engine-in-process"):
-            raise RuntimeError("`nanopaged serve --help` lists no --engine-in-process (the flag of the old "
-                               "one-process layout) in this checkout")
         return start_nanopaged(model, [*flags, "--engine-in-process"], name=name)
     if name == "vllm":
-        from benchmarks.peers import not_set_up, side_python
         python = side_python(args, "vllm")
         if python is None:
             raise RuntimeError(not_set_up("vllm"))
@@ -492,7 +461,6 @@ def start_server(name: str, model: str, device: str, dtype: str, args, ready: di
 
 def run(args) -> dict:
     """Every server on the same prompts and arrivals; the figures of each, or why it was skipped."""
-    from nanopaged.models.demo_model import demo_model_path
     model = str(args.model) if args.model else str(demo_model_path())
     inputs, outputs = tuple(args.input_len), tuple(args.output_len)
     workloads = {d: (make_prompts(1, inputs, outputs, args.seed - 1, d, args.seed),
@@ -506,7 +474,7 @@ def run(args) -> dict:
         "percentiles": "nearest rank"}, "servers": {}}
     # The same device and dtype for all: --dtype, else what nanopaged resolves for this model and device
     # (bfloat16 on CUDA and on a CPU with bf16 matrix units, else float32).
-    device = args.device if args.device != "auto" else ("cuda" if _cuda() else "cpu")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or default_dtype(model, device)
     result["settings"].update(device=device, dtype=dtype)
     ready = {}
@@ -519,8 +487,6 @@ def run(args) -> dict:
                 result["servers"][name] = {"server": server.about, "warmup": warmups, "datasets": runs}
         except Exception as e:             # a server that does not start is a result to report, not a crash
             result["servers"][name] = {"skipped": str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"}
-    from benchmarks.machine import machine_info, versions
-    from importlib.metadata import version
     result["machine"] = machine_info(device)
     result["versions"] = {**versions(), **{p: version(p) for p in ("fastapi", "uvicorn", "openai")}}
     if result["servers"].get("vllm", {}).get("server", {}).get("version"):
@@ -555,60 +521,10 @@ def compare_texts(servers: dict, datasets: list[str]) -> dict:
 
 def default_dtype(model: str, device: str) -> str:
     """The dtype nanopaged resolves for this model on this device (a folder it cannot read: its fallback)."""
-    from nanopaged.config import EngineConfig
     try:
         return EngineConfig(model, device=device).dtype
     except ValueError:
         return "float32" if device == "cpu" else "bfloat16"
-
-
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
-def print_report(result: dict) -> None:
-    s = result["settings"]
-    chat = f" (chat: after a shared {s['system_prompt_words']}-word system prompt)" if "chat" in s["datasets"] else ""
-    print(f"\nserve: {s['num_requests']} streamed requests per rate, Poisson arrivals at {', '.join(s['rates'])}/s, "
-          f"prompts {s['input_len_words'][0]}-{s['input_len_words'][1]} words{chat}, "
-          f"max_tokens {s['output_len'][0]}-{s['output_len'][1]}, "
-          f"greedy; model {s['model']}, {s['device']} {s['dtype']}")
-    for name, r in result["servers"].items():
-        if "skipped" in r:
-            print(f"{name} skipped: {r['skipped']}")
-        elif r["server"].get("cpu_binding"):
-            print(f"{name} {r['server'].get('version') or ''}: {', '.join(r['server']['cpu_binding'])}")
-    for d in s["datasets"]:
-        print(f"\n{d}:")
-        head = (f"{'server':<22}{'rate':>5}{'done':>6}{'req/s':>7}{'out tok/s':>10}"
-                f"{'TTFT p50/p99 ms':>17}{'TPOT p50/p99 ms':>17}{'ITL p50/p99 ms':>16}")
-        print(head)
-        print("-" * len(head))
-        for name, r in result["servers"].items():
-            for rate, f in r.get("datasets", {}).get(d, {}).items():
-                print(f"{name:<22}{rate:>5}{f['completed']:>6}{f['requests_per_s']:>7.2f}"
-                      f"{f['output_tokens_per_s']:>10.1f}{_p50_p99(f, 'ttft', '.0f'):>17}"
-                      f"{_p50_p99(f, 'tpot', '.1f'):>17}{_p50_p99(f, 'itl', '.1f'):>16}")
-                if f["failed"]:
-                    print(f"{'':<22}{f['failed']} failed: {f['errors']}")
-        for peer, n in result["same_text"].get(d, {}).items():
-            print(f"greedy answers identical to nanopaged's: {peer} {n['identical']} of {n['of']}")
-        print(f"targets (issue 40), {d}: " + "; ".join(describe_target(t) for t in result["targets"][d].values()))
-
-
-def _p50_p99(f: dict, key: str, fmt: str) -> str:
-    return "/".join(format(f[f"{key}_ms_{p}"], fmt) for p in ("p50", "p99"))
-
-
-def describe_target(t: dict) -> str:
-    if t["status"] in ("met", "missed") and "rate" in t:
-        return (f"p99 TTFT at {t['rate']}/s, where vllm's is {t['vllm']:.0f} ms: {t['value']:.0f} ms "
-                f"(< {TARGETS['ttft_p99_ms']:.0f}): {t['status']}")
-    if t["status"] in ("met", "missed"):
-        return (f"all at once {t['value']:.2f}x vllm's out tok/s ({t['nanopaged']:.1f} vs {t['vllm']:.1f}; "
-                f">= {TARGETS['saturated_vs_vllm']}x): {t['status']}")
-    return f"{t['target']}: {t['status']}" + (f" ({t['why']})" if "why" in t else "")
 
 
 def positive_rate(text: str) -> float:
@@ -672,7 +588,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     result = run(args)
-    print_report(result)
+    print_serve(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -1,27 +1,6 @@
 """--workload spec: speculative decoding where the answer repeats its input or earlier answers, and what
 it costs where it does not.
-
-Four workloads, each with its own file:
-
-    repeating    (here; prompts: spec_prompts.py) passages of an English text to repeat exactly or to fix
-                 typos in, greedy, ending where the model stops, at most the passage's tokens +
-                 MAX_TOKENS_SLACK (or --spec-max-tokens); speculation off, n-gram prompt lookup at each
-                 --ngram-k, suffix decoding at each --suffix-k, and a draft model, at each --concurrency
-                 (1: one at a time, each alone in turn; c: groups of c in one generate call)
-    agent        (spec_agent.py; prompts: agent_prompts.py) one tool call asked again and again with
-                 another city, date and unit, one request at a time on one engine: off, n-gram, suffix
-    json         (spec_json.py) the agent's tool call under its JSON schema, with and without the drafts
-                 the grammar forces, one at a time and all at once
-    trace        (here) the throughput workload's random-token trace: what speculation costs on prompts
-                 that repeat nothing
-
-Each configuration gets a fresh engine per concurrency (spec_run.py), freed before the next; prefix
-caching is off but for the agent. Per run: output tokens/s, speculation's counters (mean acceptance
-length, draft acceptance rate), the speedup over speculation off at the same concurrency, and how many
-greedy outputs equal off's token for token. The draft model is the target's own first --draft-layers
-decoder layers (benchmarks/models.py: build_draft_model): no separately trained small model is
-available offline. TARGETS are the issues', reported met or missed. `--peers vllm` also runs vLLM's
-CPU engine (spec_vllm.py). The tables: benchmarks/report.py: print_spec.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
@@ -36,8 +15,8 @@ from benchmarks.nanopaged_run import run_nanopaged
 from benchmarks.spec_agent import run_agent
 from benchmarks.spec_json import run_json
 from benchmarks.spec_prompts import INSTRUCTIONS, MAX_TOKENS_SLACK, NUM_TYPOS, SpecPrompt, build_workload
-from benchmarks.spec_run import (compare, concurrency_levels, draft_policy, drop_outputs, ngram_config, run_configs,
-                                 run_levels, suffix_config, versus_off)
+from benchmarks.spec_run import (compare, concurrency_levels, configurations, draft_policy, drop_outputs, ngram_config,
+                                 run_configs, run_levels, suffix_config, versus_off)
 from benchmarks.spec_vllm import run_vllm_spec
 from benchmarks.quality import TEXTS
 from benchmarks.trace import make_trace
@@ -60,19 +39,6 @@ TARGETS = {
 
 
 # ==== the repeating workload ============================================================
-
-def configurations(args, draft_dir: str) -> dict:
-    """name -> (label, speculative_config); off first, the baseline of the others."""
-    configs = {"off": ("off", None)}
-    for k in args.ngram_k:
-        configs[f"ngram_k{k}"] = (f"ngram k={k}", ngram_config(k, args))
-    for k in args.suffix_k:
-        configs[f"suffix_k{k}"] = (f"suffix k={k}", suffix_config(k))
-    configs[f"draft_k{args.draft_k}"] = (f"draft k={args.draft_k} ({args.draft_layers} layers)",
-                                         {"method": "draft_model", "model": draft_dir,
-                                          "num_speculative_tokens": args.draft_k})
-    return configs
-
 
 def run_repeating(args, model_dir: str, settings: dict, items: list[SpecPrompt], draft_dir: str) -> dict:
     levels = concurrency_levels(args.concurrency, len(items))

@@ -1,34 +1,19 @@
 """The spec workload's agent-like run: one tool call asked again and again with small changes
 (benchmarks/agent_prompts.py), one request at a time, in order, on one engine per configuration.
-
-Suffix decoding keeps the outputs of finished requests (its global tree): from the second request on,
-the answer to draft is an earlier answer with another city, date and unit. N-gram lookup sees only the
-request's own prompt, which holds one worked answer. Prefix caching is on, as an agent's server runs:
-every prompt starts with the same system prompt and worked exchange, computed once. Per configuration:
-output tokens/s over all requests, the first request's against the rest's (what the cache learned),
-and speculation's counters; off's answers are checked against the one the worked exchange teaches.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
 from benchmarks.agent_prompts import SYSTEM, answer_tokens, build_agent_workload
-from benchmarks.spec_run import compare, drop_outputs, ngram_config, run_configs, run_levels, suffix_config
+from benchmarks.spec_run import compare, configurations, drop_outputs, run_configs, run_levels
 from nanopaged import SamplingParams
-
-
-def agent_configurations(args) -> dict:
-    configs = {"off": ("off", None)}
-    for k in args.ngram_k:
-        configs[f"ngram_k{k}"] = (f"ngram k={k}", ngram_config(k, args))
-    for k in args.suffix_k:
-        configs[f"suffix_k{k}"] = (f"suffix k={k}", suffix_config(k))
-    return configs
 
 
 def run_agent(args, model_dir: str, settings: dict, tokenizer) -> dict:
     items = build_agent_workload(tokenizer, args.agent_prompts, args.seed)
     prompts = [{"prompt_token_ids": it.prompt_token_ids} for it in items]
     params = [SamplingParams(temperature=0, max_tokens=it.max_tokens) for it in items]
-    runs = run_configs(agent_configurations(args),
+    runs = run_configs(configurations(args),
                        lambda _, spec: run_levels(model_dir, settings, spec, prompts, params, [1], prefix_caching=True))
     compare(runs)
     for r in runs.values():

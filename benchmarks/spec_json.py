@@ -1,54 +1,39 @@
 """The spec workload's structured outputs: the agent's tool call (benchmarks/agent_prompts.py) under
 its JSON schema (TOOL_CALL_SCHEMA: fixed keys, two enums, a date pattern), no whitespace between tokens,
 greedy, ending where the grammar ends, one at a time and all the prompts at once.
-
-Much of such an output is forced: `{"name":"get_weather","arguments":{"city":"` has no alternative,
-nor the rest of an enum value once its first letter is out. Drafts computed from the grammar (forced
-drafts) verify those tokens in one pass instead of one step each. Whether this engine drafts them and how
-they are turned off is read at run time (forced_drafts): the configurations are no drafts at all (off,
-the baseline), forced drafts without a speculative config, and n-gram (the largest --ngram-k) and
-suffix (the first --suffix-k) with forced drafts off where a speculative_config key turns them off and
-as the engine runs by default. Whether a run had forced drafts is what its counters say, where the
-engine counts them. The figure: forced drafts alone over no drafts (the target); the others beside it.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 
 from benchmarks.agent_prompts import TOOL_CALL_SCHEMA, build_agent_workload
 from benchmarks.spec_run import (compare, drop_outputs, forced_drafts_switch, ngram_config, run_configs, run_levels,
                                  suffix_config)
-from nanopaged import SamplingParams, StructuredOutputsParams, structured_output
+import nanopaged.spec_decode.extension as spec_extension
+from nanopaged import SamplingParams, StructuredOutputsParams
 
 MAX_TOKENS = 64          # the call is about 35 tokens without whitespace in the demo tokenizer
 
 
 def forced_drafts() -> tuple[bool, str]:
     """Whether this engine drafts forced tokens, and how the runs turn them off."""
-    if importlib.util.find_spec("nanopaged.spec_decode.drafter") is None:
-        return False, "none in this engine (a request with a grammar gets no drafts)"
     ways = [f"speculative_config {forced_drafts_switch()!r}: False"] if forced_drafts_switch() else []
-    if hasattr(structured_output, "FORCED_DRAFTS"):
-        ways.append("nanopaged.structured_output.FORCED_DRAFTS = False (without a speculative config)")
-    return True, "on by default; off: " + ("; ".join(ways) or "no switch (every run with a grammar has them)")
+    ways.append("FORCED_DRAFTS = False in spec_decode/extension.py (without a speculative config)")
+    return True, "on by default; off: " + "; ".join(ways)
 
 
 @contextlib.contextmanager
 def forced_drafts_without_spec(on: bool):
-    """Forced drafts on or off for an engine without a speculative config, where the engine has the
-    switch (structured outputs install them when the first request with a grammar arrives: the whole
-    run is inside)."""
-    if not hasattr(structured_output, "FORCED_DRAFTS"):
-        yield
-        return
-    before = structured_output.FORCED_DRAFTS
-    structured_output.FORCED_DRAFTS = on
+    """Forced drafts on or off for an engine without a speculative config (the first request with a
+    grammar installs them: the whole run is inside)."""
+    before = spec_extension.FORCED_DRAFTS
+    spec_extension.FORCED_DRAFTS = on
     try:
         yield
     finally:
-        structured_output.FORCED_DRAFTS = before
+        spec_extension.FORCED_DRAFTS = before
 
 
 def json_configurations(args) -> dict:
@@ -56,7 +41,7 @@ def json_configurations(args) -> dict:
     on, _ = forced_drafts()
     switch = forced_drafts_switch()
     configs = {"off": ("no speculative config, no drafts", None, False)}
-    if on and hasattr(structured_output, "FORCED_DRAFTS"):
+    if on:
         configs["forced"] = ("no speculative config, forced drafts", None, True)
     for name, spec in ((f"ngram_k{max(args.ngram_k)}", ngram_config(max(args.ngram_k), args)),
                        (f"suffix_k{args.suffix_k[0]}", suffix_config(args.suffix_k[0]))):

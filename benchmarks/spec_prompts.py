@@ -1,10 +1,5 @@
 """The spec workload's prompts: answers that repeat their input.
-
-benchmarks/data/english.txt then english_more.txt (the text quality.py scores), each cut at sentence ends
-into passages of at least MIN_PASSAGE_TOKENS tokens in the model's tokenizer (about 100-150), each put in a
-chat-formatted prompt (the tokenizer's chat template, generation prompt added) under one of
-INSTRUCTIONS: repeat it exactly, or fix its typos (NUM_TYPOS put in by a seeded rule) and write it
-out. max_tokens is the passage's tokens + MAX_TOKENS_SLACK: room to copy it and stop.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

@@ -1,17 +1,15 @@
 """The spec workloads' timed runs (benchmarks/spec.py, spec_agent.py, spec_json.py): an engine per
 configuration and concurrency, the prompts in groups of that many, each run against speculation off's.
-
-Every concurrency gets a fresh engine: suffix decoding keeps the outputs of finished requests, and an
-engine that had answered the same prompts at another concurrency would draft from those answers.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
 import gc
-import importlib.util
 import sys
 import time
 import traceback
 
+from benchmarks.hooks import timing_proposers
 from benchmarks.nanopaged_run import resolved_settings
 from benchmarks.trace import WARMUP_PROMPT
 from nanopaged import LLM, SamplingParams
@@ -30,6 +28,21 @@ def ngram_config(k: int, args) -> dict:
 def suffix_config(k: int) -> dict:
     """vLLM's suffix defaults (tree depth 24, min_token_prob 0.1, spec factor 1), k as given."""
     return {"method": "suffix", "num_speculative_tokens": k}
+
+
+def configurations(args, draft_dir: str | None = None) -> dict:
+    """name -> (label, speculative_config); off first, the baseline of the others; the draft model last,
+    where there is one."""
+    configs = {"off": ("off", None)}
+    for k in args.ngram_k:
+        configs[f"ngram_k{k}"] = (f"ngram k={k}", ngram_config(k, args))
+    for k in args.suffix_k:
+        configs[f"suffix_k{k}"] = (f"suffix k={k}", suffix_config(k))
+    if draft_dir:
+        configs[f"draft_k{args.draft_k}"] = (f"draft k={args.draft_k} ({args.draft_layers} layers)",
+                                             {"method": "draft_model", "model": draft_dir,
+                                              "num_speculative_tokens": args.draft_k})
+    return configs
 
 
 def concurrency_levels(asked: list[int], num_prompts: int) -> list[int]:
@@ -65,24 +78,10 @@ def timed(llm: LLM, groups: list[list[int]], prompts: list, params: list) -> dic
     """The prompts in `groups` (one generate call each, in turn): wall time, output tokens/s, each
     call's wall time, the time the proposers took, and speculation's counters. get_stats() counts
     since reset_stats() (the engine's own counters, spec_decode.of(engine).stats, run on)."""
-    engine = llm.llm_engine
-    propose_s = [0.0]
-
-    def timing(propose):
-        def wrapped(running):
-            t = time.perf_counter()
-            try:
-                return propose(running)
-            finally:
-                propose_s[0] += time.perf_counter() - t
-        return wrapped
-
-    proposers = list(engine.proposers)
-    engine.proposers[:] = [timing(p) for p in proposers]
     token_ids, texts, reasons = [None] * len(prompts), [None] * len(prompts), [None] * len(prompts)
     call_s = []
     llm.reset_stats()
-    try:
+    with timing_proposers(llm) as propose_s:
         start = time.perf_counter()
         for group in groups:
             t = time.perf_counter()
@@ -92,8 +91,6 @@ def timed(llm: LLM, groups: list[list[int]], prompts: list, params: list) -> dic
                 token_ids[i], texts[i] = list(o.outputs[0].token_ids), o.outputs[0].text
                 reasons[i] = o.outputs[0].finish_reason
         wall = time.perf_counter() - start
-    finally:
-        engine.proposers[:] = proposers
     stats = llm.get_stats()
     spec = stats["spec_decode"]
     tokens = sum(map(len, token_ids))
@@ -169,6 +166,4 @@ def forced_drafts_switch() -> str | None:
 
 def draft_policy() -> str:
     """What decides how many drafts a request gets per step in this engine, in words."""
-    if importlib.util.find_spec("nanopaged.spec_decode.draft_budget") is not None:
-        return "the engine's current policy (nanopaged/spec_decode/draft_budget.py, where the engine uses it)"
-    return "the engine's current policy (each request up to k drafts a step)"
+    return "the engine's current policy (nanopaged/spec_decode/draft_budget.py)"

@@ -1,10 +1,6 @@
 """vLLM's CPU engine on the spec workload's prompts (benchmarks/vllm_peer.py, in its own environment):
-speculation off, its n-gram at the first --ngram-k and its suffix decoding at the first --suffix-k
-(vLLM runs suffix through the arctic-inference package: a row says why where it cannot), each at every
-concurrency of the repeating workload, then the agent's prompts one at a time on the same engine.
-Each row its figures or why it did not run. One engine serves every concurrency (a load is 1-2 minutes),
-so vLLM's suffix cache still holds the answers of the concurrencies before: its figures after the first
-(one at a time) are optimistic, where nanopaged's engines start fresh at each concurrency.
+off, its n-gram and its suffix decoding, at every concurrency, then the agent's prompts one at a time.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

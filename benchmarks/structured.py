@@ -1,22 +1,16 @@
 """--workload structured: what a JSON schema costs per output token, and what compiling one costs.
-
-The same requests run with and without a JSON schema, in one process, alternating (unconstrained,
-constrained, twice; the faster of each pair counts, as the machine is shared). Both generate exactly
-their trace's output lengths: ignore_eos for the plain run, and a schema whose array needs more items
-(minItems) than any request has tokens for the constrained one, so the runs compare like for like.
-Reported: output tokens/s of each, the constrained run's extra cost per output token (target: at
-most 10% on CPU), the share of each constrained step spent filling and applying masks and advancing
-matchers, and the compile time of a few constraints, cold and cached. docs/10_structured_outputs.md.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
 import statistics
 import time
 
+from benchmarks.hooks import grammar_manager, observing
 from benchmarks.models import vocab_limit
-from benchmarks.trace import WARMUP_PROMPT, make_trace
+from benchmarks.nanopaged_run import greedy, timed_generate, token_prompts, warm_up
+from benchmarks.trace import make_trace
 from nanopaged import LLM, SamplingParams, StructuredOutputsParams
-from nanopaged.structured_output.extension import StructuredOutputs
 
 TARGET_OVERHEAD = 0.10      # the issue's target: <= 10% more per output token on CPU
 # Records of a few fields, more items than any trace's output has tokens for: the grammar cannot end first.
@@ -40,16 +34,16 @@ COMPILED = {
 
 def run_structured(args, model_dir: str, settings: dict) -> dict:
     trace = make_trace(args.num_requests, args.input_len, args.output_len, args.seed, vocab_limit(model_dir))
-    prompts = [{"prompt_token_ids": p} for p in trace.prompts]
+    prompts = token_prompts(trace.prompts)
     schema = StructuredOutputsParams(json=BENCH_SCHEMA, disable_any_whitespace=True)
-    plain = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in trace.output_lens]
+    plain = [greedy(n) for n in trace.output_lens]
     constrained = [SamplingParams(temperature=0, max_tokens=n, structured_outputs=schema) for n in trace.output_lens]
     llm = LLM(model_dir, **settings)
-    llm.generate(WARMUP_PROMPT, SamplingParams(max_tokens=4), use_tqdm=False)
+    warm_up(llm, SamplingParams(max_tokens=4))
     result = {"settings": {"model": model_dir, "num_requests": args.num_requests, "input_len": list(args.input_len),
                            "output_len": list(args.output_len), "seed": args.seed, **settings},
               "compile": compile_times(llm)}            # the bench schema is compiled (cold) here, before any run
-    manager = llm.llm_engine.extension(StructuredOutputs).manager
+    manager = grammar_manager(llm)
     runs = {"plain": [], "constrained": []}
     for _ in range(2):
         runs["plain"].append(timed(llm, prompts, plain, manager))
@@ -73,16 +67,10 @@ def timed(llm: LLM, prompts: list, params: list, manager) -> dict:
         steps.append((now - record.times[0], mask - seen[0], accept - seen[1]))
         seen[:] = [mask, accept]
 
-    llm.llm_engine.observers.append(observe)
-    try:
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - start
-    finally:
-        llm.llm_engine.observers.remove(observe)
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    with observing(llm, observe):
+        run, _ = timed_generate(llm, prompts, params)
     step_s, mask_s, accept_s = (sum(s[i] for s in steps) for i in range(3))
-    return {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall, "steps": len(steps),
+    return {**run, "steps": len(steps),
             "step_s": step_s, "mask_s": mask_s, "matcher_s": accept_s,
             "mask_and_matcher_share": (mask_s + accept_s) / step_s if step_s else 0.0,
             "median_step_share": statistics.median((m + a) / s for s, m, a in steps) if steps else 0.0}
@@ -90,7 +78,7 @@ def timed(llm: LLM, prompts: list, params: list, manager) -> dict:
 
 def compile_times(llm: LLM) -> dict:
     """Seconds to compile each constraint the first time, and to find it again in the cache."""
-    manager = llm.llm_engine.extension(StructuredOutputs).manager
+    manager = grammar_manager(llm)
     times = {}
     for name, constraint in COMPILED.items():
         params = StructuredOutputsParams(**constraint, disable_any_whitespace=name == "bench schema")

@@ -1,10 +1,5 @@
 """A tiny byte-level BPE tokenizer, trained in-process in well under a second.
-
-For models that come without tokenizer files: the random-weight bench models (so a bare GPU
-machine needs no demo model) and the tiny test models (tests/conftest.py). It works like
-GPT-2's and SmolLM2's tokenizers (byte-level BPE), keeps SmolLM2's special tokens at ids
-0, 1, 2 and its chat template, and is trained on some of Python's own sources, so it is the
-same on every machine.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

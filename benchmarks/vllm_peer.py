@@ -1,25 +1,5 @@
 """vLLM's CPU engine on bench.py's trace, run in its own environment (scripts/setup_vllm_peer.sh).
-
-    PYTHONPATH=REPO VENV/bin/python -m benchmarks.vllm_peer IN.json OUT.json
-
-bench.py (benchmarks/peers.py: run_side) writes IN.json (the model folder, the trace's prompts and
-output lengths, the engine settings nanopaged resolved: dtype, KV bytes, max_num_seqs, token budget,
-max_model_len) and reads OUT.json back. vLLM pins other library versions than nanopaged's, so it
-cannot share bench.py's process; this file imports vLLM (only inside main(), so bench.py can import
-it to find it), the standard library, and of benchmarks/ only modules that import nothing else
-(trace.py, decode_speed.py). The timing rules are bench.py's: one warm-up, then output tokens / wall
-time of one generate over the whole trace (greedy, ignore_eos); one request at a time, decode
-tokens/s by benchmarks/decode_speed.py.
-
-Optional keys (bench.py --workload spec): "speculative_config" (vLLM's own dict, e.g. n-gram or suffix
-drafts; its spec-decode counters come back as "spec_decode"), "ignore_eos" (default true),
-"enable_prefix_caching" (default true), and "concurrency" (a list: instead of the one generate over all the
-prompts, the prompts in groups of c, one generate call each, for each c; "concurrency" in OUT.json, keyed
-by c) with "sequences" (name -> {"prompts", "output_lens"}: more prompts, one at a time, in order, after
-those: "sequences" in OUT.json).
-bench.py --workload lora: "lora_adapters" (PEFT folders) and "max_lora_rank": the engine gets enable_lora with
-a slot per adapter, and times the trace twice, its prompts spread evenly over the adapters ("lora" in OUT.json)
-and without adapters ("base"), each after a warm-up request per adapter.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 

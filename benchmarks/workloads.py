@@ -5,8 +5,10 @@ from __future__ import annotations
 import random
 import time
 
+from benchmarks.hooks import observing
 from benchmarks.models import vocab_limit
-from benchmarks.trace import WARMUP_PROMPT, make_trace, random_ids
+from benchmarks.nanopaged_run import timed_generate, token_prompts, warm_up
+from benchmarks.trace import make_trace, random_ids
 from nanopaged import LLM, BeamSearchParams, SamplingParams
 
 
@@ -31,19 +33,17 @@ def run_shared_prefix(args, model_dir: str, settings: dict) -> dict:
               "shared_fraction": (len(prompts) - 1) * args.prefix_len / total}
     for caching in (True, False):
         llm = LLM(model_dir, enable_prefix_caching=caching, **settings)
-        llm.generate(WARMUP_PROMPT, SamplingParams(max_tokens=4), use_tqdm=False)
+        warm_up(llm, SamplingParams(max_tokens=4))
         llm.reset_stats()                    # count only the timed run
-        start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        run, outs = timed_generate(llm, token_prompts(prompts), params)
         stats = llm.get_stats()
         queries = stats["prefix_cache_queries"]
         result["on" if caching else "off"] = {
-            "wall_s": wall,
+            "wall_s": run["wall_s"],
             "prefill_tokens_computed": stats["num_prompt_tokens_computed"],
             "hit_rate": stats["prefix_cache_hits"] / queries if queries else 0.0,
             "num_cached_tokens": sum(o.num_cached_tokens for o in outs),
-            "output_tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
+            "output_tokens_per_s": run["output_tokens_per_s"],
         }
         result["outputs_" + ("on" if caching else "off")] = [o.outputs[0].token_ids for o in outs]
     on, off = result["on"], result["off"]
@@ -101,16 +101,12 @@ def run_sharing(args, model_dir: str, settings: dict) -> dict:
 CASCADE_ROUNDS = 3
 
 
-class DecodeSteps:
+def decode_step_times(times: list[float]):
     """A step observer: how long each step whose rows all decode spent in the model and the sampler."""
-
-    def __init__(self, llm) -> None:
-        self.times: list[float] = []
-        llm.llm_engine.observers.append(self)
-
-    def __call__(self, record) -> None:
+    def observe(record) -> None:
         if all(n == 1 for _, n in record.scheduler_output.scheduled):
-            self.times.append(record.times[2] - record.times[1])
+            times.append(record.times[2] - record.times[1])
+    return observe
 
 
 def run_cascade(args, model_dir: str, settings: dict) -> dict:
@@ -148,13 +144,13 @@ def run_cascade(args, model_dir: str, settings: dict) -> dict:
         best, tokens = {}, {}
         names = [n for n in engines if work == "system prompt" or n != "own copies"]
         for llm in llms.values():
-            llm.generate(WARMUP_PROMPT, SamplingParams(max_tokens=4), use_tqdm=False)
+            warm_up(llm, SamplingParams(max_tokens=4))
         for _ in range(CASCADE_ROUNDS):
             for name in names:
-                timer = DecodeSteps(llms[name])
-                outs = llms[name].generate(prompts, params, use_tqdm=False)
-                llms[name].llm_engine.observers.remove(timer)
-                mean = sum(timer.times) / len(timer.times)
+                times = []
+                with observing(llms[name], decode_step_times(times)):
+                    outs = llms[name].generate(prompts, params, use_tqdm=False)
+                mean = sum(times) / len(times)
                 best[name] = min(best.get(name, mean), mean)
                 tokens[name] = [c.token_ids for o in outs for c in o.outputs]
         result["workloads"][work] = {

@@ -2,20 +2,7 @@
 time goes (issue 12: "a profile of one decode step before and after, and the per-step
 count of torch ops").
 
-    python -m benchmarks.research.profile_step [--rows 24] [--model DIR] [--threads 2] [--dtype D] [--cpu-kernels K] [--cpu-linear L] [--without]
-
-It queues `--rows` requests with prompts of the default trace's lengths, steps until every
-one of them decodes, times a few decode-only steps, then profiles one more. Ops are
-counted at the top level (an aten op called from Python, not the ones it calls inside),
-and their self time is grouped into what a reader can act on: the matmuls, attention
-(gathering K/V from the blocks and the attention kernel), storing K/V, and the rest.
-
-The profiler slows small ops more than large ones, so `--without` also answers "what if this
-piece cost nothing" unprofiled: it times the decode step again with each piece of the layer
-replaced by a pass-through (attention returns its queries, RMSNorm, rotary and SiLU-times-up
-return their input), one piece at a time, then all four (what is left: the matmuls, the
-residual adds, the embedding, sampling and the engine). The tokens are garbage then; the
-timing is what counts.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
@@ -30,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import nanopaged.models.llama as llama
+from benchmarks.report import print_profile, print_without
 from benchmarks.trace import random_ids
 from nanopaged import LLM, SamplingParams
 from nanopaged.attention.torch_backend import TorchAttentionBackend
@@ -167,16 +155,6 @@ def op_figures(events) -> dict:
             "self_ms_by_group": dict(self_ms.most_common())}
 
 
-def print_profile(fig: dict, top: int = 12) -> None:
-    print(f"decode step, {fig['rows']} rows: {fig['step_ms']:.1f} ms (median of 7, unprofiled); "
-          f"{fig['num_ops']} torch ops launched")
-    total = sum(fig["self_ms_by_group"].values())
-    for group, ms in fig["self_ms_by_group"].items():
-        print(f"  {group:17s} {ms:7.1f} ms  {ms / total:6.1%}")
-    print("  most launched: " + ", ".join(f"{n.removeprefix('aten::')} {c}"
-                                           for n, c in list(fig["ops_by_name"].items())[:top]))
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=24, help="requests decoding together (default 24)")
@@ -201,14 +179,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.without:
         print_without(fig["without"])
     return fig
-
-
-def print_without(fig: dict) -> None:
-    base = fig["step_ms"]
-    print(f"unprofiled, {fig['rows']} rows: {base:.1f} ms with everything")
-    for name, ms in fig["without_ms"].items():
-        print(f"  without {name:9s} {ms:6.1f} ms  (the piece costs {base - ms:+5.1f} ms)")
-    print(f"  without all four  {fig['without_all_ms']:6.1f} ms  (matmuls, residual adds, embedding, sampling, engine)")
 
 
 if __name__ == "__main__":

@@ -1,23 +1,15 @@
 """The cpu attention kernel alone, with shared prefixes read once and row by row (issue 37).
 
-    python -m benchmarks.research.shared_prefix_kernel [--rows 32] [--prefix-blocks 64] [--own]
-                                                       [--shape LAYERS,HEADS,KV_HEADS,HEAD_DIM]
-
-`--rows` decode rows, each behind the same `--prefix-blocks` blocks of 16 tokens (or, with `--own`,
-each behind its own copy of them) and 4 blocks of its own, attend once per layer over `--shape`'s
-layers (default: the demo model's 30 layers, 9 heads, 3 KV heads of 64), each layer's cache its own
-memory. Both ways alternate in one process, 12 rounds each; the best and the median round are
-printed. The engine's view, decode steps with the model and sampler around the kernel, is
-`bench.py --workload cascade`.
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
+from benchmarks.report import print_shared_prefix_kernel
 from nanopaged.cpu.build import cpu_ops
 
 BLOCK, OWN_BLOCKS, ROUNDS = 16, 4, 12
@@ -62,11 +54,7 @@ def main() -> None:
     for _ in range(ROUNDS):
         for share in (False, True):
             times[share].append(attend(share))
-    print(f"{args.rows} rows, prefix {args.prefix_blocks} blocks ({'own copies' if args.own else 'shared'}), "
-          f"shape {args.shape}, {torch.get_num_threads()} threads")
-    for share, name in ((False, "row by row"), (True, "read once")):
-        t = times[share]
-        print(f"  {name:<11} best {1e3 * min(t):7.1f} ms   median {1e3 * statistics.median(t):7.1f} ms")
+    print_shared_prefix_kernel(args, torch.get_num_threads(), {"row by row": times[False], "read once": times[True]})
 
 
 if __name__ == "__main__":

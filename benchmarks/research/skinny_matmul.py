@@ -1,16 +1,7 @@
 """Why a decode step costs what it costs on a CPU: one pass of the model's matmuls at a few
 row counts and thread counts, against how fast this machine moves the same bytes.
 
-    python -m benchmarks.research.skinny_matmul [--model DIR] [--rows 1 8 16 24 32 64]
-
-A decode step multiplies every weight of the model by a handful of rows (one per request),
-so its matmuls are "skinny": little arithmetic per weight byte. If they were limited by
-memory, their time would be the weights' bytes over the memory bandwidth whatever the row
-count. This prints, for each row count, the time of one pass over all the model's weights
-(every layer's q/k/v, o, gate/up, down and the lm_head, as separate tensors that stream from
-memory, `roofline.own_matmul_seconds`), the weight bytes read per second, and the
-FLOP/s; then the same bytes copied, for the bandwidth the memory itself gives.
-benchmarks/LOG.md reads the figures (2026-12-01, third round).
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
@@ -18,6 +9,7 @@ import argparse
 
 import torch
 
+from benchmarks.report import print_skinny
 from benchmarks.roofline import copy_bytes_per_s, matmul_flops, own_matmul_seconds, step_weights
 from nanopaged.models.demo_model import demo_model_path
 from nanopaged.models.config import ModelConfig
@@ -53,13 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     m = ModelConfig.from_folder(args.model or str(demo_model_path()))
     threads = args.threads or sorted({1, torch.get_num_threads()})
     figs = skinny_figures(m, args.rows, threads)
-    print(f"one pass over the model's {weight_bytes(m) / 1e6:.0f} MB of float32 matmul weights:")
-    for f in figs:
-        if f["rows"]:
-            print(f"  {f['threads']} thread(s), {f['rows']:3d} rows: {f['ms']:6.1f} ms  "
-                  f"{f['weight_bytes_per_s'] / 1e9:5.1f} GB/s of weights  {f['flops_per_s'] / 1e9:6.1f} GFLOP/s")
-        else:
-            print(f"  {f['threads']} thread(s), a copy of the same bytes reads {f['copy_bytes_per_s'] / 1e9:5.1f} GB/s")
+    print_skinny(weight_bytes(m), figs)
     return figs
 
 

@@ -1,22 +1,15 @@
 """Tensor parallelism's figures: per-rank weight and KV bytes, bytes sent per step, throughput.
-
-    python -m benchmarks.research.tensor_parallel [--random-weights qwen3-0.6b] [--sizes 1 2]
-
-For each tensor_parallel_size: one LLM on a random-weight model (benchmarks/models.py), a
-warm-up, then one timed generate of a fixed trace (ignore_eos, so every size generates the
-same tokens). Prints one markdown row per size (docs/benchmarks.md, "Tensor parallelism").
+(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
 import argparse
-import time
 
 from benchmarks.models import RANDOM_CONFIGS, build_random_model, vocab_limit
-from benchmarks.trace import WARMUP_PROMPT, make_trace
+from benchmarks.report import print_tensor_parallel_head, tensor_parallel_row
+from benchmarks.nanopaged_run import greedy, timed_generate, token_prompts, warm_up
+from benchmarks.trace import make_trace
 from nanopaged import LLM, SamplingParams
-
-MIB = 2 ** 20
-
 
 def measure(model_dir: str, size: int, args) -> dict:
     llm = LLM(model_dir, tensor_parallel_size=size, num_kv_blocks=args.num_kv_blocks)
@@ -24,25 +17,15 @@ def measure(model_dir: str, size: int, args) -> dict:
     memory = getattr(runner, "memory", None) or [
         [sum(p.nbytes for p in runner.model.parameters()), runner.kv_cache.nbytes]]
     trace = make_trace(args.num_requests, args.input_len, args.output_len, args.seed, vocab_limit(model_dir))
-    llm.generate(WARMUP_PROMPT, SamplingParams(max_tokens=4), use_tqdm=False)
+    warm_up(llm, SamplingParams(max_tokens=4))
     sent_before, steps_before = getattr(runner, "bytes_sent", 0), getattr(runner, "steps_sent", 0)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in trace.output_lens]
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in trace.prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    wall = timed_generate(llm, token_prompts(trace.prompts), [greedy(n) for n in trace.output_lens])[0]["wall_s"]
     steps = getattr(runner, "steps_sent", 0) - steps_before
     sent = getattr(runner, "bytes_sent", 0) - sent_before
     if size > 1:
         runner.shutdown()
     return {"size": size, "memory": memory, "wall_s": wall, "out_tok_s": trace.num_output_tokens / wall,
             "bytes_per_step": sent / steps if steps else 0.0, "steps": steps}
-
-
-def row(r: dict) -> str:
-    weights = " / ".join(f"{w / MIB:.1f}" for w, _ in r["memory"])
-    kv = " / ".join(f"{k / MIB:.1f}" for _, k in r["memory"])
-    message = f"{r['bytes_per_step']:,.0f}" if r["size"] > 1 else "-"
-    return (f"| {r['size']} | {weights} | {kv} | {message} | {r['out_tok_s']:.1f} | {r['wall_s']:.1f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,13 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     model_dir = str(build_random_model(args.random_weights))
-    print(f"{args.random_weights} (random weights, float32), {args.num_requests} requests, input "
-          f"{args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
-          f"{args.num_kv_blocks} KV blocks")
-    print("| N | weights per rank MiB | KV cache per rank MiB | bytes sent per step | out tok/s | wall s |")
-    print("|---|---|---|---|---|---|")
+    print_tensor_parallel_head(args)
     for size in args.sizes:
-        print(row(measure(model_dir, size, args)), flush=True)
+        print(tensor_parallel_row(measure(model_dir, size, args)), flush=True)
 
 
 if __name__ == "__main__":

@@ -65,12 +65,13 @@ class SpeculativeDecoding(Extension):
             self.proposer = DraftModelProposer(engine, spec)
             self.draft_probs = self.proposer.draft_probs
         self.drafter = Drafter(engine, self.proposer, self.counters.k, self.counters)
+        self.budget = self.drafter.budget
 
     def wrap_token_selection(self, selection):
         return RejectionSampler(selection, self.counters, self.draft_probs)
 
     def observe(self, record) -> None:
-        self.drafter.budget(record)
+        self.budget(record)
 
     def propose(self, running: list[Request]) -> None:
         self.drafter(running)

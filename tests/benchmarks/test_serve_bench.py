@@ -12,7 +12,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from benchmarks import serve  # noqa: E402
+from benchmarks import report, serve  # noqa: E402
 from benchmarks.serve import RequestResult  # noqa: E402
 
 
@@ -106,7 +106,7 @@ def test_ttft_target_not_reached_when_vllm_keeps_under_2s():
     t = serve.ttft_target({"1": run_figures(30, 300), "inf": run_figures(150, 900)},
                           {"1": run_figures(30, 400), "inf": run_figures(100, 2000)})     # 2000 does not pass 2 s
     assert t["status"] == "not reached: raise the rates" and t["value"] is None
-    assert "raise the rates" in serve.describe_target(t)
+    assert "raise the rates" in report.describe_target(t)
     gone = serve.ttft_target({"1": run_figures(30, 300)}, {"1": run_figures(30, 400), "2": run_figures(50, 2400)})
     assert gone["status"] == "not measured" and gone["rate"] == "2"
 
@@ -267,7 +267,7 @@ def test_run_reports_a_failed_start_as_skipped(monkeypatch, tmp_path):
     assert result["servers"]["nanopaged"]["skipped"].endswith("the tail of its log")
     assert result["servers"]["vllm"] == {"skipped": "ValueError: odd"}
     assert {t["status"] for d in result["targets"].values() for t in d.values()} == {"not measured"}
-    serve.print_report(result)                  # and the report prints it
+    report.print_serve(result)                  # and the report prints it
 
 
 class FakeServer:
