@@ -77,7 +77,7 @@ def run_levels(model_dir: str, settings: dict, spec: dict | None, prompts: list,
 def timed(llm: LLM, groups: list[list[int]], prompts: list, params: list) -> dict:
     """The prompts in `groups` (one generate call each, in turn): wall time, output tokens/s, each
     call's wall time, the time the proposers took, and speculation's counters. get_stats() counts
-    since reset_stats() (the engine's own counters, spec_decode.of(engine).stats, run on)."""
+    since reset_stats() (the extension's own counters run on)."""
     token_ids, texts, reasons = [None] * len(prompts), [None] * len(prompts), [None] * len(prompts)
     call_s = []
     llm.reset_stats()

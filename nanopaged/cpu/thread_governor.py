@@ -6,7 +6,7 @@ every one of the hundreds of ops in a step waits for it: beside a busy core one 
 faster than two, on a quiet machine two run faster than one (docs/benchmarks.md, "Noise", has the
 figures), so no fixed count is right for both.
 
-The governor is a step observer (the engine's `observers` hook). About twice a second it
+The governor is an extension that observes each step (engine/extension.py: Extension.observe). About twice a second it
 reads how busy the machine's cores were, minus this process's own share (Linux: /proc/stat
 and /proc/self/stat), and sets torch's thread count to the cores left free, rounded to the
 nearest whole core (at least 1, at most the count it started with). A neighbour that comes

@@ -8,10 +8,14 @@ import pytest
 from nanopaged import EngineConfig
 from nanopaged.entrypoints.serve import parse_args
 from nanopaged.spec_decode.config import SpeculativeConfig
+from nanopaged.spec_decode.extension import SpeculativeDecoding
 
 
 def config(model, spec, **kw):
-    return EngineConfig(model=model, dtype="float32", speculative_config=spec, **kw).speculative_config
+    """The setting as the engine checks it when it is built, before any weight loads."""
+    engine_config = EngineConfig(model=model, dtype="float32", speculative_config=spec, **kw)
+    SpeculativeDecoding.check_config(engine_config)
+    return engine_config.speculative_config
 
 
 def test_vllm_defaults(tiny_model_dirs):

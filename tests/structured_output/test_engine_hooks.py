@@ -52,15 +52,12 @@ class OnlyToken:
     """A logits processor that allows one token in every row, and records what it is told."""
 
     def __init__(self, token):
-        self.token, self.forgotten = token, []
+        self.token = token
 
     def __call__(self, logits, requests):
         masked = torch.full_like(logits, float("-inf"))
         masked[:, self.token] = logits[:, self.token]
         return masked
-
-    def forget(self, request):
-        self.forgotten.append(request)
 
 
 def request(params, outputs=()):
@@ -79,8 +76,6 @@ def test_a_logits_processor_masks_before_sampling_and_logprobs():
     assert out.token_ids == [7, 7]
     assert out.logprobs == [0.0, 0.0]          # the masked distribution: token 7 has all of it (as vLLM)
     assert torch.equal(logits, before)
-    sampler.forget(rows[0])
-    assert sampler.logits_processors[0].forgotten == [rows[0]]
 
 
 def test_every_stop_rule_sees_every_token_and_any_of_them_stops():
