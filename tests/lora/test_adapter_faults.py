@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 
 from nanopaged.lora import adapter as adapter_module
-from nanopaged.lora.adapter import MAX_CONFIG_BYTES, load_adapter, max_weights_bytes
+from nanopaged.lora.adapter import load_adapter
 from nanopaged.lora.request import LoRARequest
 from nanopaged.models.config import ModelConfig
 
@@ -47,7 +47,7 @@ def rewrite_config(folder, **changes):
     ("[1, 2, 3]", "must hold a JSON object, got a JSON list"),
     ('"r"', "must hold a JSON object, got a JSON str"),
     ("[" * 100_000 + "]" * 100_000, "adapter_config.json cannot be read"),
-])
+], ids=["list", "string", "deep"])
 def test_a_config_that_is_no_json_object_is_a_value_error(folder, tiny_model_dirs, text, named):
     (folder / "adapter_config.json").write_text(text)
     with pytest.raises(ValueError, match=named):
@@ -76,14 +76,14 @@ def test_each_config_field_is_checked_for_its_type_and_range_by_name(folder, tin
 
 def test_a_config_file_too_big_is_refused_before_it_is_read(folder, tiny_model_dirs, monkeypatch):
     with open(folder / "adapter_config.json", "r+b") as f:
-        f.truncate(MAX_CONFIG_BYTES + 1)                  # sparse: nothing written, nothing to read
-    with pytest.raises(ValueError, match=f"more than the {MAX_CONFIG_BYTES}"):
+        f.truncate(adapter_module.MAX_CONFIG_BYTES + 1)   # sparse: nothing written, nothing to read
+    with pytest.raises(ValueError, match=f"more than the {adapter_module.MAX_CONFIG_BYTES}"):
         read(folder, tiny_model_dirs["llama"])
 
 
 def test_a_weights_file_bigger_than_its_rank_allows_is_refused_before_a_tensor_is_read(folder, tiny_model_dirs,
                                                                                       reads):
-    most = max_weights_bytes(ModelConfig.from_folder(tiny_model_dirs["llama"]), 8)
+    most = adapter_module.max_weights_bytes(ModelConfig.from_folder(tiny_model_dirs["llama"]), 8)
     with open(folder / "adapter_model.safetensors", "r+b") as f:
         f.truncate(most + 1)
     with pytest.raises(ValueError, match=f"more than the {most} an adapter of its rank"):
@@ -100,7 +100,8 @@ def test_a_header_with_the_wrong_shapes_is_refused_before_a_tensor_is_read(folde
     assert reads == []
 
 
-@pytest.mark.parametrize("header", [b"[]", b"{\"x\": 5}", b"[" * 50_000 + b"]" * 50_000, b"\xff\xfe"])
+@pytest.mark.parametrize("header", [b"[]", b"{\"x\": 5}", b"[" * 50_000 + b"]" * 50_000, b"\xff\xfe"],
+                         ids=["list", "no-dtype", "deep", "not-utf8"])
 def test_a_broken_safetensors_header_is_a_value_error(folder, tiny_model_dirs, header):
     (folder / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     with pytest.raises(ValueError, match="adapter_model.safetensors cannot be read"):
