@@ -5,7 +5,7 @@ a negative or a text id, a huge list, parameters of the wrong type, an adapter f
 adapter): each gets its request's Refused or AdapterDone with the reason, and the next request is
 served as LLM.generate serves it. Through a real server with --allow-runtime-lora-updating, in both
 layouts: a malformed adapter is a 400, then a request is served and /health is 200.
-docs/08_server.md, "Faults".
+docs/12_lora.md, "Limits".
 """
 import http.client
 import json
