@@ -74,7 +74,7 @@ def test_each_config_field_is_checked_for_its_type_and_range_by_name(folder, tin
         read(folder, tiny_model_dirs["llama"])
 
 
-def test_a_config_file_too_big_is_refused_before_it_is_read(folder, tiny_model_dirs, monkeypatch):
+def test_a_config_file_too_big_is_refused_before_it_is_read(folder, tiny_model_dirs):
     with open(folder / "adapter_config.json", "r+b") as f:
         f.truncate(adapter_module.MAX_CONFIG_BYTES + 1)   # sparse: nothing written, nothing to read
     with pytest.raises(ValueError, match=f"more than the {adapter_module.MAX_CONFIG_BYTES}"):
