@@ -10,8 +10,10 @@ one ZeroMQ ROUTER socket: each API server connects a DEALER under its own name, 
 takes every server's requests (ZeroMQ reads the peers in turn: none starves another) and
 routes each answer back by name; an answer for a server that has gone is dropped, never waited
 on. Requests are checked (structured outputs compile their grammar, LoRA reads its adapter) on
-a few threads, so a slow schema delays no step. vLLM: vllm/v1/engine/core.py (EngineCoreProc).
-docs/08_server.md, "Processes".
+a few threads, so a slow schema delays no step; an Adapter message's read runs there too. A
+message is refused alone: whatever checking one raises (a well-typed but hostile field, such as
+lora=[] or a negative id) goes back to its sender as that request's error, and the loop serves on.
+vLLM: vllm/v1/engine/core.py (EngineCoreProc). docs/08_server.md, "Processes".
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import zmq
 
 from nanopaged.entrypoints import core_messages as m
 from nanopaged.lora.extension import LoRA
+from nanopaged.lora.request import LoRARequest
 
 logger = logging.getLogger("nanopaged.entrypoints.engine_core")
 CHECK_THREADS = 2         # process_request beside the steps (tokenizer-free: a grammar, an adapter)
@@ -58,6 +61,7 @@ class EngineCore:
         self.owner: dict[str, bytes] = {}             # request id -> the API server that sent it
         self.clients: set[bytes] = set()              # every API server that said Hello
         self.checking: list[tuple[bytes, m.AddRequest, Future]] = []   # in arrival order
+        self.adapting: list[tuple[bytes, int, Future]] = []            # adapters read or dropped, any order
         self.checks = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="nanopaged-check")
         self.prompt_sent: dict[str, int] = {}         # prompt_logprobs entries sent so far
         self.changed = True                           # since the last figures were sent
@@ -68,6 +72,7 @@ class EngineCore:
         with self.llm.one_call_at_a_time():           # the LLM's lock and its CPU thread governor
             while self.receive():
                 self.queue_checked()
+                self.send_adapters_done()
                 if self.engine.has_unfinished_requests():
                     self.step()
                     self.changed = True
@@ -81,7 +86,7 @@ class EngineCore:
 
     def receive(self) -> bool:
         """Every message waiting; if there is nothing to do, wait a while for one. False: shut down."""
-        busy = self.engine.has_unfinished_requests() or self.checking
+        busy = self.engine.has_unfinished_requests() or self.checking or self.adapting
         timeout = 0 if self.engine.has_unfinished_requests() else 1 if busy else IDLE_POLL_MS
         if not self.socket.poll(timeout):
             return True
@@ -98,7 +103,10 @@ class EngineCore:
                 continue
             if isinstance(message, m.Shutdown):
                 return False
-            self.handle(client, message)
+            try:
+                self.handle(client, message)
+            except Exception:                         # a bug's trace in the log; the others are served on
+                logger.exception("a %s message from %r could not be handled", type(message).__name__, client)
 
     def handle(self, client: bytes, message) -> None:
         self.changed = True
@@ -119,7 +127,7 @@ class EngineCore:
             logger.warning("API server %s is gone: its %d running request(s) were aborted", message.client,
                            len(orphans))
         elif isinstance(message, m.Adapter):
-            self.send(client, self.adapter(message))
+            self.adapting.append((client, wire_id(message.lora), self.checks.submit(self.adapter, message)))
 
     def check(self, message: m.AddRequest):
         """On a check thread: the engine's own checks and preparation (nothing is queued here)."""
@@ -128,15 +136,15 @@ class EngineCore:
             prompt["cache_salt"] = message.cache_salt
         params = (m.pooling_from_wire(message.pooling) if message.pooling is not None
                   else m.core_params(message.params))
-        return self.engine.process_request(message.request_id, prompt, params,
-                                           lora_request=m.lora_from_wire(message.lora))
+        lora = None if message.lora is None else lora_from_wire(message.lora)
+        return self.engine.process_request(message.request_id, prompt, params, lora_request=lora)
 
     def queue_checked(self) -> None:
         """Queue the checked requests in the order they arrived (a later one waits for an earlier)."""
         while self.checking and self.checking[0][2].done():
             client, message, future = self.checking.pop(0)
             try:
-                self.engine.queue(future.result())
+                self.engine.queue(checked(future))
             except ValueError as e:
                 self.send(client, m.Refused(message.request_id, str(e)))
                 continue
@@ -186,21 +194,31 @@ class EngineCore:
         return m.RequestDelta(output.request_id, samples, output.num_cached_tokens, prompt,
                               None if pooled is None else pooled.tolist())
 
-    def adapter(self, message: m.Adapter) -> m.AdapterDone:
-        """Read and check an adapter, or drop one (by its id alone) once no request uses it."""
-        lora_int_id = int(message.lora[1])
+    def adapter(self, message: m.Adapter) -> None:
+        """On a check thread: read and check an adapter, or drop one (by its id alone) once no request
+        uses it; a ValueError says why not."""
         lora = self.engine.find(LoRA)
-        try:
-            if lora is None:
-                raise ValueError("the engine was started without enable_lora")
-            manager = lora.manager
-            if message.load:
-                manager.adapter(m.lora_from_wire(message.lora))
-            else:
-                manager.unload(lora_int_id)
-        except ValueError as e:
-            return m.AdapterDone(lora_int_id, str(e))
-        return m.AdapterDone(lora_int_id)
+        if lora is None:
+            raise ValueError("the engine was started without enable_lora")
+        manager = lora.manager
+        if message.load:
+            manager.adapter(lora_from_wire(message.lora))
+        elif wire_id(message.lora) < 1:
+            raise ValueError(f"an adapter to drop is named by an int id >= 1, got {str(message.lora)[:200]}")
+        else:
+            manager.unload(wire_id(message.lora))
+
+    def send_adapters_done(self) -> None:
+        """Each adapter read or dropped: an AdapterDone to its sender, with the reason if it failed."""
+        done = [a for a in self.adapting if a[2].done()]
+        self.adapting = [a for a in self.adapting if not a[2].done()]
+        for client, lora_int_id, future in done:
+            try:
+                checked(future)
+            except ValueError as e:
+                self.send(client, m.AdapterDone(lora_int_id, str(e)))
+                continue
+            self.send(client, m.AdapterDone(lora_int_id))
 
     # ---- sending -------------------------------------------------------------------------------
     def send(self, client: bytes, message) -> None:
@@ -214,6 +232,30 @@ class EngineCore:
         figures = m.figures_of(self.engine, self.llm.stats)
         for client in self.clients:
             self.send(client, figures)
+
+
+def checked(future: Future):
+    """A check's result; whatever it raised as a ValueError, so that it refuses its request alone."""
+    try:
+        return future.result()
+    except ValueError:
+        raise
+    except Exception as e:
+        logger.exception("checking a message failed")
+        raise ValueError(f"the request could not be checked: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def lora_from_wire(lora) -> LoRARequest:
+    """[name, int id, path] as a LoRARequest (its own checks run); a ValueError for any other shape."""
+    if not isinstance(lora, list) or len(lora) != 3 or not isinstance(lora[0], str) or not isinstance(lora[2], str):
+        raise ValueError(f"lora must be [name, int id, path], got {str(lora)[:200]}")
+    return LoRARequest(lora[0], lora[1], lora[2])
+
+
+def wire_id(lora) -> int:
+    """The int id in an Adapter message's [name, int id, path], for its answer; 0 where there is none."""
+    ok = isinstance(lora, list) and len(lora) > 1 and type(lora[1]) is int
+    return lora[1] if ok else 0
 
 
 def _top(entry: dict) -> list:

@@ -19,6 +19,7 @@ from nanopaged.models.config import ModelConfig
 METHODS = ("ngram", "draft_model", "suffix")
 OTHER_VLLM_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 MAX_SPECULATIVE_TOKENS = 32
+DEFAULT_MAX_CACHED_TOKENS = 100_000     # the suffix method's global tree: docs/11, "Suffix decoding"
 DEFAULT_LOOKUP = 5          # vLLM's prompt_lookup_min = prompt_lookup_max when neither is given
 # method "suffix": vLLM's knobs, its defaults, and each one's range (lo, hi, integer, lo excluded)
 SUFFIX_KNOBS = {
@@ -26,6 +27,8 @@ SUFFIX_KNOBS = {
     "suffix_decoding_max_cached_requests": (10000, (0, None, True, False)),  # outputs in the global tree; 0: off
     "suffix_decoding_max_spec_factor": (1.0, (0, None, False, True)),        # a draft <= ceil(factor * matched)
     "suffix_decoding_min_token_prob": (0.1, (0, 1, False, False)),           # drafting stops below it
+    # nanopaged's own: tokens in the global tree, its memory bound (each token holds up to depth nodes)
+    "suffix_decoding_max_cached_tokens": (DEFAULT_MAX_CACHED_TOKENS, (0, None, True, False)),
 }
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", *SUFFIX_KNOBS)
 
@@ -41,6 +44,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int | None = None
     suffix_decoding_max_spec_factor: float | None = None
     suffix_decoding_min_token_prob: float | None = None
+    suffix_decoding_max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS      # nanopaged's own, not vLLM's
 
     @classmethod
     def from_dict(cls, given, target, check_model_folder) -> "SpeculativeConfig":

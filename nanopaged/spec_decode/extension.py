@@ -60,7 +60,8 @@ class SpeculativeDecoding(Extension):
         elif spec is not None and spec.method == "suffix":
             self.proposer = SuffixProposer(spec.num_speculative_tokens, spec.suffix_decoding_max_tree_depth,
                                            spec.suffix_decoding_max_cached_requests,
-                                           spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
+                                           spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
+                                           spec.suffix_decoding_max_cached_tokens)
         elif spec is not None:
             self.proposer = DraftModelProposer(engine, spec)
             self.draft_probs = self.proposer.draft_probs

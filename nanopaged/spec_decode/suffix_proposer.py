@@ -16,6 +16,7 @@ aborted), and its output goes to the global tree; one that is only preempted kee
 from __future__ import annotations
 
 from nanopaged.core.request import Request
+from nanopaged.spec_decode.config import DEFAULT_MAX_CACHED_TOKENS
 from nanopaged.spec_decode.ngram_proposer import draft_alone
 from nanopaged.spec_decode.suffix_tree import GlobalSuffixCache, SuffixTree, best_draft
 
@@ -24,11 +25,11 @@ class SuffixProposer:
     """The method "suffix": the engine's drafter (drafter.py) calls `follow`, then `propose`."""
 
     def __init__(self, k: int, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float,
-                 min_token_prob: float) -> None:
+                 min_token_prob: float, max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS) -> None:
         self.k, self.max_tree_depth = k, max_tree_depth
         self.max_spec_factor, self.min_token_prob = max_spec_factor, min_token_prob
         self.trees: dict[Request, SuffixTree] = {}     # every unfinished request seen running: its own tree
-        self.cache = GlobalSuffixCache(max_tree_depth, max_cached_requests)
+        self.cache = GlobalSuffixCache(max_tree_depth, max_cached_requests, max_cached_tokens)
 
     def __call__(self, running: list[Request]) -> None:
         draft_alone(self, running, self.k)

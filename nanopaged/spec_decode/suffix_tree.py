@@ -11,8 +11,13 @@ a setting. A text is only ever appended to, or removed whole.
 
     SuffixTree          the trie: append to the open text, remove a text, find a context's suffixes
     best_draft          the best continuation a tree offers after those suffixes
-    GlobalSuffixCache   finished requests' outputs in one tree: at most `max_cached_requests`, the
-                        least recently used (added, or drafted from) evicted first
+    GlobalSuffixCache   finished requests' outputs in one tree: at most `max_cached_requests` of them
+                        and `max_cached_tokens` tokens, the least recently used (added, or drafted
+                        from) evicted first
+
+Removing a text costs at most max_depth node steps per token, whatever the tree holds: a node
+keeps its children grouped by count (`ranks`, made on its first count down), so when its most
+frequent child is counted down the next one is at hand, with no scan of the children.
 
 docs/11_speculative_decoding.md, 'Suffix decoding'.
 """
@@ -22,9 +27,11 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from nanopaged.spec_decode.config import DEFAULT_MAX_CACHED_TOKENS
+
 
 class Node:
-    __slots__ = ("count", "children", "owners", "total", "best_token", "best")
+    __slots__ = ("count", "children", "owners", "total", "best_token", "best", "ranks")
 
     def __init__(self) -> None:
         self.count = 0                         # occurrences of the tokens its path spells
@@ -36,13 +43,39 @@ class Node:
         self.total = 0
         self.best_token: int | None = None
         self.best: Node | None = None
+        # count -> the tokens of the children at that count, in the order they reached it. Only a node
+        # that has been counted down needs it (a request's own tree never is): None until then.
+        self.ranks: dict[int, dict[int, None]] | None = None
 
-    def uncounted(self, child: "Node") -> None:
-        """`child` was just counted once less (and dropped if at 0): the best child may have changed."""
+    def ranked(self, token: int, old: int, new: int) -> None:
+        """Child `token` went from count `old` (0: new) to `new` (0: dropped): move it between the groups."""
+        if old:
+            group = self.ranks[old]
+            del group[token]
+            if not group:
+                del self.ranks[old]
+        if new:
+            self.ranks.setdefault(new, {})[token] = None
+
+    def uncounted(self, token: int, child: "Node") -> int:
+        """`child` (under `token`) was just counted once less (and dropped if at 0): the best child
+        may have changed. The children's nodes it looked at (the scan that makes `ranks`, once)."""
+        looked = 0
+        if self.ranks is None:                        # the first count down: group the children as they are
+            self.ranks, looked = {}, len(self.children)
+            for t, c in self.children.items():
+                self.ranks.setdefault(c.count, {})[t] = None
+        else:
+            self.ranked(token, child.count + 1, child.count)
         self.total -= 1
         if child is self.best:
-            self.best_token, self.best = max(self.children.items(), key=lambda item: item[1].count,
-                                             default=(None, None))
+            tied = self.ranks.get(child.count + 1)    # another child at the count the best had: it leads
+            if tied:
+                self.best_token = next(iter(tied))
+                self.best = self.children[self.best_token]
+            elif not child.count:                     # the last child went
+                self.best_token, self.best = None, None
+        return looked
 
     def size(self) -> int:
         """Nodes in the subtree rooted here."""
@@ -60,6 +93,7 @@ class SuffixTree:
         self.num_nodes = 1
         self.num_tokens = 0              # tokens held, over all texts: num_nodes <= 1 + max_depth * num_tokens
         self.ends = [self.root]          # the open text: ends[j] spells its last j tokens, j < max_depth
+        self.visits = 0                  # nodes `remove` has looked at, for tests that count its work
 
     def append(self, tokens: list[int], owner: int | None = None) -> None:
         """Append tokens to the open text: each adds or counts at most max_depth nodes."""
@@ -75,6 +109,8 @@ class SuffixTree:
                     self.num_nodes += 1
                 child.count += 1
                 node.total += 1
+                if node.ranks is not None:
+                    node.ranked(t, child.count - 1, child.count)
                 if node.best is None or child.count > node.best.count:
                     node.best_token, node.best = t, child
                 if owner is not None:
@@ -98,12 +134,15 @@ class SuffixTree:
             for t in tokens[start:start + self.max_depth]:
                 child = node.children[t]
                 child.count -= 1
+                self.visits += 1
                 if child.owners is not None:
                     child.owners.discard(owner)
                 if child.count == 0:
                     del node.children[t]
-                    self.num_nodes -= child.size()
-                node.uncounted(child)
+                    dropped = child.size()            # the rest of this run: a chain at 0 as well
+                    self.num_nodes -= dropped
+                    self.visits += dropped
+                self.visits += node.uncounted(t, child)
                 if child.count == 0:
                     break
                 node = child
@@ -172,27 +211,31 @@ def walk(node: Node, limit: int, min_token_prob: float) -> Draft:
 
 
 class GlobalSuffixCache:
-    """The outputs of finished requests, in one SuffixTree. At most `max_cached_requests` texts (0:
-    none, the global tree is off); adding one more removes the least recently used, where a text is
-    used when it is added and whenever a draft comes from a path it holds (vLLM evicts in the order
-    added: the same order while no global draft is taken)."""
+    """The outputs of finished requests, in one SuffixTree. At most `max_cached_requests` texts and
+    `max_cached_tokens` tokens (either 0: none, the global tree is off); a text that does not fit
+    first removes the least recently used, where a text is used when it is added and whenever a draft
+    comes from a path it holds (vLLM evicts in the order added: the same order while no global draft
+    is taken). An output longer than max_cached_tokens keeps its first max_cached_tokens tokens."""
 
-    def __init__(self, max_depth: int, max_cached_requests: int) -> None:
+    def __init__(self, max_depth: int, max_cached_requests: int,
+                 max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS) -> None:
         self.tree = SuffixTree(max_depth)
-        self.max_cached_requests = max_cached_requests
+        self.max_cached_requests, self.max_cached_tokens = max_cached_requests, max_cached_tokens
         self.texts: OrderedDict[int, list[int]] = OrderedDict()   # key -> tokens, least recently used first
         self._next_key = 0
 
     def add(self, tokens: list[int]) -> None:
-        if self.max_cached_requests == 0 or not tokens:
+        if self.max_cached_requests == 0 or self.max_cached_tokens == 0 or not tokens:
             return
-        key, self._next_key = self._next_key, self._next_key + 1
-        self.texts[key] = list(tokens)
-        self.tree.append(self.texts[key], owner=key)
-        self.tree.close()
-        while len(self.texts) > self.max_cached_requests:
+        tokens = list(tokens[:self.max_cached_tokens])
+        while self.texts and (len(self.texts) >= self.max_cached_requests
+                              or self.tree.num_tokens + len(tokens) > self.max_cached_tokens):
             old, old_tokens = self.texts.popitem(last=False)
             self.tree.remove(old_tokens, owner=old)
+        key, self._next_key = self._next_key, self._next_key + 1
+        self.texts[key] = tokens
+        self.tree.append(tokens, owner=key)
+        self.tree.close()
 
     def touch(self, node: Node) -> None:
         """The texts that hold the path ending at `node` were just drafted from: used most recently."""

@@ -57,7 +57,11 @@ static inline float row_scale(const T* x, int64_t D) {
     return 1.f;
   } else {
     float most = 0.f;
-    for (int64_t d = 0; d < D; ++d) most = std::max(most, std::abs(float(x[d])));
+    for (int64_t d = 0; d < D; ++d) {
+      const float a = std::abs(float(x[d]));
+      if (std::isnan(a)) return a;        // as torch's amax: a NaN makes the row's scale NaN (std::max would skip it)
+      most = std::max(most, a);
+    }
     return most / 127.f;
   }
 }
@@ -67,7 +71,8 @@ static inline C to_cache(T x, float scale) {
   if constexpr (std::is_same_v<C, T>) {
     return x;
   } else if constexpr (std::is_same_v<C, int8_t>) {
-    return int8_t(scale > 0.f ? std::nearbyint(float(x) / scale) : 0.f);
+    const float q = scale > 0.f ? std::nearbyint(float(x) / scale) : 0.f;    // scale NaN: 0, as the reference
+    return int8_t(std::isnan(q) ? 0.f : q);      // inf / inf: 0, as the reference (a NaN cast is undefined)
   } else {
     const float most = float(std::numeric_limits<C>::max());
     return C(std::clamp(float(x), -most, most));
