@@ -35,7 +35,7 @@ from typing import Callable
 from torch import nn
 
 from nanopaged.attention.backends import resolve_attention_backend
-from nanopaged.cpu.build import available, cpu_ops
+from nanopaged.cpu import build
 from nanopaged.cpu.features import bf16_matrix_units
 from nanopaged.cpu.fused import argmax_rows, fuse_layers
 from nanopaged.cpu.linear import pack_linears
@@ -91,12 +91,11 @@ def choose(config) -> FastPath:
     """The fast path for an EngineConfig (config.py), or a ValueError naming the setting that
     cannot run here and why. Nothing is built unless a fast path is a candidate."""
     asked = asked_batch_invariance(config.batch_invariant)
-    if config.tensor_parallel_size > 1:      # the parallel layers keep their own forward: nothing packed or fused
-        linear = layers = "reference"
-    else:
-        linear = choose_linear(config.cpu_linear, config.device, config.dtype, invariant=asked is not False)
-        layers = choose_layers(config.cpu_kernels, config.device, linear, config.attention_backend, config.block_size)
+    linear = choose_linear(config.cpu_linear, config.device, config.dtype, invariant=asked is not False)
+    layers = choose_layers(config.cpu_kernels, config.device, linear, config.attention_backend, config.block_size)
     attention = "cpu" if layers == "fused" else config.attention_backend
+    if config.tensor_parallel_size > 1:      # the parallel layers keep their own forward: nothing packed or fused
+        linear = layers = "reference"        # (the attention stays as chosen)
     attention = resolve_attention_backend(attention, config.device, config.dtype)
     if attention == "cpu":
         check_cpu_attention(config.block_size)
@@ -155,12 +154,12 @@ def choose_linear(name: str, device: str, dtype: str, invariant: bool = False) -
     if name == "dpbf16" and "avx512_bf16" not in units:
         raise ValueError(f"cpu_linear='dpbf16' needs AVX512-BF16 (the CPU's flag avx512_bf16); this CPU has {units}")
     if name == "dpbf16" and not dpbf16_builds():
-        raise ValueError(f"cpu_linear='dpbf16': {available() or 'the kernels were built without AVX512-BF16'}")
+        raise ValueError(f"cpu_linear='dpbf16': {build.available() or 'the kernels were built without AVX512-BF16'}")
     return name
 
 
 def dpbf16_builds() -> bool:
-    return available() is None and bool(cpu_ops().has_avx512_bf16)
+    return build.available() is None and bool(build.cpu_ops().has_avx512_bf16)
 
 
 def choose_layers(name: str, device: str, linear: str, attention_backend: str, block_size: int = 16) -> str:
@@ -171,13 +170,13 @@ def choose_layers(name: str, device: str, linear: str, attention_backend: str, b
     if name == "reference" or (name == "auto" and not candidate):
         return "reference"
     if name == "auto":
-        return "fused" if available() is None else "reference"
+        return "fused" if build.available() is None else "reference"
     if device != "cpu":
         raise ValueError(f"cpu_kernels='fused' runs on CPU (device is {device!r})")
     if attention_backend not in ("auto", "cpu"):
         raise ValueError(f"cpu_kernels='fused' attends with the cpu backend's kernel; got "
                          f"attention_backend={attention_backend!r} (use 'auto' or 'cpu')")
-    why_not = available()
+    why_not = build.available()
     if why_not:
         raise ValueError(f"cpu_kernels='fused': {why_not}")
     return name
@@ -185,7 +184,7 @@ def choose_layers(name: str, device: str, linear: str, attention_backend: str, b
 
 def check_cpu_attention(block_size: int) -> None:
     """The `cpu` backend needs its kernels, and pairs of tokens side by side in a block."""
-    why_not = available()
+    why_not = build.available()
     if why_not:
         raise ValueError(f"attention_backend='cpu': {why_not}")
     if block_size < 2:

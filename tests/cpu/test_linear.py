@@ -93,9 +93,8 @@ def test_pack_linears_swaps_plain_linears_only(kernel, cls):
         pass
 
     model = nn.Sequential(nn.Linear(8, 8, dtype=torch.bfloat16), Subclass(8, 8, dtype=torch.bfloat16))
-    model[0].shard_sizes = [4, 4]
     assert pack_linears(model, kernel) == 1
-    assert isinstance(model[0], cls) and model[0].shard_sizes == [4, 4]
+    assert isinstance(model[0], cls)
     assert type(model[1]) is Subclass
 
 
