@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from nanopaged.core.request import Request, RequestStatus, SampledToken
-from nanopaged.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from nanopaged.engine.detokenizer import IncrementalDetokenizer
 from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
 from nanopaged.sampling_params import RequestOutputKind
 from nanopaged.sample.sampler import top_logprobs
@@ -55,9 +55,8 @@ def check_stop(request: Request, detokenizer: IncrementalDetokenizer | None = No
         stop = (RequestStatus.FINISHED_STOPPED, token)
     if detokenizer is not None and (stop is None or params.include_stop_str_in_output):
         new_chars = len(detokenizer.add(token))
-        hit = params.stop and request.num_output_tokens > params.min_tokens and find_stop_string(
-            detokenizer.text, new_chars, params.stop, params.include_stop_str_in_output)
-        if hit:
+        hit = params.stop and detokenizer.find_stop(new_chars, params.stop, params.include_stop_str_in_output)
+        if hit and request.num_output_tokens > params.min_tokens:
             detokenizer.text = detokenizer.text[:hit[1]]
             return RequestStatus.FINISHED_STOPPED, hit[0]
     if stop is None and request.num_output_tokens >= request.max_tokens:
