@@ -110,6 +110,12 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedMod
             return await run(request, parsed, "chat", anthropic=True)
         except OpenAIError as e:
             return JSONResponse(anthropic_api.error_body(e), status_code=e.status, headers=e.headers)
+        except ClientLeft:
+            raise
+        except Exception as e:                       # a bug: said in Anthropic's shape, as this route's clients read it
+            logger.exception("unexpected error in a handler")
+            error = OpenAIError(f"internal error: {type(e).__name__}: {e}", status=500, type="internal_server_error")
+            return JSONResponse(anthropic_api.error_body(error), status_code=500)
 
     async def run(request: Request, parsed: ParsedRequest, kind: str, anthropic: bool = False) -> Response:
         """A parsed request through the engine: streamed, or whole once every output is in."""
