@@ -112,3 +112,28 @@ def test_a_client_that_stops_reading_holds_one_pending_output_per_request():
     seen, text = asyncio.run(run())
     assert [o.request_id for o in seen] == ["r0", "r1"] and all(o.finished for o in seen)
     assert text == "x" * 6000                        # nothing was lost by merging
+
+
+def test_a_bug_met_building_one_stream_ends_it_with_an_error_and_done_and_aborts_it():
+    pytest.importorskip("fastapi", reason="the serve extra: pip install -e '.[serve]'")
+    from nanopaged.entrypoints.openai.app import sse_events
+
+    class Loop:
+        aborted = []
+
+        def abort(self, ids):
+            self.aborted += ids
+
+    class Broken(ResponseBuilder):
+        def chunks(self, output):
+            raise RuntimeError("a bug in building chunks")
+
+    async def run():
+        body = {"prompt": "a", "max_tokens": 3, "stream": True}
+        submission = Submission(parse_request(body, "completion", "m"), ["r0"], asyncio.get_running_loop())
+        submission.put([output("r0", 1)])
+        builder = Broken(submission.request, "cmpl-1", "m", submission.request_ids)
+        return [e async for e in sse_events(Loop(), submission, builder)]
+    events = asyncio.run(run())
+    assert "a bug in building chunks" in events[-2] and '"internal_server_error"' in events[-2]
+    assert events[-1] == "data: [DONE]\n\n" and Loop.aborted == ["r0"]
