@@ -253,23 +253,20 @@ class CoreClient:
                 payload = self.socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            message = m.client_decoder.decode(payload)    # the core's own messages: one that fails is a bug
-            self._handle(message)
-
-    def _handle(self, message) -> None:
-        if isinstance(message, m.Outputs):
-            self._outputs(message)
-        elif isinstance(message, m.Figures):
-            if self.metrics is not None:
-                self.metrics.engine(message)
-        elif isinstance(message, m.Accepted):
-            self._accepted(message.request_id)
-        elif isinstance(message, m.Refused):
-            self._refused(message)
-        elif isinstance(message, m.AdapterDone):
-            done = self.adapters.pop(message.lora_int_id, None)
-            if done is not None:
-                done.set_result(message.error)
+            message = m.client_decoder.decode(payload)
+            if isinstance(message, m.Outputs):
+                self._outputs(message)
+            elif isinstance(message, m.Figures):
+                if self.metrics is not None:
+                    self.metrics.engine(message)
+            elif isinstance(message, m.Accepted):
+                self._accepted(message.request_id)
+            elif isinstance(message, m.Refused):
+                self._refused(message)
+            elif isinstance(message, m.AdapterDone):
+                done = self.adapters.pop(message.lora_int_id, None)
+                if done is not None:
+                    done.set_result(message.error)
 
     def _accepted(self, rid: str) -> None:
         submission = self.routes.get(rid)
