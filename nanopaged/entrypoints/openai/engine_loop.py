@@ -7,7 +7,7 @@ that does three things, over and over:
 
     take commands      new requests (already tokenized and checked) and aborts, from a queue
     step               LLMEngine.step(): one step of every running request, all clients batched
-    hand out outputs   each RequestOutput goes to the asyncio queue of the request it belongs to
+    hand out outputs   each RequestOutput goes to its submission, where it replaces one not read yet
 
 Tokenizing, the chat template and the checks run before that, on a pool of input threads,
 so a 1 MB prompt (a second of tokenizing) delays no one else's tokens. Requests from all
