@@ -27,9 +27,10 @@ MAX_TOP_K = 2**63 - 1    # the sampler keeps k in an int64 tensor
 # bound holds before the engine's settings are known, so nothing sized by n is ever huge.
 MAX_N = 1024
 # Every new character of the output is matched against the stop strings (detokenizer.py's
-# StopMatcher, a trie of them): these bound its size and how much text a stream holds back.
-MAX_STOP_STRINGS = 128
-MAX_STOP_STRING_CHARS = 256
+# StopMatcher, a trie of them, built on the thread that serves every stream): these bound the
+# trie's size and build time, and how much text a stream holds back.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 128
 
 
 class RequestOutputKind(enum.Enum):

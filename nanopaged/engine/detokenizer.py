@@ -106,6 +106,12 @@ class StopMatcher:
         self._link()
         self.state = 0
 
+    def fork(self) -> StopMatcher:
+        """A matcher at the start of a text, sharing this one's tables (a request's n samples)."""
+        twin = object.__new__(StopMatcher)
+        twin.__dict__.update(self.__dict__, state=0)
+        return twin
+
     def _link(self) -> None:
         """Failure links, breadth first (a node's link is shallower, so already known), and each node's
         first ending stop string among those its suffixes end."""

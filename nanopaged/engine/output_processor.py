@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from nanopaged.core.request import Request, RequestStatus, SampledToken
-from nanopaged.engine.detokenizer import IncrementalDetokenizer
+from nanopaged.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
 from nanopaged.sampling_params import RequestOutputKind
 from nanopaged.sample.sampler import top_logprobs
@@ -93,6 +93,11 @@ class OutputProcessor:
 
     def add(self, samples: list[Request]) -> None:
         states = [SampleState(seq, self._detokenizer(seq)) for seq in samples]
+        stops = samples[0].sampling_params.stop
+        if stops and states[0].detokenizer is not None:      # one automaton per request, not per sample
+            matcher = StopMatcher(stops)
+            for s in states:
+                s.detokenizer.matcher = matcher.fork()
         self.requests[samples[0].request_id] = states
         self.samples.update((s.request, (samples[0].request_id, s)) for s in states)
         if samples[0].sampling_params.prompt_logprobs is not None:
