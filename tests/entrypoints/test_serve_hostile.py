@@ -78,7 +78,8 @@ def refused(server, body: dict, match: str, path: str = "/v1/chat/completions", 
     ({"seed": 2**64}, "seed is 18446744073709551616, outside"),
     ({"stop_token_ids": [2**64]}, "stop_token_ids[0] is 18446744073709551616, outside"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "integer", "maximum": 2**70}}}}, "response_format.json_schema.schema.maximum is 1180591620717411303424"),
+        "type": "integer", "maximum": 2**70}}}},
+     "response_format.json_schema.schema.maximum is 1180591620717411303424"),
     ({"max_tokens": 2**63}, "max_tokens must be in [1, 9223372036854775807]"),
 ])
 def test_an_integer_past_what_the_socket_carries_is_a_400_and_the_server_serves_on(server, change, match):

@@ -81,10 +81,10 @@ def test_half_a_utf16_pair_the_model_wrote_in_a_call_is_answered_as_utf8(parser,
 
 
 def test_a_named_call_cut_by_max_tokens_is_an_anthropic_message_not_an_error():
+    cut = {"id": "t", "type": "function", "function": {"name": "f", "arguments": '{"a": "xy'}}
     response = {"id": "chatcmpl-1", "model": "m", "usage": {"prompt_tokens": 3, "completion_tokens": 4},
                 "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None,
-                             "message": {"role": "assistant", "content": None, "tool_calls": [
-                                 {"id": "t", "type": "function", "function": {"name": "f", "arguments": '{"a": "xy'}}]}}]}
+                             "message": {"role": "assistant", "content": None, "tool_calls": [cut]}}]}
     message = anthropic_api.to_message(response)
     assert message["stop_reason"] == "max_tokens"
     assert message["content"] == [{"type": "text", "text": '{"a": "xy'}]
@@ -107,8 +107,8 @@ def test_a_client_that_stops_reading_holds_one_pending_output_per_request():
         assert len(submission.pending) == 2          # one per request, the newest
         builder = ResponseBuilder(submission.request, "cmpl-1", "m", submission.request_ids)
         seen = [o async for o in submission.results()]
-        text = "".join(c["text"] for o in seen for c in builder.chunks(o) if c["choices"] for c in c["choices"])
-        return seen, text
+        chunks = [chunk for o in seen for chunk in builder.chunks(o)]
+        return seen, "".join(choice["text"] for chunk in chunks for choice in chunk["choices"])
     seen, text = asyncio.run(run())
     assert [o.request_id for o in seen] == ["r0", "r1"] and all(o.finished for o in seen)
     assert text == "x" * 6000                        # nothing was lost by merging

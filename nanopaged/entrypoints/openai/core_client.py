@@ -218,7 +218,7 @@ class CoreClient:
                                              {} if pooling else m.params_to_wire(r.params), samples[0].cache_salt,
                                              m.lora_to_wire(r.lora_request),
                                              m.params_to_wire(r.params) if pooling else None))
-            except (TypeError, ValueError, OverflowError) as e:   # a value MessagePack cannot carry: this request's fault
+            except (TypeError, ValueError, OverflowError) as e:   # a value MessagePack cannot carry: its fault
                 self.outputs.abort(rid)
                 self.outputs.aborted.clear()
                 self._refuse(submission, OpenAIError(f"the request cannot be sent to the engine: {e}"))
@@ -328,11 +328,11 @@ class CoreClient:
         return outputs
 
     def _fail_request(self, rid: str, e: Exception) -> None:
+        """Its submission ends with the error, and its other requests (other prompts) are aborted with it."""
         submission = self.routes.get(rid)
-        self._abort([rid], tell_core=True)
-        if submission is not None:
-            _post(submission, submission.fail, OpenAIError(f"internal error: {type(e).__name__}: {e}",
-                                                           status=500, type="internal_server_error"))
+        self._abort([r for r, s in self.routes.items() if s is submission], tell_core=True)
+        _post(submission, submission.fail, OpenAIError(f"internal error: {type(e).__name__}: {e}",
+                                                       status=500, type="internal_server_error"))
 
     def _apply(self, delta: m.RequestDelta, sampled: dict) -> None:
         """A step's new tokens onto this side's copies of the request's samples, as the scheduler's
