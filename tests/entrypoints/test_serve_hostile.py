@@ -151,3 +151,45 @@ def test_the_api_server_exits_non_zero_if_its_engine_core_thread_dies(tiny_model
                           env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])})
     assert done.returncode == 1, done.stderr[-2000:]
     assert "engine-core thread died" in done.stderr and "a bug outside any one request" in done.stderr
+
+
+def test_one_requests_outputs_failing_fails_that_request_alone(tiny_model_dirs):
+    """The socket thread's step of outputs, driven by hand: a bug met by one request's outputs is its
+    500; the other request of the same step gets its output, and nothing propagates to the thread."""
+    import asyncio
+    import multiprocessing
+
+    from nanopaged.config import EngineConfig
+    from nanopaged.engine.input_processor import load_tokenizer
+    from nanopaged.entrypoints import core_messages as m
+    from nanopaged.entrypoints.openai.core_client import CoreClient
+    from nanopaged.entrypoints.openai.engine_loop import Submission
+    from nanopaged.entrypoints.openai.protocol import parse_request
+
+    config = EngineConfig(model=str(tiny_model_dirs["qwen2"]), block_size=4, num_kv_blocks=16)
+    lifeline, _keep = multiprocessing.Pipe(duplex=False)
+    client = CoreClient("api-test", f"ipc:///tmp/nanopaged-test-{os.getpid()}", config,
+                        load_tokenizer(config.tokenizer), 16, lifeline)
+    real = client.outputs.process
+
+    def process(sampled):
+        if any(r.request_id == "bad" for r in sampled):
+            raise RuntimeError("a bug met by one request")
+        return real(sampled)
+
+    client.outputs.process = process
+
+    async def run():
+        loop, subs = asyncio.get_running_loop(), {}
+        for rid in ("good", "bad"):
+            subs[rid] = Submission(parse_request({"prompt": "Hi", "max_tokens": 4, "stream": True}, "completion",
+                                                 "tiny"), [rid], loop)
+            client._add(subs[rid], client._process(subs[rid]))
+        client._outputs(m.Outputs([m.RequestDelta(rid, [m.SampleDelta(0, [5], None, None, None)], 0)
+                                   for rid in ("good", "bad")]))
+        await asyncio.sleep(0.1)                     # the posted callbacks run
+        return subs
+    subs = asyncio.run(run())
+    assert list(subs["good"].pending) == ["good"] and subs["good"].error is None
+    assert subs["bad"].error.status == 500 and "a bug met by one request" in subs["bad"].error.message
+    assert "bad" not in client.routes and "good" in client.routes
