@@ -10,6 +10,9 @@ frees its blocks. What differs is where the engine is. Here it is another proces
               exactly as the in-process engine would (the same OutputProcessor), hand them out
     watch     the engine core's life line: if it dies, every request in flight ends with an error
 
+A command or a request's outputs that raise fail that request alone; if the thread itself dies,
+the process exits (docs/08_server.md, "Faults").
+
 So the text work of every client runs here, beside the engine's next step rather than before it.
 A request stopped by a stop string is aborted in the engine core (its blocks go back); with
 n > 1 only once every sample has stopped (the core's samples are one request there), so a sample
