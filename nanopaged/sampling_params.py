@@ -103,7 +103,7 @@ class SamplingParams(VllmOnlyFields):
             raise ValueError(f"stop holds {len(self.stop)} strings; at most MAX_STOP_STRINGS={MAX_STOP_STRINGS} "
                              "are allowed")
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r:.300}")
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         longest = max(self.stop, key=len, default="")
         if len(longest) > MAX_STOP_STRING_CHARS:
             raise ValueError(f"stop holds a string of {len(longest)} characters; at most "
