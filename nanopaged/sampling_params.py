@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field, make_dataclass
 from typing import TYPE_CHECKING
 
-from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_range
+from nanopaged.validation import INT64_MAX, SEED_RANGE, check_bool, check_choice, check_range
 
 if TYPE_CHECKING:
     from nanopaged.structured_output.params import StructuredOutputsParams
@@ -23,6 +23,14 @@ if TYPE_CHECKING:
 MAX_LOGPROBS = 20     # vLLM's default max_logprobs
 MIN_TEMPERATURE = 0.01   # vLLM's _MAX_TEMP: below it, float32 logits / T overflow into NaN
 MAX_TOP_K = 2**63 - 1    # the sampler keeps k in an int64 tensor
+# A request's n samples run at once (n past max_num_seqs is refused by the input processor); this
+# bound holds before the engine's settings are known, so nothing sized by n is ever huge.
+MAX_N = 1024
+# Every new character of the output is matched against the stop strings (detokenizer.py's
+# StopMatcher, a trie of them, built on the thread that serves every stream): these bound the
+# trie's size and build time, and how much text a stream holds back.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 128
 
 
 class RequestOutputKind(enum.Enum):
@@ -76,7 +84,7 @@ class SamplingParams(VllmOnlyFields):
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        check_range("n", self.n, 1, integer=True)
+        check_range("n", self.n, 1, MAX_N, integer=True)
         check_range("temperature", self.temperature, 0.0)
         check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         check_range("top_k", self.top_k, -1, MAX_TOP_K, integer=True)
@@ -91,11 +99,18 @@ class SamplingParams(VllmOnlyFields):
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(self.stop)} strings; at most MAX_STOP_STRINGS={MAX_STOP_STRINGS} "
+                             "are allowed")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        longest = max(self.stop, key=len, default="")
+        if len(longest) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop holds a string of {len(longest)} characters; at most "
+                             f"MAX_STOP_STRING_CHARS={MAX_STOP_STRING_CHARS} are allowed")
         self.stop_token_ids = _token_ids("stop_token_ids", [] if self.stop_token_ids is None else self.stop_token_ids)
-        check_range("max_tokens", self.max_tokens, 1, integer=True, optional=True)
-        check_range("min_tokens", self.min_tokens, 0, integer=True)
+        check_range("max_tokens", self.max_tokens, 1, INT64_MAX, integer=True, optional=True)
+        check_range("min_tokens", self.min_tokens, 0, INT64_MAX, integer=True)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS, integer=True, optional=True)
@@ -138,6 +153,8 @@ class SamplingParams(VllmOnlyFields):
         if self.structured_outputs is not None:
             from nanopaged.structured_output.params import check_sampling_params    # read only when one is set
             check_sampling_params(self)
+        if self.best_of is not None:
+            check_range("best_of", self.best_of, 1, MAX_N, integer=True)
         if any(getattr(self, name) != default for name, default in VLLM_ONLY.items()):
             from nanopaged.vllm_compat import check_sampling_fields     # read only when one is set
             check_sampling_fields(self)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 
 SEED_RANGE = (-2**63, 2**64 - 1)    # what torch.Generator.manual_seed accepts
+# Any integer a request may carry: what MessagePack (the engine core's socket) and torch's int64 hold
+INT_RANGE = (-2**63, 2**64 - 1)
+INT64_MAX = 2**63 - 1
 
 def check_range(name: str, value, lo=None, hi=None, *, integer: bool = False, lo_open: bool = False,
                 optional: bool = False) -> None:

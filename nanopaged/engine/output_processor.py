@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from nanopaged.core.request import Request, RequestStatus, SampledToken
-from nanopaged.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from nanopaged.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
 from nanopaged.sampling_params import RequestOutputKind
 from nanopaged.sample.sampler import top_logprobs
@@ -55,9 +55,8 @@ def check_stop(request: Request, detokenizer: IncrementalDetokenizer | None = No
         stop = (RequestStatus.FINISHED_STOPPED, token)
     if detokenizer is not None and (stop is None or params.include_stop_str_in_output):
         new_chars = len(detokenizer.add(token))
-        hit = params.stop and request.num_output_tokens > params.min_tokens and find_stop_string(
-            detokenizer.text, new_chars, params.stop, params.include_stop_str_in_output)
-        if hit:
+        hit = params.stop and detokenizer.find_stop(new_chars, params.stop, params.include_stop_str_in_output)
+        if hit and request.num_output_tokens > params.min_tokens:
             detokenizer.text = detokenizer.text[:hit[1]]
             return RequestStatus.FINISHED_STOPPED, hit[0]
     if stop is None and request.num_output_tokens >= request.max_tokens:
@@ -94,6 +93,11 @@ class OutputProcessor:
 
     def add(self, samples: list[Request]) -> None:
         states = [SampleState(seq, self._detokenizer(seq)) for seq in samples]
+        stops = samples[0].sampling_params.stop
+        if stops and states[0].detokenizer is not None:      # one automaton per request, not per sample
+            matcher = StopMatcher(stops)
+            for s in states:
+                s.detokenizer.matcher = matcher.fork()
         self.requests[samples[0].request_id] = states
         self.samples.update((s.request, (samples[0].request_id, s)) for s in states)
         if samples[0].sampling_params.prompt_logprobs is not None:

@@ -67,9 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_tool_calling(p, args)
     if args.engine_in_process and args.api_server_count != 1:
         p.error("--engine-in-process runs one HTTP process: --api-server-count must be 1")
-    if args.api_server_count > 1 and args.allow_runtime_lora_updating:
-        p.error("--allow-runtime-lora-updating needs --api-server-count 1 (each API server keeps its own table "
-                "of adapter names)")
+    if args.api_server_count > 1 and runtime_lora_updating(args):      # the flag or vLLM's variable
+        p.error(f"--allow-runtime-lora-updating (or {RUNTIME_LORA_ENV}) needs --api-server-count 1 (each API "
+                "server keeps its own table of adapter names)")
     return args
 
 

@@ -158,13 +158,25 @@ def to_message(response: dict) -> dict:
     choice = response["choices"][0]
     message = choice["message"]
     content = [{"type": "text", "text": message["content"]}] if message.get("content") else []
-    content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                 "input": json.loads(c["function"]["arguments"] or "{}")} for c in message.get("tool_calls", [])]
+    content += [_tool_use(c) for c in message.get("tool_calls", [])]
     reason, sequence = stop_reason(choice["finish_reason"], choice.get("stop_reason"))
     usage = response["usage"]
     return {"id": message_id(response["id"]), "type": "message", "role": "assistant", "model": response["model"],
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
             "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
+
+
+def _tool_use(call: dict) -> dict:
+    """A tool call as a tool_use block; arguments that are no JSON object (max_tokens cut a named call's
+    output) stay the text they are, as a text block: Anthropic's `input` must be an object."""
+    arguments = call["function"]["arguments"] or "{}"
+    try:
+        given = json.loads(arguments)
+    except (ValueError, RecursionError):
+        given = None
+    if not isinstance(given, dict):
+        return {"type": "text", "text": arguments}
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": given}
 
 
 def error_body(e: OpenAIError) -> dict:

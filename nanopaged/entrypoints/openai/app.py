@@ -110,6 +110,12 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedMod
             return await run(request, parsed, "chat", anthropic=True)
         except OpenAIError as e:
             return JSONResponse(anthropic_api.error_body(e), status_code=e.status, headers=e.headers)
+        except ClientLeft:
+            raise
+        except Exception as e:                       # a bug: said in Anthropic's shape, as this route's clients read it
+            logger.exception("unexpected error in a handler")
+            error = OpenAIError(f"internal error: {type(e).__name__}: {e}", status=500, type="internal_server_error")
+            return JSONResponse(anthropic_api.error_body(error), status_code=500)
 
     async def run(request: Request, parsed: ParsedRequest, kind: str, anthropic: bool = False) -> Response:
         """A parsed request through the engine: streamed, or whole once every output is in."""
@@ -207,6 +213,9 @@ async def sse_events(engine_loop: EngineLoop, submission: Submission, builder: R
                     yield event(chunk)
         except OpenAIError as e:                     # the engine failed: say so in the stream
             yield event(e.body())
+        except Exception as e:                       # a bug met building this stream: its error, then [DONE]
+            engine_loop.abort(submission.request_ids)
+            yield event(stream_failed(e).body())
         if submission.request.include_usage:
             yield event(builder.usage_chunk())
         yield "data: [DONE]\n\n"
@@ -214,6 +223,11 @@ async def sse_events(engine_loop: EngineLoop, submission: Submission, builder: R
     finally:
         if not done:
             engine_loop.abort(submission.request_ids)
+
+
+def stream_failed(e: Exception) -> OpenAIError:
+    logger.exception("a stream failed")
+    return OpenAIError(f"internal error: {type(e).__name__}: {e}", status=500, type="internal_server_error")
 
 
 def event(payload: dict) -> str:
@@ -234,8 +248,10 @@ async def anthropic_events(engine_loop: EngineLoop, submission: Submission, buil
                 for chunk in builder.chunks(output):
                     for text in writer.chunk(chunk, stop):
                         yield text
-        except OpenAIError as e:                     # the engine failed: Anthropic's error event
-            yield anthropic_api.event("error", anthropic_api.error_body(e))
+        except Exception as e:                       # the engine failed, or a bug met here: Anthropic's error event
+            engine_loop.abort(submission.request_ids)
+            error = e if isinstance(e, OpenAIError) else stream_failed(e)
+            yield anthropic_api.event("error", anthropic_api.error_body(error))
             done = True
             return
         for text in writer.end(builder.usage()["completion_tokens"]):

@@ -10,6 +10,9 @@ frees its blocks. What differs is where the engine is. Here it is another proces
               exactly as the in-process engine would (the same OutputProcessor), hand them out
     watch     the engine core's life line: if it dies, every request in flight ends with an error
 
+A command or a request's outputs that raise fail that request alone; if the thread itself dies,
+the process exits (docs/08_server.md, "Faults").
+
 So the text work of every client runs here, beside the engine's next step rather than before it.
 A request stopped by a stop string is aborted in the engine core (its blocks go back); with
 n > 1 only once every sample has stopped (the core's samples are one request there), so a sample
@@ -22,7 +25,9 @@ import asyncio
 import logging
 import os
 import queue
+import sys
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -32,12 +37,19 @@ from nanopaged.core.request import Request, SampledToken
 from nanopaged.engine.input_processor import InputProcessor, render_chat
 from nanopaged.engine.output_processor import OutputProcessor
 from nanopaged.entrypoints import core_messages as m
-from nanopaged.entrypoints.openai.engine_loop import (INPUT_THREADS, Submission, _post, _put_all,
+from nanopaged.entrypoints.openai.engine_loop import (INPUT_THREADS, Submission, _post,
                                                       _refuse_past_context, _settle, drain)
 from nanopaged.entrypoints.openai.protocol import OpenAIError, field_named, in_request_terms
 
 logger = logging.getLogger("nanopaged.entrypoints.serve")
 WATCH_MS = 200            # how often the socket thread looks at its parent while nothing arrives
+# After the socket thread died (not of the engine core's death, which the supervisor handles): time for
+# the errors it posted to reach their clients before this process exits.
+EXIT_GRACE_S = 1.0
+
+
+class CoreDied(ConnectionError):
+    """The engine core's life line closed: the supervisor stops this server after a moment."""
 
 
 class CoreClient:
@@ -132,14 +144,16 @@ class CoreClient:
         poller = zmq.Poller()
         for source in (self.socket, self.wake_r, self.lifeline.fileno()):
             poller.register(source, zmq.POLLIN)
+        stopped = False
         try:
             while True:
                 ready = dict(poller.poll(WATCH_MS))
                 if self.lifeline.fileno() in ready:
-                    raise ConnectionError("the engine core died")
+                    raise CoreDied("the engine core died")
                 if self.socket in ready:
                     self._receive()
                 if self.wake_r in ready and not self._take_commands():
+                    stopped = True
                     return
                 if os.getppid() != self.parent:
                     raise ConnectionError("the server's supervisor died")
@@ -148,22 +162,46 @@ class CoreClient:
             logger.error("nanopaged: %s; every request in flight ends with an error", e)
             self._fail_everyone(OpenAIError(f"{e}: the server is stopping", status=500,
                                             type="internal_server_error"))
+        finally:
+            if not stopped and not isinstance(self.error, CoreDied):
+                _exit_process(self.error)
 
     def _take_commands(self) -> bool:
         os.read(self.wake_r, 4096)
         for command in drain(self.commands):
             if command[0] == "stop":
                 return False
-            if command[0] == "add":
-                self._add(command[1], command[2])
-            elif command[0] == "abort":
-                self._abort(command[1], tell_core=True)
-            elif command[0] == "adapter":
-                self.adapters[command[2].lora[1]] = command[1]
-                self._send(command[2])
-            else:
-                self._send(command[1])
+            try:
+                self._carry_out(command)
+            except (zmq.ZMQError, MemoryError):       # the socket or the process is broken: not one request's
+                raise
+            except Exception as e:                    # a bug met by one command: it fails alone
+                logger.exception("a %s command failed", command[0])
+                self._command_failed(command, e)
         return True
+
+    def _carry_out(self, command: tuple) -> None:
+        if command[0] == "add":
+            self._add(command[1], command[2])
+        elif command[0] == "abort":
+            self._abort(command[1], tell_core=True)
+        elif command[0] == "adapter":
+            self.adapters[command[2].lora[1]] = command[1]
+            self._send(command[2])
+        else:
+            self._send(command[1])
+
+    def _command_failed(self, command: tuple, e: Exception) -> None:
+        """The one submission (or adapter call) a failed command was about gets a 500; the thread goes on."""
+        error = OpenAIError(f"internal error: {type(e).__name__}: {e}", status=500, type="internal_server_error")
+        if command[0] == "add":
+            for rid in command[1].request_ids:
+                self.outputs.abort(rid)
+            self.outputs.aborted.clear()
+            self._refuse(command[1], error)
+        elif command[0] == "adapter" and not command[1].done():
+            self.adapters.pop(command[2].lora[1], None)
+            command[1].set_result(error.message)
 
     def _send(self, message) -> None:
         self.socket.send(m.encode(message))
@@ -183,8 +221,9 @@ class CoreClient:
                                              {} if pooling else m.params_to_wire(r.params), samples[0].cache_salt,
                                              m.lora_to_wire(r.lora_request),
                                              m.params_to_wire(r.params) if pooling else None))
-            except (TypeError, ValueError) as e:      # a value MessagePack cannot carry: this request's fault
+            except (TypeError, ValueError, OverflowError) as e:   # a value MessagePack cannot carry: its fault
                 self.outputs.abort(rid)
+                self.outputs.aborted.clear()
                 self._refuse(submission, OpenAIError(f"the request cannot be sent to the engine: {e}"))
                 return
             self.routes[rid] = submission
@@ -258,15 +297,17 @@ class CoreClient:
                 self.in_core.discard(delta.request_id)
                 self._abort([delta.request_id], tell_core=False)
                 if submission is not None:
-                    _post(submission, submission.outputs.put_nowait, error)
+                    _post(submission, submission.fail, error)
             return
-        sampled: dict[Request, list[SampledToken]] = {}
+        outputs = []
         for delta in message.deltas:
-            if delta.request_id in self.routes:
-                self._apply(delta, sampled)
-        outputs, _ = self.outputs.process(sampled)
-        vectors = {d.request_id: d.embedding for d in message.deltas if d.embedding is not None}
-        outputs = [_with_vector(o, vectors[o.request_id]) if o.request_id in vectors else o for o in outputs]
+            if delta.request_id not in self.routes:
+                continue
+            try:
+                outputs += self._outputs_of(delta)
+            except Exception as e:                    # a bug met by one request's text: it fails alone
+                logger.exception("the outputs of request %s failed", delta.request_id)
+                self._fail_request(delta.request_id, e)
         if self.metrics is not None:
             self.metrics.outputs(outputs)
         by_submission: dict[Submission, list] = {}
@@ -279,7 +320,22 @@ class CoreClient:
                     self.in_core.discard(output.request_id)
                     self._send(m.Abort([output.request_id]))
         for submission, items in by_submission.items():
-            _post(submission, _put_all, submission.outputs, items)
+            _post(submission, submission.put, items)
+
+    def _outputs_of(self, delta: m.RequestDelta) -> list:
+        sampled: dict[Request, list[SampledToken]] = {}
+        self._apply(delta, sampled)
+        outputs, _ = self.outputs.process(sampled)
+        if delta.embedding is not None:
+            outputs = [_with_vector(o, delta.embedding) for o in outputs]
+        return outputs
+
+    def _fail_request(self, rid: str, e: Exception) -> None:
+        """Its submission ends with the error, and its other requests (other prompts) are aborted with it."""
+        submission = self.routes.get(rid)
+        self._abort([r for r, s in self.routes.items() if s is submission], tell_core=True)
+        _post(submission, submission.fail, OpenAIError(f"internal error: {type(e).__name__}: {e}",
+                                                       status=500, type="internal_server_error"))
 
     def _apply(self, delta: m.RequestDelta, sampled: dict) -> None:
         """A step's new tokens onto this side's copies of the request's samples, as the scheduler's
@@ -313,7 +369,7 @@ class CoreClient:
         for submission in set(self.routes.values()):
             if submission in self.accepting:
                 _post(submission, _settle, submission.accepted, error)
-            _post(submission, submission.outputs.put_nowait, error)
+            _post(submission, submission.fail, error)
         self.routes.clear()
         for command in drain(self.commands):
             if command[0] == "add":
@@ -344,3 +400,11 @@ def _logprob_of(token: int, top: list | None) -> float:
     if top is None:
         return 0.0
     return next((lp for t, lp, _ in top if t == token), 0.0)
+
+
+def _exit_process(error: BaseException | None) -> None:
+    """The socket thread is gone: this API server can answer nobody, so it exits (non-zero) for its
+    supervisor to see, after a moment for the errors already posted to reach their clients."""
+    print(f"nanopaged: the API server's engine-core thread died ({error!r}); exiting", file=sys.stderr, flush=True)
+    time.sleep(EXIT_GRACE_S)
+    os._exit(1)

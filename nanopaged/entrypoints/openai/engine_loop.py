@@ -7,7 +7,7 @@ that does three things, over and over:
 
     take commands      new requests (already tokenized and checked) and aborts, from a queue
     step               LLMEngine.step(): one step of every running request, all clients batched
-    hand out outputs   each RequestOutput goes to the asyncio queue of the request it belongs to
+    hand out outputs   each RequestOutput goes to its submission, where it replaces one not read yet
 
 Tokenizing, the chat template and the checks run before that, on a pool of input threads,
 so a 1 MB prompt (a second of tokenizing) delays no one else's tokens. Requests from all
@@ -45,29 +45,47 @@ INPUT_THREADS = 4
 class Submission:
     """One HTTP request on its way through the engine: its engine requests (one per prompt),
     and where their outputs go. Made and read on the event loop; the engine thread only
-    posts into it through `loop.call_soon_threadsafe`."""
+    posts into it through `loop.call_soon_threadsafe`.
+
+    At most one output per request waits here, however slowly the client reads: the server's
+    outputs are cumulative (each holds all the text so far), so a newer one holds everything an
+    unread older one does and replaces it (vLLM: RequestOutputCollector)."""
     request: ParsedRequest
     request_ids: list[str]                    # one per prompt
     loop: asyncio.AbstractEventLoop
     arrival_time: float = field(default_factory=time.monotonic)
     accepted: asyncio.Future = None           # None once queued, or the OpenAIError that refused it
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutputs; an exception ends
+    pending: dict = field(default_factory=dict)       # request id -> its newest unread RequestOutput
+    error: BaseException | None = None        # ends the results once the pending outputs are read
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         if self.accepted is None:
             self.accepted = self.loop.create_future()
 
+    def put(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self.pending[output.request_id] = output
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
     async def results(self):
         """The RequestOutputs of this submission's requests (cumulative, vLLM's default), as they
         come, until every one has finished."""
-        pending = set(self.request_ids)
-        while pending:
-            item = await self.outputs.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                pending.discard(item.request_id)
-            yield item
+        unfinished = set(self.request_ids)
+        while unfinished:
+            await self.ready.wait()
+            self.ready.clear()
+            items, self.pending = list(self.pending.values()), {}
+            for item in items:
+                if item.finished:
+                    unfinished.discard(item.request_id)
+                yield item
+            if self.error is not None and unfinished:
+                raise self.error
 
 
 class EngineLoop:
@@ -157,7 +175,7 @@ class EngineLoop:
         """No client waits for ever on a dead loop: running requests get the error in their
         stream, queued ones instead of their acceptance."""
         for submission in set(self.routes.values()):
-            _post(submission, submission.outputs.put_nowait, error)
+            _post(submission, submission.fail, error)
         for command in drain(self.inbox):
             if command[0] == "add":
                 _post(command[1], _settle, command[1].accepted, error)
@@ -168,10 +186,17 @@ class EngineLoop:
         for command in commands + drain(self.inbox):
             if command[0] == "stop":
                 return False
-            if command[0] == "add":
-                self._add(command[1], command[2])
-            else:
-                self._abort(command[1])
+            try:
+                if command[0] == "add":
+                    self._add(command[1], command[2])
+                else:
+                    self._abort(command[1])
+            except Exception as e:            # a bug met by one command: its submission fails alone
+                logger.exception("a %s command failed", command[0])
+                if command[0] == "add":
+                    self._abort(command[1].request_ids)
+                    _post(command[1], _settle, command[1].accepted, OpenAIError(
+                        f"internal error: {type(e).__name__}: {e}", status=500, type="internal_server_error"))
         return True
 
     def _add(self, submission: Submission, batches: list[list[Request]]) -> None:
@@ -210,7 +235,7 @@ class EngineLoop:
                                 type="internal_server_error")
             for rid, submission in list(self.routes.items()):
                 self._abort([rid])
-                _post(submission, submission.outputs.put_nowait, error)
+                _post(submission, submission.fail, error)
             return
         self._hand_out(outputs)
 
@@ -227,7 +252,7 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.outputs(outputs)
         for submission, items in by_submission.items():
-            _post(submission, _put_all, submission.outputs, items)
+            _post(submission, submission.put, items)
 
 
 def _refuse_past_context(batches: list, r: ParsedRequest, max_model_len: int) -> None:
@@ -266,8 +291,3 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
-
-
-def _put_all(q: asyncio.Queue, items: list) -> None:
-    for item in items:
-        q.put_nowait(item)

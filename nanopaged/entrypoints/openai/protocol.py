@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from nanopaged.engine.chat_tools import chat_messages
 from nanopaged.entrypoints.openai.tools import ToolCalling, check_tool_choice, constraint
 from nanopaged.sampling_params import SamplingParams
+from nanopaged.validation import INT_RANGE
 
 if TYPE_CHECKING:
     from nanopaged.lora.request import LoRARequest
@@ -119,29 +120,36 @@ def parse_body(raw: bytes) -> dict:
     if _nests_deeper_than(body, MAX_JSON_DEPTH):
         raise OpenAIError(f"the request body nests more than {MAX_JSON_DEPTH} levels deep; at most "
                           f"{MAX_JSON_DEPTH} are allowed")
-    where = _lone_surrogate(body)
-    if where is not None:
-        raise OpenAIError(f"{where} holds a lone UTF-16 surrogate (an escape like \\ud800 without its pair): "
-                          "not a character; send the pair, or the character itself", param=where)
+    _check_values(body)
     return body
 
 
-def _lone_surrogate(body: dict) -> str | None:
-    """The path of the first key or string with half a UTF-16 pair, which JSON's escapes allow and
-    UTF-8 cannot write (every answer quoting it, and the socket to the engine core, would fail)."""
-    stack = [(body, "")]
+def _check_values(body: dict | list, root: str = "") -> None:
+    """A 400 naming the first key or string with half a UTF-16 pair, which JSON's escapes allow and
+    UTF-8 cannot write (every answer quoting it, and the socket to the engine core, would fail), or the
+    first integer outside INT_RANGE (MessagePack, on the socket, carries none; nor does torch's int64),
+    wherever it is: a sampling field, a JSON schema's bound, a logit bias."""
+    stack = [(body, root)]
     while stack:
         value, path = stack.pop()
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, child in items:
             here = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"
             if isinstance(key, str) and not _encodable(key):
-                return path.lstrip(".") or "body"
+                _refuse_surrogate(path.lstrip(".") or "body")
             if isinstance(child, str) and not _encodable(child):
-                return here.lstrip(".")
+                _refuse_surrogate(here.lstrip("."))
+            if _is_int(child) and not INT_RANGE[0] <= child <= INT_RANGE[1]:
+                raise OpenAIError(f"{here.lstrip('.')} is {cut(str(child), 60)}, outside the integers the server "
+                                  f"carries: at most {INT_RANGE[1]} (2**64 - 1), at least {INT_RANGE[0]} (-2**63)",
+                                  param=here.lstrip("."))
             if isinstance(child, (dict, list)):
                 stack.append((child, here))
-    return None
+
+
+def _refuse_surrogate(where: str) -> None:
+    raise OpenAIError(f"{where} holds a lone UTF-16 surrogate (an escape like \\ud800 without its pair): "
+                      "not a character; send the pair, or the character itself", param=where)
 
 
 def _encodable(text: str) -> bool:
@@ -353,8 +361,16 @@ def _conversation(messages, tool_calling: ToolCalling | None) -> list | dict:
                           param="messages")
     try:
         messages = chat_messages(messages)          # an assistant's tool calls, as templates read them
+    except RecursionError:                          # arguments' JSON text nesting past the parser's stack
+        raise OpenAIError(f"a tool call's arguments nest too deep; at most {MAX_JSON_DEPTH} levels are allowed",
+                          param="messages") from None
     except ValueError as e:
         raise OpenAIError(str(e), param="messages") from None
+    # The arguments were JSON text inside a string: their values are checked as the body's are
+    if _nests_deeper_than(messages, MAX_JSON_DEPTH):
+        raise OpenAIError(f"a tool call's arguments nest too deep; at most {MAX_JSON_DEPTH} levels are allowed",
+                          param="messages")
+    _check_values(messages, "messages")
     if tool_calling is not None and tool_calling.tools:
         return {"messages": messages, "tools": tool_calling.tools}
     return messages            # each message is checked with the chat template (engine thread)

@@ -40,8 +40,7 @@ class ResponseBuilder:
         self.prompt_index = {rid: i for i, rid in enumerate(request_ids)}
         self.holdback = max((len(s) for s in request.params.stop), default=1) - 1
         self.tool_calling = request.tool_calling
-        self.choices = {i: ChoiceState(tools=None if self.tool_calling is None else self.tool_calling.stream())
-                        for i in range(len(request_ids) * self.n)}
+        self.choices: dict[int, ChoiceState] = {}       # made as each choice first streams, not per n up front
         self.prompt_tokens: dict[int, int] = {}          # prompt index -> its tokens
         self.completion_tokens: dict[int, int] = {}      # choice index -> tokens generated
 
@@ -97,7 +96,7 @@ class ResponseBuilder:
         if not self.chat:
             return []
         return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}) for i in self.choices]
+                             "logprobs": None, "finish_reason": None}) for i in range(len(self.prompt_index) * self.n)]
 
     def chunks(self, output: RequestOutput) -> list[dict]:
         """One chunk per choice that has something new: text, tokens (logprobs), or its end."""
@@ -105,7 +104,7 @@ class ResponseBuilder:
         chunks = []
         for c in output.outputs:
             index = self._index(output, c)
-            state = self.choices[index]
+            state = self._state(index)
             if state.done:
                 continue
             finished = c.finish_reason is not None
@@ -114,7 +113,7 @@ class ResponseBuilder:
             new_tokens = len(c.token_ids) > state.tokens and c.logprobs is not None
             delta = {"content": text} if text or not finished else {}
             if state.tools is not None:          # a chat with tools: the text read for calls as far as it goes
-                delta = state.tools.delta(c.text[:end], finished)
+                delta = state.tools.delta(c.text, finished, end)
             if not ((delta if state.tools is not None else text) or new_tokens or finished):
                 continue
             logprobs = self._logprobs(c, state.tokens, len(c.token_ids), state.text_offset)
@@ -131,6 +130,11 @@ class ResponseBuilder:
                 choice["text"], choice["stop_reason"] = text, c.stop_reason
             chunks.append(self._chunk(choice))
         return chunks
+
+    def _state(self, index: int) -> ChoiceState:
+        if index not in self.choices:
+            self.choices[index] = ChoiceState(tools=None if self.tool_calling is None else self.tool_calling.stream())
+        return self.choices[index]
 
     def usage_chunk(self) -> dict:
         """stream_options.include_usage: a last chunk with no choices and the usage."""

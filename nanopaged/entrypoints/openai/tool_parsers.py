@@ -8,11 +8,13 @@ write one or not, so the server reads the text after it (`--tool-call-parser NAM
     llama3_json    Llama 3.1's `{"name": ..., "parameters": {...}}`, maybe after `<|python_tag|>`,
                    several separated by `;`; the whole output is calls, or none is
 
-Each parser has one function, `scan(text, final)`, that reads a text so far: where its content
-ends, and each call's name and arguments once they are known. The whole response is the scan of
-the final text, and a stream sends what each scan adds to the last (ToolCallStream), so the two
-always agree. A call's arguments are JSON text, `json.dumps` of what the model wrote (vLLM's), known
-when the call's object closes. vLLM: vllm/entrypoints/openai/tool_parsers/. docs/08_server.md.
+Each parser reads a growing text (`feed(text, end, final)`: the text so far, of which text[:end] may be
+read) and keeps where it got to, so every character is read once however many chunks a stream has:
+a closed call is never parsed again, and the open one is followed by `JsonEnd` until its object closes,
+then decoded once. The whole response is one feed of the final text, and a stream sends what each
+feed adds to the last (ToolCallStream), so the two always agree. A call's arguments are JSON text,
+`json.dumps` of what the model wrote (vLLM's), known when the call's object closes.
+vLLM: vllm/entrypoints/openai/tool_parsers/. docs/08_server.md.
 """
 from __future__ import annotations
 
@@ -23,14 +25,24 @@ from dataclasses import dataclass, field
 
 DECODER = json.JSONDecoder()
 # The name, once its string is complete, of an object still being written: {"name": "get_weather", ...
-NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+NAME_FIRST = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+# How far into an open call its name is looked for (a name is short); past it, the name comes when
+# the call closes. Bounds the work of each chunk while a long call is being written.
+NAME_WINDOW = 512
+WHITESPACE = " \t\n\r"
 
 
 @dataclass
 class Call:
-    """One tool call as far as the text shows it; None: not written yet."""
+    """One tool call as far as the text shows it; None: not written yet. Its arguments are
+    source[:length]: JSON text, or a named call's output so far (the stream's text, not copied)."""
     name: str | None = None
-    arguments: str | None = None         # JSON text
+    source: str | None = None
+    length: int = 0
+
+    @property
+    def arguments(self) -> str | None:
+        return None if self.source is None else self.source[:self.length]
 
 
 @dataclass
@@ -44,94 +56,252 @@ def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"     # vLLM's ids
 
 
-def read_call(text: str, start: int, arguments_keys: tuple[str, ...]) -> tuple[Call, int | None]:
-    """The call whose JSON object starts at text[start:] (after whitespace), and where it ends (None:
-    not closed yet). A closed object without a string name or with no arguments key is no call."""
+def skip_space(text: str, at: int, end: int) -> int:
+    while at < end and text[at] in WHITESPACE:
+        at += 1
+    return at
+
+
+def held_back(text: str, end: int, marker: str) -> int:
+    """Where content must stop while text[:end] may be ending in the start of `marker`."""
+    for n in range(min(len(marker) - 1, end), 0, -1):
+        if text.startswith(marker[:n], end - n):
+            return end - n
+    return end
+
+
+class JsonEnd:
+    """Where a JSON object that starts at text[start] == "{" ends, found as the text grows: brackets
+    counted outside strings, each character looked at once."""
+
+    def __init__(self, start: int) -> None:
+        self.at, self.depth, self.in_string, self.escaped = start + 1, 1, False, False
+
+    def feed(self, text: str, end: int) -> int | None:
+        """The index after the closing brace, or None while it is not in text[:end]."""
+        at, depth, in_string, escaped = self.at, self.depth, self.in_string, self.escaped
+        while at < end and depth:
+            ch = text[at]
+            if in_string:
+                escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+            elif ch == '"':
+                in_string = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+            at += 1
+        self.at, self.depth, self.in_string, self.escaped = at, depth, in_string, escaped
+        return at if depth == 0 else None
+
+
+def _text(value) -> str:
+    """JSON text of a decoded value; escaped where it holds half a UTF-16 pair (which the model may
+    write as an escape, and UTF-8 cannot carry)."""
+    dumped = json.dumps(value, ensure_ascii=False)
     try:
-        obj, end = DECODER.raw_decode(text, len(text) - len(text[start:].lstrip()))
-    except ValueError:                  # not closed yet (or never will be: `final` decides)
-        named = NAME_FIRST.match(text, start)
-        return Call(json.loads(f'"{named.group(1)}"') if named else None), None
-    key = next((k for k in arguments_keys if isinstance(obj, dict) and k in obj), None)
-    if key is None or not isinstance(obj.get("name"), str):
-        raise ValueError(f"not a tool call: {text[start:end]!r}")
-    return Call(obj["name"], json.dumps(obj[key], ensure_ascii=False)), end
+        dumped.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return dumped
 
 
-def held_back(text: str, marker: str) -> int:
-    """Where content must stop while the text may be ending in the start of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return len(text) - n
-    return len(text)
+class CallReader:
+    """One call's JSON object from text[start:] (after whitespace): its name once written, all of it once
+    closed. A ValueError: it is no call (not an object, or closed without a string name or arguments)."""
+
+    def __init__(self, start: int, arguments_keys: tuple[str, ...]) -> None:
+        self.start, self.keys, self.call = start, arguments_keys, Call()
+        self.brace: int | None = None
+        self.json_end: JsonEnd | None = None
+        self.end: int | None = None          # where the object ended
+        self.broken = False                  # closed, but not JSON: stays open (the final text says no call)
+        self.name_upto = 0                   # the name was looked for in text[brace:name_upto]
+
+    def feed(self, text: str, end: int) -> bool:
+        """True once the call is closed and read."""
+        if self.brace is None:
+            self.start = skip_space(text, self.start, end)
+            if self.start == end:
+                return False
+            if text[self.start] != "{":
+                raise ValueError(f"not a tool call: {text[self.start:self.start + 20]!r}")
+            self.brace, self.json_end = self.start, JsonEnd(self.start)
+        if self.broken:
+            return False
+        closed = self.json_end.feed(text, end)
+        if closed is None:
+            self._name(text, end)
+            return False
+        try:
+            obj, _ = DECODER.raw_decode(text, self.brace)
+        except (ValueError, RecursionError):
+            self.broken = True
+            return False
+        key = next((k for k in self.keys if k in obj), None)
+        if key is None or not isinstance(obj.get("name"), str) or not _encodable(obj["name"]):
+            raise ValueError(f"not a tool call: {text[self.brace:closed][:200]!r}")
+        try:
+            arguments = _text(obj[key])
+        except RecursionError:
+            raise ValueError("not a tool call: its arguments nest too deep") from None
+        self.call.name, self.call.source, self.call.length, self.end = obj["name"], arguments, len(arguments), closed
+        return True
+
+    def _name(self, text: str, end: int) -> None:
+        limit = min(end, self.brace + NAME_WINDOW)
+        if self.call.name is not None or limit == self.name_upto:
+            return
+        self.name_upto = limit
+        named = NAME_FIRST.match(text, self.brace, limit)
+        if named:
+            name = json.loads(f'"{named.group(1)}"')
+            if not _encodable(name):
+                raise ValueError("not a tool call: its name holds half a UTF-16 pair")
+            self.call.name = name
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class HermesToolParser:
     START, END = "<tool_call>", "</tool_call>"
 
-    def scan(self, text: str, final: bool) -> Scan:
-        first = text.find(self.START)
-        if first < 0:
-            return Scan(len(text) if final else held_back(text, self.START))
-        calls, at = [], first
-        try:
-            while at >= 0:
-                call, end = read_call(text, at + len(self.START), ("arguments",))
-                calls.append(call)
-                if end is None:
-                    return Scan(first, calls, valid=not final)
-                at = text.find(self.START, end)
-        except ValueError:
-            return Scan(len(text), valid=False)
-        return Scan(first, calls)
+    def __init__(self) -> None:
+        self.first: int | None = None        # where the first call's tag starts: the content ends there
+        self.searched = 0                    # no tag starts in text[searched_from:searched]
+        self.calls: list[Call] = []
+        self.reader: CallReader | None = None
+        self.invalid = False
+
+    def fresh(self) -> HermesToolParser:
+        return HermesToolParser()
+
+    def feed(self, text: str, end: int, final: bool) -> Scan:
+        if self.invalid:
+            return Scan(end, valid=False)
+        while True:
+            if self.reader is None:
+                at = text.find(self.START, self.searched, end)
+                if at < 0:
+                    self.searched = max(self.searched, end - len(self.START) + 1)
+                    if self.first is None:
+                        return Scan(end if final else held_back(text, end, self.START))
+                    return Scan(self.first, self.calls)
+                self.first = at if self.first is None else self.first
+                self.reader = CallReader(at + len(self.START), ("arguments",))
+                self.calls.append(self.reader.call)
+            try:
+                if not self.reader.feed(text, end):
+                    return Scan(self.first, self.calls, valid=not final)
+            except ValueError:
+                self.invalid = True
+                return Scan(end, valid=False)
+            self.searched, self.reader = self.reader.end, None
 
 
 class Llama3JsonToolParser:
     TAG = "<|python_tag|>"
 
-    def scan(self, text: str, final: bool) -> Scan:
-        body = text.lstrip()
-        if not final and (not body or self.TAG.startswith(body)):
-            return Scan(0)                          # not yet known whether this is a call
-        at = len(text) - len(body) + (len(self.TAG) if body.startswith(self.TAG) else 0)
-        if not body.startswith((self.TAG, "{")):
-            return Scan(len(text))
-        calls = []
+    def __init__(self) -> None:
+        self.body: int = 0                   # where the text after its leading whitespace starts
+        self.calls: list[Call] = []
+        self.reader: CallReader | None = None
+        self.after: int | None = None        # where the last closed call ended
+        self.content = False                 # the text is no call: all of it is content
+        self.invalid = False
+
+    def fresh(self) -> Llama3JsonToolParser:
+        return Llama3JsonToolParser()
+
+    def feed(self, text: str, end: int, final: bool) -> Scan:
+        if self.content or self.invalid:
+            return Scan(end, valid=not self.invalid)
+        if not self.calls:
+            self.body = skip_space(text, self.body, end)
+            opening = text[self.body:min(end, self.body + len(self.TAG))]
+            if not final and (self.body == end or self.TAG.startswith(opening) and len(opening) < len(self.TAG)):
+                return Scan(0)                          # not yet known whether this is a call
+            if opening == self.TAG:
+                self._open(self.body + len(self.TAG))
+            elif opening.startswith("{"):
+                self._open(self.body)
+            else:
+                self.content = True
+                return Scan(end)
         try:
             while True:
-                call, end = read_call(text, at, ("parameters", "arguments"))
-                calls.append(call)
-                if end is None:
-                    return Scan(0, calls, valid=not final)
-                rest = text[end:].lstrip()
-                if not rest:
-                    return Scan(0, calls)
-                if not rest.startswith(";"):
-                    raise ValueError(f"expected ';' between tool calls, got {rest[:20]!r}")
-                at = len(text) - len(rest) + 1
+                if self.reader is not None:
+                    if not self.reader.feed(text, end):
+                        return Scan(0, self.calls, valid=not final)
+                    self.after, self.reader = self.reader.end, None
+                self.after = skip_space(text, self.after, end)
+                if self.after == end:
+                    return Scan(0, self.calls)
+                if text[self.after] != ";":
+                    raise ValueError(f"expected ';' between tool calls, got {text[self.after:self.after + 20]!r}")
+                self._open(self.after + 1)
         except ValueError:
-            return Scan(len(text), valid=False)
+            self.invalid = True
+            return Scan(end, valid=False)
+
+    def _open(self, at: int) -> None:
+        self.reader = CallReader(at, ("parameters", "arguments"))
+        self.calls.append(self.reader.call)
 
 
 class RequiredToolCalls:
     """`tool_choice: "required"`: the grammar made the output `[{"name": ..., "parameters": {...}}, ...]`
     (vLLM's shape; tools.py), so every call parses; no content."""
 
-    def scan(self, text: str, final: bool) -> Scan:
-        calls, at = [], text.find("[") + 1
-        if at == 0:
-            return Scan(0, valid=not final)
-        try:
-            while text[at:].lstrip()[:1] not in ("]", ""):
-                call, end = read_call(text, at, ("parameters",))
-                calls.append(call)
-                if end is None:
-                    break
-                rest = text[end:].lstrip()
-                at = len(text) - len(rest) + rest.startswith(",")
-        except ValueError:
+    def __init__(self) -> None:
+        self.at: int | None = None           # where the next call (or the array's end) may start
+        self.searched = 0
+        self.comma = False                   # a ',' may come before the next call
+        self.calls: list[Call] = []
+        self.reader: CallReader | None = None
+        self.done = self.invalid = False
+
+    def fresh(self) -> RequiredToolCalls:
+        return RequiredToolCalls()
+
+    def feed(self, text: str, end: int, final: bool) -> Scan:
+        if self.invalid:
             return Scan(0, valid=False)
-        return Scan(0, calls, valid=bool(calls) and calls[-1].arguments is not None or not final)
+        if self.at is None:
+            bracket = text.find("[", self.searched, end)
+            self.searched = end
+            if bracket < 0:
+                return Scan(0, valid=not final)
+            self.at = bracket + 1
+        try:
+            self._read(text, end)
+        except ValueError:
+            self.invalid = True
+            return Scan(0, valid=False)
+        return Scan(0, self.calls, valid=bool(self.calls) and self.calls[-1].arguments is not None or not final)
+
+    def _read(self, text: str, end: int) -> None:
+        while not self.done:
+            if self.reader is None:
+                self.at = skip_space(text, self.at, end)
+                if self.comma and self.at < end and text[self.at] == ",":
+                    self.at, self.comma = skip_space(text, self.at + 1, end), False
+                if self.at == end:
+                    return
+                if text[self.at] == "]":
+                    self.done = True
+                    return
+                self.reader = CallReader(self.at, ("parameters",))
+                self.calls.append(self.reader.call)
+            if not self.reader.feed(text, end):
+                return
+            self.at, self.comma, self.reader = self.reader.end, True, None
 
 
 class NamedToolCall:
@@ -141,8 +311,11 @@ class NamedToolCall:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def scan(self, text: str, final: bool) -> Scan:
-        return Scan(0, [Call(self.name, text)])
+    def fresh(self) -> NamedToolCall:
+        return NamedToolCall(self.name)
+
+    def feed(self, text: str, end: int, final: bool) -> Scan:
+        return Scan(0, [Call(self.name, text, end)])
 
 
 TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
@@ -150,7 +323,7 @@ TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
 
 def extract_tool_calls(parser, text: str) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a whole output, in OpenAI's shapes; no calls: (text, [])."""
-    scan = parser.scan(text, final=True)
+    scan = parser.fresh().feed(text, len(text), final=True)
     if not scan.valid or not scan.calls:
         return text, []
     calls = [{"id": tool_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -160,23 +333,27 @@ def extract_tool_calls(parser, text: str) -> tuple[str | None, list[dict]]:
 
 class ToolCallStream:
     """One choice's stream: each new text becomes a delta of new content and of tool calls, OpenAI's
-    `delta.tool_calls`: a call's first delta has its index, id, type and name, later ones its arguments."""
+    `delta.tool_calls`: a call's first delta has its index, id, type and name, later ones its arguments.
+    Only the last call sent and the ones after it can change, so only they are looked at."""
 
     def __init__(self, parser) -> None:
-        self.parser = parser
+        self.parser = parser.fresh()
         self.content_sent = 0
-        self.sent: list[list] = []          # per call: [name sent, arguments sent]
+        self.sent: list[int] = []           # per call: the characters of its arguments sent
         self.called = False                 # a call was sent: finish_reason "tool_calls"
 
-    def delta(self, text: str, final: bool) -> dict:
-        scan = self.parser.scan(text, final)
+    def delta(self, text: str, final: bool, end: int | None = None) -> dict:
+        """What text[:end] (all of it by default) adds to what was sent."""
+        end = len(text) if end is None else end
+        scan = self.parser.feed(text, end, final)
         if not scan.valid:                  # a call that broke off: its text is content, as in the whole response
-            scan = Scan(len(text)) if not self.sent else Scan(self.content_sent)
+            scan = Scan(end) if not self.sent else Scan(self.content_sent)
         delta = {}
         if scan.content_end > self.content_sent:
             delta["content"] = text[self.content_sent:scan.content_end]
             self.content_sent = scan.content_end
-        tool_calls = [d for i, call in enumerate(scan.calls) if (d := self._call_delta(i, call))]
+        tool_calls = [d for i in range(max(0, len(self.sent) - 1), len(scan.calls))
+                      if (d := self._call_delta(i, scan.calls[i]))]
         if tool_calls:
             delta["tool_calls"] = tool_calls
             self.called = True
@@ -186,15 +363,14 @@ class ToolCallStream:
         if call.name is None:
             return None
         if index == len(self.sent):
-            self.sent.append([call.name, ""])
+            self.sent.append(0)
             delta = {"index": index, "id": tool_call_id(), "type": "function",
                      "function": {"name": call.name, "arguments": ""}}
         else:
             delta = {"index": index, "function": {"arguments": ""}}
-        sent = self.sent[index][1]
-        if call.arguments is not None and call.arguments.startswith(sent) and len(call.arguments) > len(sent):
-            delta["function"]["arguments"] = call.arguments[len(sent):]
-            self.sent[index][1] = call.arguments
+        if call.source is not None and call.length > self.sent[index]:
+            delta["function"]["arguments"] = call.source[self.sent[index]:call.length]
+            self.sent[index] = call.length
         elif "id" not in delta:
             return None
         return delta
