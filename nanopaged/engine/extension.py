@@ -143,6 +143,11 @@ class Extension:
     def reset_stats(self) -> None:
         """Count from now (the bench does, after its warm-up)."""
 
+    def counters(self) -> dict[str, tuple[str, int | list[int]]]:
+        """Its counters for /metrics, totals since the engine started: name -> (help, total, or a
+        total per position)."""
+        return {}
+
     def progress(self) -> str:
         """A short live figure for the progress bar ("" for none)."""
         return ""

@@ -2,8 +2,8 @@
 
 Whether a request stops is decided here and nowhere else (`check_stop`): EOS and stop
 tokens, stop strings (which need the detokenized text) and length, in vLLM's order and
-with vLLM's `stop_reason`; an extension adds its own rule through `stop_rules` (structured
-outputs). The engine then takes the stopped requests out of the scheduler. The n samples
+with vLLM's `stop_reason`; an extension adds its own rule (Extension.stop, which the engine hands
+over as `stop_rules`). The engine then takes the stopped requests out of the scheduler. The n samples
 of one request (n > 1) are gathered into one RequestOutput, each step or only at the end,
 whole or as what is new (SamplingParams.output_kind); with detokenize=False nothing is
 decoded at all (text "", logprobs without decoded tokens).
@@ -35,7 +35,7 @@ def check_stop(request: Request, detokenizer: IncrementalDetokenizer | None = No
     """Does the request stop with the token it just got? (status, stop_reason), or None.
 
     0. an extension's rule says the output is complete (`stop_rules`, a hook: each sees every
-       token once; structured outputs: the grammar has reached its end): "stop", as for EOS;
+       token once; a constraint that has reached its end): "stop", as for EOS;
     1. EOS (unless ignore_eos) or a stop token id, once min_tokens are out (the sampler
        does not draw them before): "stop"; the token's text is left out of the output unless
        include_stop_str_in_output;
@@ -83,13 +83,13 @@ class SampleState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, stop_rules: Sequence[StopRule] = ()) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, list[SampleState]] = {}   # user request id -> its n samples
         self.samples: dict[Request, tuple[str, SampleState]] = {}
         self.prompt_logprobs: dict[str, list] = {}          # request id -> one entry per prompt token
         self.aborted: list[RequestOutput] = []              # final outputs the next step returns
-        self.stop_rules: list[StopRule] = []                # the hook: check_stop's rule 0
+        self.stop_rules: list[StopRule] = list(stop_rules)  # check_stop's rule 0: the engine's, or the caller's
 
     def add(self, samples: list[Request]) -> None:
         states = [SampleState(seq, self._detokenizer(seq)) for seq in samples]

@@ -21,7 +21,6 @@ import dataclasses
 import msgspec
 
 from nanopaged.lora.request import LoRARequest
-from nanopaged.spec_decode.extension import SpeculativeDecoding
 from nanopaged.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -101,7 +100,7 @@ class Figures(msgspec.Struct, tag=True):
     prefix_queries: int
     prefix_hits: int
     generation_tokens: int
-    spec: list | None = None          # [drafts, draft tokens, accepted, [accepted per position]]
+    counters: dict = {}               # each extension's (Extension.counters): name -> [help, total or totals]
 
 
 class AdapterDone(msgspec.Struct, tag=True):
@@ -111,11 +110,10 @@ class AdapterDone(msgspec.Struct, tag=True):
 
 def figures_of(engine, stats) -> Figures:
     """The engine's figures for /metrics (metrics.py), from engine/stats.py's counts, their one owner."""
-    s, spec = engine.scheduler, engine.find(SpeculativeDecoding)
-    spec = None if spec is None else [spec.counters.num_drafts, spec.counters.num_draft_tokens,
-                                      spec.counters.num_accepted_tokens, list(spec.counters.accepted_per_pos)]
+    s = engine.scheduler
+    counters = {name: list(counter) for ext in engine.extensions for name, counter in ext.counters().items()}
     return Figures(len(s.running), len(s.waiting), s.block_pool.usage(), stats.num_preemptions,
-                   stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_generated_tokens, spec)
+                   stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_generated_tokens, counters)
 
 
 TO_CORE = Hello | AddRequest | Abort | Adapter | ClientGone | Shutdown

@@ -49,8 +49,8 @@ class SpeculativeDecoding(Extension):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.spec: SpeculativeConfig | None = config.speculative_config     # None: forced drafts only
-        self.counters = SpecDecodeStats(FORCED_ONLY_K if self.spec is None else self.spec.num_speculative_tokens)
-        self.base = self.counters.copy()
+        self.counts = SpecDecodeStats(FORCED_ONLY_K if self.spec is None else self.spec.num_speculative_tokens)
+        self.base = self.counts.copy()
         self.proposer, self.draft_probs = None, None
 
     def attach(self, engine) -> None:
@@ -65,11 +65,11 @@ class SpeculativeDecoding(Extension):
         elif spec is not None:
             self.proposer = DraftModelProposer(engine, spec)
             self.draft_probs = self.proposer.draft_probs
-        self.drafter = Drafter(engine, self.proposer, self.counters.k, self.counters)
+        self.drafter = Drafter(engine, self.proposer, self.counts.k, self.counts)
         self.budget = self.drafter.budget
 
     def wrap_token_selection(self, selection):
-        return RejectionSampler(selection, self.counters, self.draft_probs)
+        return RejectionSampler(selection, self.counts, self.draft_probs)
 
     def observe(self, record) -> None:
         self.budget(record)
@@ -79,10 +79,19 @@ class SpeculativeDecoding(Extension):
 
     def stats(self) -> dict:
         """Drafts, draft tokens, accepted tokens (per position), mean acceptance length, since the last reset."""
-        return self.counters.since(self.base).as_dict()
+        return self.counts.since(self.base).as_dict()
 
     def reset_stats(self) -> None:
-        self.base = self.counters.copy()
+        self.base = self.counts.copy()
+
+    def counters(self) -> dict[str, tuple[str, int | list[int]]]:
+        """vLLM's four counters."""
+        c = self.counts
+        return {"spec_decode_num_drafts": ("Verify steps of a request with drafts.", c.num_drafts),
+                "spec_decode_num_draft_tokens": ("Draft tokens verified.", c.num_draft_tokens),
+                "spec_decode_num_accepted_tokens": ("Draft tokens accepted.", c.num_accepted_tokens),
+                "spec_decode_num_accepted_tokens_per_pos": ("Draft tokens accepted, by position.",
+                                                            list(c.accepted_per_pos))}
 
     def progress(self) -> str:
-        return f"accepted {self.counters.since(self.base).mean_acceptance_length:.2f}/step"
+        return f"accepted {self.counts.since(self.base).mean_acceptance_length:.2f}/step"

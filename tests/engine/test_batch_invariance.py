@@ -98,7 +98,7 @@ def test_alone_equals_with_drafts_verified_in_the_batch(case):
     llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                                          "prompt_lookup_min": 1})
     assert answers(llm, batch) == want
-    assert llm.llm_engine.find(SpeculativeDecoding).counters.num_draft_tokens > 0
+    assert llm.llm_engine.find(SpeculativeDecoding).counts.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("method", ["int4", "int8"])

@@ -24,7 +24,7 @@ CORE = [p for folder in ("core", "engine", "worker") for p in sorted((PACKAGE / 
 SOURCES = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "benchmarks").rglob("*.py")) + [ROOT / "bench.py"]
 
 # Words that name an extension or its machinery. The core may use none of them in code or strings.
-EXTENSION_WORDS = re.compile(r"lora|adapter|spec_?decod|speculat|structured|grammar|pool(ing|er)|suffix|ngram|"
+EXTENSION_WORDS = re.compile(r"lora|adapter|spec_?decod|speculat|structured|grammar|pool(ing|er)|suffix.?(decod|tree|propos)|ngram|"
                              r"beam|tensor.parallel|\bray\b", re.IGNORECASE)
 # vLLM's own request vocabulary, which the core keeps so a reader can cross over to vLLM. "Draft" is no
 # extension's name: vLLM's scheduler calls the tokens a request guessed ahead drafts (num_draft_tokens).

@@ -63,7 +63,7 @@ def test_greedy_output_is_plain_decoding_with_each_method(tiny_model_dirs, spec,
     config = {None: None, "ngram": NGRAM, "suffix": SUFFIX, "draft_model": draft(model, k=3)}[spec]
     llm = engine(model, config, monkeypatch=monkeypatch)
     assert tokens(llm.generate(prompts(4), params(), use_tqdm=False)) == plain
-    s = llm.llm_engine.find(SpeculativeDecoding).counters
+    s = llm.llm_engine.find(SpeculativeDecoding).counts
     assert s.num_forced_draft_tokens > 0 and s.num_accepted_forced_tokens > 0
     check_whole(llm)
 
@@ -74,7 +74,7 @@ def test_sampled_json_always_validates(tiny_model_dirs, monkeypatch):
     outs = llm.generate(prompts(1) * 60, [params(temperature=1.0, seed=i) for i in range(60)], use_tqdm=False)
     for o in outs:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
-    s = llm.llm_engine.find(SpeculativeDecoding).counters
+    s = llm.llm_engine.find(SpeculativeDecoding).counts
     assert s.num_accepted_forced_tokens > 100
     check_whole(llm)
 
@@ -113,7 +113,7 @@ def test_the_matcher_follows_the_accepted_tokens_only(tiny_model_dirs, monkeypat
                 mask = torch.empty(1, (manager.backend.vocab_size + 31) // 32, dtype=torch.int32)
                 state.matcher.fill_row(mask, 0)                  # where the output leaves it: not ended
                 assert mask.any()
-    assert eng.find(SpeculativeDecoding).counters.num_draft_tokens > eng.find(SpeculativeDecoding).counters.num_accepted_tokens
+    assert eng.find(SpeculativeDecoding).counts.num_draft_tokens > eng.find(SpeculativeDecoding).counts.num_accepted_tokens
     check_whole(llm)
 
 
@@ -127,7 +127,7 @@ def test_demo_model_greedy_json_unchanged(demo_model_dir, monkeypatch):
         outs[forced] = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
     assert outs[True].token_ids == outs[False].token_ids
     jsonschema.validate(json.loads(outs[True].text), SCHEMA)
-    s = llm.llm_engine.find(SpeculativeDecoding).counters
+    s = llm.llm_engine.find(SpeculativeDecoding).counts
     assert s.num_accepted_forced_tokens > 0
     assert llm.llm_engine.find(SpeculativeDecoding).spec is None          # forced drafts alone: no speculative config
     check_whole(llm)

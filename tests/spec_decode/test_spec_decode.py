@@ -66,7 +66,7 @@ def token_ids(llm, prompts, params):
 
 
 def stats(llm):
-    return llm.llm_engine.find(SpeculativeDecoding).counters
+    return llm.llm_engine.find(SpeculativeDecoding).counts
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

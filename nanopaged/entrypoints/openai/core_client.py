@@ -62,8 +62,7 @@ class CoreClient:
         if config.runner == "pooling":           # PoolingParams in, as the engine core's own processor takes them
             from nanopaged.pooling.processors import PoolingInputProcessor
             self.input_processor = PoolingInputProcessor(config, tokenizer, num_kv_blocks)
-        self.outputs = OutputProcessor(tokenizer)              # socket thread only, from here on
-        self.outputs.stop_rules.append(self._core_stopped)
+        self.outputs = OutputProcessor(tokenizer, [self._core_stopped])   # socket thread only, from here on
         self.core_stops = weakref.WeakKeyDictionary()          # sample -> its length when the core stopped it
         self.routes: dict[str, Submission] = {}                # request id -> its submission
         self.accepting: dict[Submission, set[str]] = {}        # request ids the core has not taken yet

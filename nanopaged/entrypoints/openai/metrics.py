@@ -56,7 +56,7 @@ class ServerMetrics:
         self.arrival: dict[str, float] = {}        # request id -> monotonic arrival time
         self.first_token: dict[str, float] = {}    # request id -> monotonic time of its first token
         self.seen = Figures(0, 0, 0.0, 0, 0, 0, 0)  # the totals at the last figures
-        self.spec_counters = None                  # speculative decoding's, made at its first figures
+        self.extension_counters: dict = {}          # an extension's counters, each made at its first figures
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -82,25 +82,23 @@ class ServerMetrics:
                                   (self.generation_tokens, figures.generation_tokens, old.generation_tokens)):
             if new > was:
                 counter.inc(new - was)
-        if figures.spec is not None:
-            self._count_spec(figures.spec, old.spec)
+        for name, (help_text, total) in figures.counters.items():
+            self._count(name, help_text, total, old.counters.get(name, (None, None))[1])
         self.seen = figures
 
-    def _count_spec(self, spec: list, old: list | None) -> None:
-        """vLLM's four counters: drafts, draft tokens, accepted tokens, accepted by position."""
-        if self.spec_counters is None:
-            name, r = PREFIX + "spec_decode_num_", dict(registry=self.registry)
-            self.spec_counters = (
-                Counter(name + "drafts", "Verify steps of a request with drafts.", **r),
-                Counter(name + "draft_tokens", "Draft tokens verified.", **r),
-                Counter(name + "accepted_tokens", "Draft tokens accepted.", **r),
-                Counter(name + "accepted_tokens_per_pos", "Draft tokens accepted, by position.", ["position"], **r))
-        old = old or [0, 0, 0, []]
-        for counter, new, was in zip(self.spec_counters, spec[:3], old[:3]):
-            counter.inc(max(0, new - was))
-        for pos, new in enumerate(spec[3]):
-            was = old[3][pos] if pos < len(old[3]) else 0
-            self.spec_counters[3].labels(position=str(pos)).inc(max(0, new - was))
+    def _count(self, name: str, help_text: str, total, was) -> None:
+        """An extension's counter (speculative decoding's are vLLM's four): moved by what its total grew; a
+        list of totals is one counter with a `position` label."""
+        counter = self.extension_counters.get(name)
+        if counter is None:
+            labels = ["position"] if isinstance(total, list) else []
+            counter = self.extension_counters[name] = Counter(PREFIX + name, help_text, labels, registry=self.registry)
+        if not isinstance(total, list):
+            counter.inc(max(0, total - (was or 0)))
+            return
+        was = was or []
+        for pos, new in enumerate(total):
+            counter.labels(position=str(pos)).inc(max(0, new - (was[pos] if pos < len(was) else 0)))
 
     def outputs(self, outputs: list) -> None:
         """The latencies of this server's requests, from the outputs handed to their clients."""
