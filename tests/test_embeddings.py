@@ -266,3 +266,19 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(last_llm):
     assert cut.prompt_token_ids == PROMPTS[0][-5:]
     torch.testing.assert_close(torch.tensor(cut.outputs.embedding), torch.tensor(tail.outputs.embedding),
                                atol=1e-5, rtol=0)
+
+
+def test_an_input_of_exactly_max_model_len_tokens_is_embedded(llama):
+    """Nothing is generated after a pooled prompt, so it may fill the context (as vLLM); one token more is
+    refused naming the limit, and a generating engine still keeps room for its first token."""
+    pooling = LLM(llama, runner="pooling", max_model_len=32, **SETTINGS)
+    [out] = embed(pooling, [list(range(3, 35))])                          # 32 tokens
+    assert len(out.prompt_token_ids) == 32 and len(out.outputs.embedding) == 64
+    with pytest.raises(ValueError, match=r"the prompt has 33 tokens; max_model_len=32 \(a prompt may be at most 32"):
+        embed(pooling, [list(range(3, 36))])
+    [cut] = embed(pooling, [list(range(3, 43))], PoolingParams(truncate_prompt_tokens=-1))
+    assert cut.prompt_token_ids == list(range(11, 43))                   # -1 keeps as many as fit: all 32
+    assert_all_blocks_free(pooling)
+    generating = LLM(llama, max_model_len=32, **SETTINGS)
+    with pytest.raises(ValueError, match="leaves no room for a generated token"):
+        generating.generate({"prompt_token_ids": list(range(3, 35))}, use_tqdm=False)

@@ -25,6 +25,8 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
 class InputProcessor:
+    prefill_only = False          # True: requests only prefill (no token is generated after the prompt)
+
     def __init__(self, config: EngineConfig, tokenizer, num_kv_blocks: int) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -57,6 +59,8 @@ class InputProcessor:
             raise ValueError(f"cache_salt must encode as UTF-8, got {cache_salt!r}")
         room = cfg.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if self.prefill_only:            # its one placeholder token is never computed: no room needed
+            max_tokens = 1
         # The last sampled token never needs K/V: a request stores at most prompt + max_tokens - 1.
         need = cdiv(len(ids) + max_tokens - 1, cfg.block_size)
         if need > self.num_kv_blocks:
@@ -97,10 +101,9 @@ class InputProcessor:
         limit, head = self.config.max_model_len, self.config.max_model_len * MAX_CHARS_PER_TOKEN
         if len(text) > head:
             n = len(self.tokenizer.encode(text[:head]))
-            if n >= limit:
+            if n > self.longest_prompt():
                 raise ValueError(f"the prompt has at least {n} tokens (its first {head:,} of {len(text):,} "
-                                 f"characters alone); max_model_len={limit} leaves no room for a generated "
-                                 f"token (a prompt may be at most {limit - 1} tokens)")
+                                 f"characters alone); {self._why_limit()}")
         return self.tokenizer.encode(text)
 
     def _truncate(self, ids: list[int], keep: int | None) -> list[int]:
@@ -111,7 +114,7 @@ class InputProcessor:
         limit = self.config.max_model_len
         if keep > limit:
             raise ValueError(f"truncate_prompt_tokens={keep} is larger than max_model_len={limit}")
-        return ids[-(limit - 1 if keep == -1 else keep):]
+        return ids[-(self.longest_prompt() if keep == -1 else keep):]
 
     def _with_bad_words(self, params: SamplingParams) -> SamplingParams:
         """A copy whose bad_words_token_ids hold each word's tokens, alone and after a space, as vLLM
@@ -138,13 +141,22 @@ class InputProcessor:
         if bad:
             raise ValueError(f"{name} holds {bad[0]}, outside the vocabulary [0, {vocab})")
 
-    def _check_prompt(self, ids: list[int]) -> None:
+    def longest_prompt(self) -> int:
+        """A generating request needs room for one token after its prompt; a prefill-only one does not."""
+        return self.config.max_model_len - (not self.prefill_only)
+
+    def _why_limit(self) -> str:
         limit = self.config.max_model_len
+        if self.prefill_only:
+            return f"max_model_len={limit} (a prompt may be at most {limit} tokens)"
+        return (f"max_model_len={limit} leaves no room for a generated token (a prompt may be at most "
+                f"{limit - 1} tokens)")
+
+    def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("the prompt is empty (0 tokens); give at least one token")
-        if len(ids) >= limit:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={limit} leaves no room "
-                             f"for a generated token (a prompt may be at most {limit - 1} tokens)")
+        if len(ids) > self.longest_prompt():
+            raise ValueError(f"the prompt has {len(ids)} tokens; {self._why_limit()}")
         vocab = self.config.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:

@@ -35,6 +35,8 @@ class PooledRequestOutput(RequestOutput):
 
 
 class PoolingInputProcessor(InputProcessor):
+    prefill_only = True           # a prompt of max_model_len tokens fits: nothing is generated after it (as vLLM)
+
     def __init__(self, config, tokenizer, num_kv_blocks: int) -> None:
         super().__init__(config, tokenizer, num_kv_blocks)
         pooler = config.pooler_config
