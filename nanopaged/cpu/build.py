@@ -121,7 +121,8 @@ def build_folder(name: str, cflags: list[str]) -> Path:
         data = path.read_bytes()
         key.update(f"{path.name}:{len(data)}:".encode() + data)
     key.update(repr((cflags, torch.__version__, torch.__file__, sys.version_info[:2])).encode())
-    folder = Path(get_default_build_root()) / "nanopaged" / f"{name}-{key.hexdigest()[:16]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()    # as torch's own load reads it
+    folder = Path(root) / "nanopaged" / f"{name}-{key.hexdigest()[:16]}"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
