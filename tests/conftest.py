@@ -14,6 +14,7 @@ Two kinds of models:
 `make_prompts` makes random prompts of token ids.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -332,11 +333,18 @@ def hf_greedy():
     return run
 
 
+@functools.lru_cache(maxsize=1)
+def avx2_ops():
+    """nanopaged's C++ kernels built for AVX2 alone (Vec16 as an array the compiler splits): the loops an
+    AVX2 host runs, checked on any host that has AVX2."""
+    from nanopaged.cpu.build import build
+    return build("nanopaged_cpu_ops_avx2", ["avx2", "fma", "f16c"])
+
+
 @pytest.fixture(scope="module", params=["native", "avx2"])
 def ops(request):
-    """nanopaged's C++ kernels (tests/cpu/) built for this CPU, then an AVX2-only copy: the loops an
-    AVX2 host runs (Vec16 as an array the compiler splits), checked on any host that has AVX2."""
-    from nanopaged.cpu.build import available, build, cpu_ops
+    """nanopaged's C++ kernels (tests/cpu/) built for this CPU, then the AVX2-only copy."""
+    from nanopaged.cpu.build import available, cpu_ops
     from nanopaged.cpu.features import cpu_flags
     if available() is not None:
         pytest.skip(available())
@@ -344,4 +352,30 @@ def ops(request):
         return cpu_ops()
     if "avx2" not in cpu_flags():
         pytest.skip("this CPU has no AVX2")
-    return build("nanopaged_cpu_ops_avx2", ["avx2", "fma", "f16c"])
+    return avx2_ops()
+
+
+# ---------------------------------------------------------------- the kernels' build, once per session
+
+
+def pytest_collection_finish(session):
+    """Build the C++ kernels (this CPU's, and the AVX2-only copy where a collected test asks for `ops`)
+    once, after collection and before the first test: a first build takes minutes on a busy machine,
+    which inside a test would count against that test's timeout, and a failed build stops the session
+    once with the compiler's output instead of failing every test that loads the engine. Where no
+    compiler or ninja is found, nothing is built and the tests that need the kernels skip, naming it."""
+    from nanopaged.cpu.build import cpu_ops, missing_tools
+    from nanopaged.cpu.features import cpu_flags
+    if session.config.option.collectonly or not session.items or missing_tools() is not None:
+        return
+    builds = [cpu_ops]
+    if "avx2" in cpu_flags() and any("ops" in getattr(item, "fixturenames", ()) for item in session.items):
+        builds.append(avx2_ops)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("nanopaged: loading the CPU kernels (the first run on a machine compiles them: minutes)")
+    for load in builds:
+        try:
+            load()
+        except Exception as e:      # torch's build error carries the compiler's output
+            pytest.exit(f"nanopaged's CPU kernels did not build, so no test ran:\n{e}", returncode=1)

@@ -1,8 +1,9 @@
-"""A build of the C++ kernels killed midway never blocks the next one (nanopaged/cpu/build.py:
-`locked_load`). torch's builder marks a build with a `lock` file and waits for that file to vanish;
-a build killed while it compiles leaves the file behind. Each test builds a one-function library
-through the same `locked_load` the kernels use, in its own folder, with a compiler stand-in that
-hangs while it compiles, so the kill lands mid-build every time."""
+"""The C++ kernels' build: one killed midway never blocks the next (nanopaged/cpu/build.py:
+`locked_load`), and a failed one stops the test session once (tests/conftest.py). torch's builder
+marks a build with a `lock` file and waits for that file to vanish; a build killed while it compiles
+leaves the file behind. The tests build a one-function library through the same `locked_load` the
+kernels use, in a folder of their own, with a compiler stand-in that hangs while it compiles, so the
+kill lands mid-build every time."""
 import os
 import signal
 import subprocess
@@ -95,3 +96,21 @@ def test_a_second_build_says_it_waits_and_goes_on_when_the_first_dies(folder, tm
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_a_failed_build_stops_the_test_session_once_with_the_compiler_output(tmp_path):
+    """tests/conftest.py builds the kernels once before the first test; a compiler error ends the session
+    there, printed once, instead of failing (or timing out) every test that loads the engine."""
+    compiler = tmp_path / "refusing-c++"
+    compiler.write_text('#!/bin/sh\ncase " $* " in *" -c "*) echo "error: the stand-in compiler refuses" >&2; '
+                        'exit 1;; esac\nexec c++ "$@"\n')
+    compiler.chmod(0o755)
+    env = {**os.environ, "CXX": str(compiler), "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/core/test_block_pool.py"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_GUARD_S)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out[-3000:]
+    assert "nanopaged's CPU kernels did not build, so no test ran" in out
+    assert "error: the stand-in compiler refuses" in out
+    assert " passed" not in out
