@@ -12,8 +12,14 @@ Two kinds of models:
 
 `hf_greedy` runs Hugging Face's own `generate` as the reference, and
 `make_prompts` makes random prompts of token ids.
+
+Two tiers. `pytest` runs everything (CI, .ci/run). While working, `pytest -m "not slow"` runs the
+fast tier, in under 5 minutes on a quiet 2-core CPU: it leaves out the files in SLOW_FILES and the
+tests that load the demo model (SLOW_FIXTURES), each listed below with why it is slow. Before the
+first test the session builds the C++ kernels once (`pytest_collection_finish`).
 """
 
+import fnmatch
 import functools
 import json
 import os
@@ -379,3 +385,31 @@ def pytest_collection_finish(session):
             load()
         except Exception as e:      # torch's build error carries the compiler's output
             pytest.exit(f"nanopaged's CPU kernels did not build, so no test ran:\n{e}", returncode=1)
+
+
+# ---------------------------------------------------------------- the fast tier: pytest -m "not slow"
+
+TESTS = pathlib.Path(__file__).resolve().parent
+# Files (patterns under tests/) the fast tier leaves out, and why each is slow.
+SLOW_FILES = {
+    "entrypoints/test_serve*.py": "real `nanopaged serve` processes, started and stopped per module",
+    "extras/test_ray_data.py": "a Ray cluster started, replicas in actors",
+    "extras/test_tensor_parallel*.py": "rank processes (each importing torch), torchrun, several LLMs per test",
+    "models/test_demo_model*.py": "the 135M demo model converted and answering against Hugging Face",
+    "test_lm_eval.py": "lm-evaluation-harness on the demo model, beside its hf backend",
+    "benchmarks/test_bench.py": "bench.py end to end, every workload",
+    "benchmarks/test_spec.py": "bench.py's speculative workload: every method, several concurrencies",
+    "benchmarks/test_moe_bench.py": "bench.py's mixture-of-experts workload, a model written layer by layer",
+    "benchmarks/test_structured.py": "bench.py's structured workload, run twice",
+}
+# Fixtures that make any test using them slow, and why.
+SLOW_FIXTURES = {"demo_model_dir": "the 135M demo model: seconds for every prompt set, minutes against Hugging Face"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the slow tier (`slow`), in this one place."""
+    for item in items:
+        path = item.path.resolve().relative_to(TESTS).as_posix()
+        if any(fnmatch.fnmatch(path, pattern) for pattern in SLOW_FILES) or \
+                SLOW_FIXTURES.keys() & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
