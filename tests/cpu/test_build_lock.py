@@ -107,8 +107,9 @@ def test_a_failed_build_stops_the_test_session_once_with_the_compiler_output(tmp
     compiler.chmod(0o755)
     env = {**os.environ, "CXX": str(compiler), "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/core/test_block_pool.py"],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_GUARD_S)
+    pytest_args = ["-q", "-p", "no:cacheprovider", "tests/core/test_block_pool.py"]
+    run = subprocess.run([sys.executable, "-m", "pytest", *pytest_args], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=HANG_GUARD_S)
     out = run.stdout + run.stderr
     assert run.returncode != 0, out[-3000:]
     assert "nanopaged's CPU kernels did not build, so no test ran" in out
