@@ -1,11 +1,6 @@
 """nanopaged: a small, readable LLM inference engine built on PagedAttention.
 
-    from nanopaged import LLM, SamplingParams
-    llm = LLM()                       # the demo model, SmolLM2-135M-Instruct
-    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20))
-
-Reading order: docs/00_how_to_read.md lists the reading path file by file. The package (each
-folder's __init__.py indexes its own files):
+The package (each folder's __init__.py indexes its own files):
 
     llm.py               LLM: vLLM's offline API, a loop over the engine
     config.py            EngineConfig: every engine setting, checked once
@@ -29,6 +24,14 @@ folder's __init__.py indexes its own files):
     pooling/             embeddings: LLM(model, runner="pooling").embed
     extras/              beam search, tensor parallelism, Ray Data
     entrypoints/         `nanopaged serve` and its processes
+
+In use:
+
+    from nanopaged import LLM, SamplingParams
+    llm = LLM()                       # the demo model, SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20))
+
+Reading order: docs/00_how_to_read.md lists the reading path file by file.
 """
 from nanopaged.logger import configure_logging
 
