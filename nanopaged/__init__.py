@@ -1,5 +1,32 @@
 """nanopaged: a small, readable LLM inference engine built on PagedAttention.
 
+The package (each folder's __init__.py indexes its own files):
+
+    llm.py               LLM: vLLM's offline API, a loop over the engine
+    config.py            EngineConfig: every engine setting, checked once
+    sampling_params.py   SamplingParams: how one request picks its tokens
+    pooling_params.py    PoolingParams: what one embedding request asks for
+    inputs.py            vLLM's prompt dicts (TokensPrompt, TextPrompt)
+    outputs.py           what generate returns: RequestOutput, CompletionOutput
+    validation.py        the one range check every settings object uses
+    vllm_compat.py       vLLM's engine arguments and fields by vLLM's names, none dropped silently
+    logger.py            the `nanopaged` logger
+    core/                the block pool, a request's counters and block table, the scheduler (no torch)
+    engine/              LLMEngine: requests in, one step at a time, RequestOutputs out
+    worker/              the model runner: slot mapping, block tables, the forward pass
+    attention/           the step's attention metadata and the backends
+    models/              the Llama-family model, its config and its weights
+    sample/              token selection: from a step's logits to each request's tokens
+    cpu/                 the CPU fast path and its C++ kernels
+    structured_output/   outputs held to a JSON schema, a regex, choices or a grammar
+    spec_decode/         speculative decoding: drafts, verified in one pass
+    lora/                LoRA adapters, many in one step
+    pooling/             embeddings: LLM(model, runner="pooling").embed
+    extras/              beam search, tensor parallelism, Ray Data
+    entrypoints/         `nanopaged serve` and its processes
+
+In use:
+
     from nanopaged import LLM, SamplingParams
     llm = LLM()                       # the demo model, SmolLM2-135M-Instruct
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20))

@@ -12,8 +12,15 @@ Two kinds of models:
 
 `hf_greedy` runs Hugging Face's own `generate` as the reference, and
 `make_prompts` makes random prompts of token ids.
+
+Two tiers. `pytest` runs everything (CI, .ci/run). While working, `pytest -m "not slow"` runs the
+fast tier, in under 5 minutes on a quiet 2-core CPU: it leaves out the files in SLOW_FILES and the
+tests that load the demo model (SLOW_FIXTURES), each listed below with why it is slow. Before the
+first test the session builds the C++ kernels once (`pytest_collection_finish`).
 """
 
+import fnmatch
+import functools
 import json
 import os
 import pathlib
@@ -332,11 +339,18 @@ def hf_greedy():
     return run
 
 
+@functools.lru_cache(maxsize=1)
+def avx2_ops():
+    """nanopaged's C++ kernels built for AVX2 alone (Vec16 as an array the compiler splits): the loops an
+    AVX2 host runs, checked on any host that has AVX2."""
+    from nanopaged.cpu.build import build
+    return build("nanopaged_cpu_ops_avx2", ["avx2", "fma", "f16c"])
+
+
 @pytest.fixture(scope="module", params=["native", "avx2"])
 def ops(request):
-    """nanopaged's C++ kernels (tests/cpu/) built for this CPU, then an AVX2-only copy: the loops an
-    AVX2 host runs (Vec16 as an array the compiler splits), checked on any host that has AVX2."""
-    from nanopaged.cpu.build import available, build, cpu_ops
+    """nanopaged's C++ kernels (tests/cpu/) built for this CPU, then the AVX2-only copy."""
+    from nanopaged.cpu.build import available, cpu_ops
     from nanopaged.cpu.features import cpu_flags
     if available() is not None:
         pytest.skip(available())
@@ -344,4 +358,62 @@ def ops(request):
         return cpu_ops()
     if "avx2" not in cpu_flags():
         pytest.skip("this CPU has no AVX2")
-    return build("nanopaged_cpu_ops_avx2", ["avx2", "fma", "f16c"])
+    return avx2_ops()
+
+
+# ---------------------------------------------------------------- the kernels' build, once per session
+
+
+def pytest_collection_finish(session):
+    """Build the C++ kernels (this CPU's, and the AVX2-only copy where a collected test asks for `ops`)
+    once, after collection and before the first test: a first build takes minutes on a busy machine,
+    which inside a test would count against that test's timeout, and a failed build stops the session
+    once with the compiler's output instead of failing every test that loads the engine. Where no
+    compiler or ninja is found, nothing is built and the tests that need the kernels skip, naming it."""
+    from nanopaged.cpu.build import cpu_ops, missing_tools
+    from nanopaged.cpu.features import cpu_flags
+    if session.config.option.collectonly or not session.items or missing_tools() is not None:
+        return
+    builds = [cpu_ops]
+    if "avx2" in cpu_flags() and any("ops" in getattr(item, "fixturenames", ()) for item in session.items):
+        builds.append(avx2_ops)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("nanopaged: loading the CPU kernels (the first run on a machine compiles them: minutes)")
+    for load in builds:
+        try:
+            load()
+        except Exception as e:      # torch's build error carries the compiler's output
+            pytest.exit(f"nanopaged's CPU kernels did not build, so no test ran:\n{e}", returncode=1)
+
+
+# ---------------------------------------------------------------- the fast tier: pytest -m "not slow"
+
+TESTS = pathlib.Path(__file__).resolve().parent
+# Files (patterns under tests/) the fast tier leaves out, and why each is slow.
+SLOW_FILES = {
+    "entrypoints/test_serve*.py": "real `nanopaged serve` processes, started and stopped per module",
+    "extras/test_ray_data.py": "a Ray cluster started, replicas in actors",
+    "extras/test_tensor_parallel*.py": "rank processes (each importing torch), torchrun, several LLMs per test",
+    "models/test_demo_model*.py": "the 135M demo model converted and answering against Hugging Face",
+    "models/test_hf_equality.py": "greedy tokens against Hugging Face: four tiny models, block sizes, preemption",
+    "models/test_bf16.py": "bfloat16 against Hugging Face by vLLM's logprob rule, the tiny models and the demo model",
+    "models/test_moe.py": "three mixtures of experts against Hugging Face, chunked, preempted, quantized",
+    "cpu/test_row_invariance.py": "every kernel at the demo model's shapes (a 49,152-row head), row by row",
+    "test_lm_eval.py": "lm-evaluation-harness on the demo model, beside its hf backend",
+    "benchmarks/test_bench.py": "bench.py end to end, every workload",
+    "benchmarks/test_spec.py": "bench.py's speculative workload: every method, several concurrencies",
+    "benchmarks/test_moe_bench.py": "bench.py's mixture-of-experts workload, a model written layer by layer",
+    "benchmarks/test_structured.py": "bench.py's structured workload, run twice",
+}
+# Fixtures that make any test using them slow, and why.
+SLOW_FIXTURES = {"demo_model_dir": "the 135M demo model: seconds for every prompt set, minutes against Hugging Face"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the slow tier (`slow`), in this one place."""
+    for item in items:
+        path = item.path.resolve().relative_to(TESTS).as_posix()
+        if any(fnmatch.fnmatch(path, pattern) for pattern in SLOW_FILES) or \
+                SLOW_FIXTURES.keys() & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

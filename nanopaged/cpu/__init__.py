@@ -9,6 +9,7 @@ thread governor); `choose.py` decides what else of it runs, once, for the runner
     linear.py            bfloat16 linears on weights packed once: oneDNN's (packed), nanopaged's (dpbf16)
     quantized_linear.py  4- and 8-bit linears (quantization=)
     fused.py             the decoder layer loop in C++, over the model's own weights
+    moe.py               a mixture of experts: the step's tokens grouped by expert, each expert run once
     attention.py         the `cpu` attention backend: every row of a step through the block tables
     thread_governor.py   torch's threads follow the cores other processes leave free (cpu_threads="auto")
 """

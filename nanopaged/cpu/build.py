@@ -8,6 +8,9 @@ folder named by a hash of every source and header, the flags, the torch install 
 in that folder: torch's builder rebuilds when a source's path (or torch's) changes, so two
 checkouts or two environments (a clone CI runs beside a working tree) would otherwise rebuild
 each other's library, one process overwriting it while another loads it.
+A build killed midway (a server stopped while it compiled) leaves torch's own lock file behind,
+and torch's builder waits for that file to vanish, forever: `locked_load` holds a lock the
+operating system drops when its holder dies, and with it held removes such a leftover.
 The instruction sets are the CPU's own, named from its flags: a -march=native build has
 produced code a VM could not run. Where no compiler or ninja is found, `available()` says why
 and the torch reference runs instead.
@@ -15,11 +18,13 @@ docs/05_model_runner_and_kernels.md, "Fused CPU kernels".
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import sys
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -66,7 +71,6 @@ def build(name: str, isa: list[str]):
     """csrc/ compiled for the instruction sets `isa` (gcc's names: avx2, avx512f, ...): with
     avx512f its Vec16 (vec16.h) is one AVX-512 register, without it an array the compiler splits.
     The tests build an AVX2-only copy too, so the path an AVX2 host runs is checked on any host."""
-    from torch.utils.cpp_extension import load
     cflags = OPT_FLAGS + [f"-m{f}" for f in isa]
     folder = build_folder(name, cflags)
     for path in SOURCES + HEADERS:
@@ -75,8 +79,34 @@ def build(name: str, isa: list[str]):
             partial = folder / f".{path.name}.{os.getpid()}"
             partial.write_bytes(path.read_bytes())
             os.replace(partial, copy)
-    return load(name, sources=[str(folder / p.name) for p in SOURCES], extra_cflags=cflags,
-                extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    return locked_load(name, folder, sources=[str(folder / p.name) for p in SOURCES], extra_cflags=cflags,
+                       extra_ldflags=["-fopenmp"])
+
+
+@contextmanager
+def build_lock(folder: Path):
+    """Hold `folder`'s build lock: an flock, which the kernel releases when its holder exits or is
+    killed, so a dead builder never blocks the next one. Says so on stderr when another process
+    holds it. Not reentrant: a second hold in the same process would wait on the first."""
+    with open(folder / "build.flock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"nanopaged: waiting for another build of the CPU kernels in {folder} to finish",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield                                        # closing the file releases the lock
+
+
+def locked_load(name: str, folder: Path, **load_args):
+    """torch's `load(name, build_directory=folder, **load_args)` under `folder`'s build lock. Every
+    builder of `folder` goes through here, so with the lock held nobody else is building, and a
+    `lock` file of torch's (which it creates and waits on, unaware of dead holders) is a leftover
+    of a killed build: removed before torch looks for it."""
+    from torch.utils.cpp_extension import load
+    with build_lock(folder):
+        (folder / "lock").unlink(missing_ok=True)
+        return load(name, build_directory=str(folder), verbose=False, **load_args)
 
 
 def build_folder(name: str, cflags: list[str]) -> Path:
@@ -91,7 +121,8 @@ def build_folder(name: str, cflags: list[str]) -> Path:
         data = path.read_bytes()
         key.update(f"{path.name}:{len(data)}:".encode() + data)
     key.update(repr((cflags, torch.__version__, torch.__file__, sys.version_info[:2])).encode())
-    folder = Path(get_default_build_root()) / "nanopaged" / f"{name}-{key.hexdigest()[:16]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()    # as torch's own load reads it
+    folder = Path(root) / "nanopaged" / f"{name}-{key.hexdigest()[:16]}"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

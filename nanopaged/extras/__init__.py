@@ -2,6 +2,8 @@
 
     beam_search.py       a token-selection rule for LLMEngine.step, forking beams (Scheduler.fork)
     tensor_parallel/     LLM(model, tensor_parallel_size=N): N ranks behind the runner (`make_runner`)
+    ray_data/            Ray Data: one dataset through many engine replicas (`build_processor`)
 
-nanopaged/llm.py wires them into `LLM`; nothing under core/, engine/ or worker/ imports them.
+nanopaged/llm.py wires the first two into `LLM`; Ray Data's replicas hold engines of their own.
+Nothing under core/, engine/ or worker/ imports them.
 """

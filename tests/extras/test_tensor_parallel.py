@@ -24,7 +24,8 @@ from nanopaged import LLM, SamplingParams
 from nanopaged.extras.tensor_parallel import TensorParallelError, TensorParallelRunner
 from nanopaged.extras.tensor_parallel.rank_runner import RankRunner
 
-pytestmark = pytest.mark.timeout(180)
+# a hang guard, for a busy machine: each test starts ranks (processes importing torch), some several times
+pytestmark = pytest.mark.timeout(600)
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -176,7 +177,9 @@ def test_a_worker_exception_reaches_the_caller_within_seconds(tiny_model_dirs):
     start = time.monotonic()
     with pytest.raises(TensorParallelError, match="injected failure in rank 1"):
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
-    assert time.monotonic() - start < 10
+    # a hang guard, far from the 5-minute collective timeout that would otherwise end the wait; the
+    # message above, the worker's own, is what shows the error travelled by the report, not a timeout
+    assert time.monotonic() - start < 120
     assert all(not p.is_alive() for p in runner.workers.processes)
     assert not multiprocessing.active_children() and not dist.is_initialized()
     with pytest.raises(TensorParallelError, match="have stopped"):       # later calls: a clear error
@@ -234,8 +237,8 @@ def test_no_worker_outlives_its_program(tiny_model_dirs, how):
         assert len(pids) == 1, proc.stderr.read() if proc.poll() is not None else "no pids"
         if how == "hang":
             proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=60) == (0 if how == "exit" else -signal.SIGKILL)
-        assert all(_gone(pid, within_s=10) for pid in pids)
+        assert proc.wait(timeout=120) == (0 if how == "exit" else -signal.SIGKILL)
+        assert all(_gone(pid, within_s=60) for pid in pids)              # hang guards, for a loaded machine
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -246,10 +249,11 @@ def test_a_script_without_a_main_guard_fails_fast_with_a_clear_error(tiny_model_
     driver sees the worker die before joining and says what to do, instead of timing out."""
     script = tmp_path / "no_guard.py"
     script.write_text(PROGRAM)
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, str(script), tiny_model_dirs["llama"], "exit"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode != 0 and time.monotonic() - start < 30
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode != 0
+    # "exit code 1": the driver saw the worker die; the rendezvous' timeout would find it alive (None)
+    assert "did not start (exit code 1)" in proc.stderr.splitlines()[-1]
     assert "if __name__ == '__main__':" in proc.stderr.splitlines()[-1]
 
 
@@ -270,7 +274,7 @@ def test_torchrun_starts_the_ranks_itself(tiny_model_dirs, tmp_path):
     script.write_text(TORCHRUN_PROGRAM)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script), tiny_model_dirs["llama"]],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)     # a hang guard
     assert proc.returncode == 0, proc.stderr[-3000:]
     [line] = [x for x in proc.stdout.splitlines() if x.startswith("TOKENS")]
     one = LLM(tiny_model_dirs["llama"], dtype="float32").generate(
@@ -294,7 +298,7 @@ def test_torchrun_across_two_nodes_equals_one_rank(tiny_model_dirs, tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for rank in (0, 1)]
     try:
-        results = [node.communicate(timeout=150) for node in nodes]
+        results = [node.communicate(timeout=240) for node in nodes]                    # hang guards
     finally:
         for node in nodes:
             node.kill()
