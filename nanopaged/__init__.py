@@ -4,6 +4,7 @@ The package (each folder's __init__.py indexes its own files):
 
     llm.py               LLM: vLLM's offline API, a loop over the engine
     config.py            EngineConfig: every engine setting, checked once
+    extensions.py        the registry: every extension the engine can install, in the order their hooks run
     sampling_params.py   SamplingParams: how one request picks its tokens
     pooling_params.py    PoolingParams: what one embedding request asks for
     inputs.py            vLLM's prompt dicts (TokensPrompt, TextPrompt)

