@@ -64,6 +64,11 @@ class DraftModelProposer:
         alive = set(running)
         self.computed = {r: c for r, c in self.computed.items() if r in alive}
 
+    def forget(self, request: Request) -> None:
+        """The request finished: its draft K/V's bookkeeping and its q go now."""
+        self.computed.pop(request, None)
+        self.q.pop(request, None)
+
     def __call__(self, running: list[Request]) -> None:
         draft_alone(self, running, self.k)
 

@@ -28,6 +28,9 @@ class DraftMethod(Protocol):
     def propose(self, todo: list[tuple[Request, int, list[int]]]) -> list[list[int]]:
         """(request, budget, before) -> up to `budget` drafts after its tokens and then `before`."""
 
+    def forget(self, request: Request) -> None:
+        """The request finished or was aborted: drop what is kept for it now."""
+
 
 class Drafter:
     def __init__(self, engine, method: DraftMethod | None, k: int, stats) -> None:

@@ -77,6 +77,10 @@ class SpeculativeDecoding(Extension):
     def propose(self, running: list[Request]) -> None:
         self.drafter(running)
 
+    def forget(self, request: Request) -> None:
+        if self.proposer is not None:     # a suffix tree, a draft model's bookkeeping: dropped at once
+            self.proposer.forget(request)
+
     def stats(self) -> dict:
         """Drafts, draft tokens, accepted tokens (per position), mean acceptance length, since the last reset."""
         return self.counts.since(self.base).as_dict()

@@ -43,6 +43,9 @@ class NgramProposer:
     def follow(self, running: list[Request]) -> None:
         """Nothing to keep: the drafts come from the tokens alone."""
 
+    def forget(self, request: Request) -> None:
+        """Nothing kept to drop."""
+
     def propose(self, todo: list[tuple[Request, int, list[int]]]) -> list[list[int]]:
         """(request, budget, before): up to `budget` drafts after the request's tokens and then `before`."""
         return [propose_ngram(r.token_ids(0, r.num_tokens) + before, budget, self.longest, self.shortest)

@@ -69,6 +69,12 @@ class SuffixProposer:
             tree.append(request.token_ids(tree.num_tokens, request.num_tokens))
         return tree
 
+    def forget(self, request: Request) -> None:
+        """The request finished (or was aborted, maybe with no step after it): its output to the global
+        tree and its own tree dropped now."""
+        if self.trees.pop(request, None) is not None:
+            self.cache.add(request.output_token_ids)
+
     def _retire(self, running: list[Request]) -> None:
         """Requests followed so far that have finished since: their output to the global tree,
         their own tree dropped."""

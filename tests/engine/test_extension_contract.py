@@ -139,3 +139,44 @@ def test_model_stages_run_in_the_pipelines_order():
     assert ran == list(MODEL_STAGES)
     with pytest.raises(ValueError, match="model stage 'compile' is not one of"):
         run_pipeline(model, [ModelStage("compile", lambda m: m)])
+
+
+def test_an_engine_with_its_extensions_installed_is_wired_through_the_interface_only(tiny_model_dirs, tmp_path):
+    """LoRA and n-gram drafts with the engine, structured outputs by the first request that asks: every
+    hook the scheduler, runner, sampler and output processor call is a bound method of an installed
+    extension, handed over by the engine (the very lists it keeps), in the registry's order."""
+    pytest.importorskip("xgrammar")
+    from nanopaged import LLM, SamplingParams, StructuredOutputsParams
+    from nanopaged.lora.extension import LoRA
+    from nanopaged.spec_decode.extension import SpeculativeDecoding
+    from nanopaged.structured_output.extension import StructuredOutputs
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", num_kv_blocks=64, enable_lora=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    engine = llm.llm_engine
+    assert engine.find(StructuredOutputs) is None
+    llm.generate("hi", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+                 use_tqdm=False)
+    kinds = [type(e) for e in engine.extensions]
+    assert [k for k in kinds if k in EXTENSIONS] == [LoRA, StructuredOutputs, SpeculativeDecoding]
+    handed = {"admit": engine.scheduler.admission_rules, "before_forward": engine.runner.before_forward,
+              "process_logits": engine.sampler.logits_processors, "stop": engine.output_processor.stop_rules}
+    for name, hooks in handed.items():
+        assert hooks is engine.hooks[name] and hooks, name
+    for name, hooks in engine.hooks.items():
+        for hook in hooks:
+            assert hook.__self__ in engine.extensions and type(hook.__self__).overrides(name), (name, hook)
+    assert type(engine.token_selection).__name__ == "RejectionSampler"     # speculative decoding's wrap
+
+
+def test_a_pooling_engine_takes_its_seats_through_the_interface(tiny_model_dirs):
+    from nanopaged import LLM
+    from nanopaged.pooling.extension import Pooling
+    from nanopaged.pooling.pooler import Pooler
+    from nanopaged.pooling.processors import PoolingInputProcessor, PoolingOutputProcessor
+    engine = LLM(tiny_model_dirs["llama"], runner="pooling", dtype="float32", num_kv_blocks=32).llm_engine
+    pooling = engine.find(Pooling)
+    assert engine.token_selection is pooling.pooler and isinstance(engine.token_selection, Pooler)
+    assert isinstance(engine.input_processor, PoolingInputProcessor)
+    assert isinstance(engine.output_processor, PoolingOutputProcessor)
+    assert engine.output_processor.stop_rules is engine.hooks["stop"]     # handed to the processor it made
+    assert type(engine.runner.model.lm_head).__name__ == "Identity"     # the pipeline's head stage

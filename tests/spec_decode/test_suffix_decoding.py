@@ -432,3 +432,16 @@ def test_each_nodes_total_and_best_child_follow_the_counts():
             assert node.best.count == max(c.count for c in node.children.values())
         else:
             assert node.best is None
+
+
+def test_an_aborted_request_gives_up_its_tree_at_once(tiny_model_dirs):
+    """Its tree is dropped and its output joins the global tree when it ends, not at a next step that
+    may never come (a server whose only client left)."""
+    llm = engine(tiny_model_dirs["llama"], SUFFIX)
+    eng, proposer = llm.llm_engine, proposer_of(llm)
+    eng.add_request("a", repeating_prompts(1)[0], GREEDY)
+    for _ in range(3):
+        eng.step()
+    assert len(proposer.trees) == 1
+    eng.abort_request("a")
+    assert not proposer.trees and len(proposer.cache.texts) == 1
