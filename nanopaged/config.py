@@ -24,6 +24,7 @@ from nanopaged.models.config import ModelConfig
 from nanopaged.models.demo_model import find_gguf
 from nanopaged.sampling_params import MAX_LOGPROBS
 from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_range
+from nanopaged.vllm_compat import engine_settings
 
 # dtype name (aliases included) -> (torch dtype name, bytes per value)
 DTYPES = {"float32": ("float32", 4), "float": ("float32", 4), "bfloat16": ("bfloat16", 2),
@@ -143,7 +144,6 @@ class EngineConfig:
         (nanopaged/vllm_compat.py); an unknown name is a ValueError listing the known ones."""
         own = {f.name for f in fields(cls) if f.init} - {"model"}
         if not set(kwargs) <= own or any(v is None for v in kwargs.values()):
-            from nanopaged.vllm_compat import engine_settings    # read only when a vLLM argument is given
             kwargs = engine_settings(kwargs, own)
         return cls(model=model, **kwargs)
 

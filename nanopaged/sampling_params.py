@@ -13,12 +13,10 @@ from __future__ import annotations
 import enum
 import warnings
 from dataclasses import dataclass, field, make_dataclass
-from typing import TYPE_CHECKING
 
+from nanopaged.structured_output.params import StructuredOutputsParams, check_sampling_params
 from nanopaged.validation import INT64_MAX, SEED_RANGE, check_bool, check_choice, check_range
-
-if TYPE_CHECKING:
-    from nanopaged.structured_output.params import StructuredOutputsParams
+from nanopaged.vllm_compat import check_sampling_fields
 
 MAX_LOGPROBS = 20     # vLLM's default max_logprobs
 MIN_TEMPERATURE = 0.01   # vLLM's _MAX_TEMP: below it, float32 logits / T overflow into NaN
@@ -151,12 +149,10 @@ class SamplingParams(VllmOnlyFields):
         self.logit_bias = _logit_bias(self.logit_bias)
         check_choice("output_kind", self.output_kind, tuple(RequestOutputKind))
         if self.structured_outputs is not None:
-            from nanopaged.structured_output.params import check_sampling_params    # read only when one is set
             check_sampling_params(self)
         if self.best_of is not None:
             check_range("best_of", self.best_of, 1, MAX_N, integer=True)
         if any(getattr(self, name) != default for name, default in VLLM_ONLY.items()):
-            from nanopaged.vllm_compat import check_sampling_fields     # read only when one is set
             check_sampling_fields(self)
 
     @property
@@ -192,10 +188,3 @@ def _logit_bias(bias) -> dict[int, float] | None:
         out[token] = float(value)
     return out
 
-
-def __getattr__(name: str):
-    """`StructuredOutputsParams` where vLLM has it (vllm.sampling_params), imported when first asked for."""
-    if name == "StructuredOutputsParams":
-        from nanopaged.structured_output.params import StructuredOutputsParams
-        return StructuredOutputsParams
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

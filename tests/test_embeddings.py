@@ -181,8 +181,11 @@ def test_task_embed_and_text_prompts(llama):
     llm = LLM(llama, task="embed", **SETTINGS)
     assert llm.llm_engine.config.runner == "pooling"
     [a, b] = llm.embed(["Hello world", {"prompt": "Hello world"}], use_tqdm=False)
-    assert a.outputs.embedding == b.outputs.embedding
-    assert a.prompt_token_ids == llm.get_tokenizer().encode("Hello world")
+    assert a.prompt_token_ids == b.prompt_token_ids == llm.get_tokenizer().encode("Hello world")
+    # the same tokens in two rows of one float32 step: MKL's blocking may round them apart (the reference
+    # path promises no batch invariance; on an AMX host it does round them apart)
+    torch.testing.assert_close(torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding),
+                               atol=1e-6, rtol=0)
 
 
 def test_matryoshka_dimensions_are_honoured(llama, tmp_path):

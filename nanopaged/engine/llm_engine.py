@@ -36,6 +36,7 @@ from nanopaged.outputs import RequestOutput
 from nanopaged.sample.parallel_sampling import ParallelSampler
 from nanopaged.sample.sampler import Sampler
 from nanopaged.sampling_params import SamplingParams
+from nanopaged.vllm_compat import VllmModelConfig
 from nanopaged.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 # A token-selection rule: each sampling request's tokens this step (one; with drafts, those accepted and one more)
@@ -73,7 +74,6 @@ class LLMEngine:
     @cached_property
     def model_config(self):
         """vLLM's ModelConfig, with the names its clients read (nanopaged/vllm_compat.py)."""
-        from nanopaged.vllm_compat import VllmModelConfig   # vLLM's names, for its clients only
         return VllmModelConfig(self.config)
 
     # ---- extensions -----------------------------------------------------------------------

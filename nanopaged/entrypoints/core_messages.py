@@ -21,7 +21,9 @@ import dataclasses
 import msgspec
 
 from nanopaged.lora.request import LoRARequest
+from nanopaged.pooling_params import PoolingParams
 from nanopaged.sampling_params import RequestOutputKind, SamplingParams
+from nanopaged.structured_output.params import StructuredOutputsParams
 
 
 # ---- API server -> engine core ----------------------------------------------------------------
@@ -149,7 +151,6 @@ def params_from_wire(fields: dict, **changes) -> SamplingParams:
     if isinstance(fields.get("output_kind"), str):
         fields["output_kind"] = RequestOutputKind[fields["output_kind"]]
     if isinstance(fields.get("structured_outputs"), dict):
-        from nanopaged.structured_output.params import StructuredOutputsParams
         fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
     if isinstance(fields.get("logit_bias"), dict):       # MessagePack keeps int keys; JSON-made dicts may not
         fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
@@ -166,7 +167,6 @@ def core_params(fields: dict) -> SamplingParams:
 
 def pooling_from_wire(fields: dict):
     """PoolingParams again (its own checks run); a ValueError for a field it does not have."""
-    from nanopaged.pooling_params import PoolingParams
     known = {f.name for f in dataclasses.fields(PoolingParams)}
     unknown = sorted(set(fields) - known)
     if unknown:

@@ -22,6 +22,7 @@ and async_llm.py. docs/08_server.md, "Processes".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import queue
@@ -31,6 +32,7 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
 import zmq
 
 from nanopaged.core.request import Request, SampledToken
@@ -40,6 +42,7 @@ from nanopaged.entrypoints import core_messages as m
 from nanopaged.entrypoints.openai.engine_loop import (INPUT_THREADS, Submission, _post,
                                                       _refuse_past_context, _settle, drain)
 from nanopaged.entrypoints.openai.protocol import OpenAIError, field_named, in_request_terms
+from nanopaged.pooling.processors import PooledRequestOutput, PoolingInputProcessor
 
 logger = logging.getLogger("nanopaged.entrypoints.serve")
 WATCH_MS = 200            # how often the socket thread looks at its parent while nothing arrives
@@ -60,7 +63,6 @@ class CoreClient:
         self.name, self.config, self.tokenizer, self.metrics = name, config, tokenizer, metrics
         self.input_processor = InputProcessor(config, tokenizer, num_kv_blocks)
         if config.runner == "pooling":           # PoolingParams in, as the engine core's own processor takes them
-            from nanopaged.pooling.processors import PoolingInputProcessor
             self.input_processor = PoolingInputProcessor(config, tokenizer, num_kv_blocks)
         self.outputs = OutputProcessor(tokenizer, [self._core_stopped])   # socket thread only, from here on
         self.core_stops = weakref.WeakKeyDictionary()          # sample -> its length when the core stopped it
@@ -381,9 +383,6 @@ class CoreClient:
 
 def _with_vector(output, embedding: list[float]):
     """A pooling request's output with its vector, as the in-process engine hands it out."""
-    import dataclasses
-    import torch
-    from nanopaged.pooling.processors import PooledRequestOutput
     fields = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
     return PooledRequestOutput(**fields, pooled=torch.tensor(embedding, dtype=torch.float32))
 

@@ -14,15 +14,12 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from nanopaged.engine.chat_tools import chat_messages
 from nanopaged.entrypoints.openai.tools import ToolCalling, check_tool_choice, constraint
+from nanopaged.lora.request import LoRARequest
 from nanopaged.sampling_params import SamplingParams
+from nanopaged.structured_output.params import StructuredOutputsParams
 from nanopaged.validation import INT_RANGE
-
-if TYPE_CHECKING:
-    from nanopaged.lora.request import LoRARequest
 
 # ---- the fields -----------------------------------------------------------------------------
 # OpenAI's sampling fields, and vLLM's extra ones, with their SamplingParams names.
@@ -324,7 +321,6 @@ def _response_format(value):
 
 
 def _structured_outputs(kwargs: dict, field: str):
-    from nanopaged.structured_output.params import StructuredOutputsParams   # read only when one is asked for
     try:
         return StructuredOutputsParams(**kwargs)
     except ValueError as e:
