@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanopaged.config import EngineConfig
 from nanopaged.extras.ray_data.rows import params_of
 from nanopaged.extras.ray_data.server_replica import check_sendable
 from nanopaged.validation import check_range
@@ -40,8 +41,7 @@ class EngineProcessorConfig:
         if "cpu_threads" in self.engine_kwargs:
             raise ValueError("engine_kwargs cpu_threads: a replica's threads are cpus_per_replica "
                              "(Ray reserves that many CPUs for it and the replica runs that many torch threads)")
-        if self.model_source is not None and Path(self.model_source).is_dir():
-            from nanopaged.config import EngineConfig      # settings checked here when the folder is local too
+        if self.model_source is not None and Path(self.model_source).is_dir():     # checked here too when local
             EngineConfig.from_kwargs(str(self.model_source), **self.engine_kwargs)
 
     def replica_kwargs(self) -> dict:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanopaged.engine.input_processor import render_chat
 from nanopaged.extras.ray_data.rows import engine_result, params_of, prompt_of, result_row, rows_of, table_of
 from nanopaged.llm import LLM, final_only
 
@@ -165,7 +166,6 @@ def engine_prompt(engine, row: dict):
         return value
     if form == "prompt_token_ids":
         return {"prompt_token_ids": value}
-    from nanopaged.engine.input_processor import render_chat
     # Arrow gives each message every key any message has: a key this one lacks is None.
     return render_chat(engine.tokenizer, [{k: v for k, v in m.items() if v is not None} for m in value])
 

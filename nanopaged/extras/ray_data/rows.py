@@ -22,6 +22,7 @@ None and is dropped.
 from __future__ import annotations
 
 from nanopaged.sampling_params import SamplingParams
+from nanopaged.structured_output.params import StructuredOutputsParams
 
 PROMPT_FORMS = ("prompt", "messages", "prompt_token_ids")
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
@@ -68,7 +69,6 @@ def params_of(row: dict, default: dict | None) -> SamplingParams:
     if isinstance(fields.get("logit_bias"), dict):
         fields["logit_bias"] = {token: bias for token, bias in fields["logit_bias"].items() if bias is not None}
     if isinstance(fields.get("structured_outputs"), dict):
-        from nanopaged.structured_output.params import StructuredOutputsParams
         fields["structured_outputs"] = StructuredOutputsParams(
             **{k: v for k, v in fields["structured_outputs"].items() if v is not None})
     params = SamplingParams(**fields)
