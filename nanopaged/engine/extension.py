@@ -74,9 +74,9 @@ class Extension:
         return False
 
     @classmethod
-    def late_install(cls, config: EngineConfig) -> bool:
-        """May a request that sets one of its fields install it into a running engine? False: the
-        request goes on without it; a ValueError refuses the request (it needed a setting)."""
+    def late_install(cls, config: EngineConfig, fields: dict) -> bool:
+        """May a request that sets one of its fields (`fields`: the request's) install it into a running
+        engine? False: the request goes on without it; a ValueError refuses the request (it needed a setting)."""
         return False
 
     def __init__(self, config: EngineConfig) -> None:

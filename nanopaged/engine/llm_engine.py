@@ -114,12 +114,12 @@ class LLMEngine:
         """The installed extension of this type (or offering this capability), or None."""
         return next((e for e in self.extensions if isinstance(e, kind)), None)
 
-    def extension(self, kind: type[E]) -> E | None:
-        """The installed extension of this kind; if there is none, installed now where a request may
-        install it (`Extension.late_install`), else None."""
+    def extension(self, kind: type[E], fields: dict | None = None) -> E | None:
+        """The installed extension of this kind; if there is none, installed now where a request (with
+        these fields) may install it (`Extension.late_install`), else None."""
         with self._installing:            # another thread may be installing it now
             found = self.find(kind)
-            if found is None and kind.late_install(self.config):
+            if found is None and kind.late_install(self.config, fields or {}):
                 found = self.install(kind(self.config))
             return found
 
@@ -145,7 +145,7 @@ class LLMEngine:
                     if getattr(params, name, None) is not None}, **fields}
         for kind in self.extension_kinds:       # installed on first use, in the registry's order
             if set(kind.request_fields) & set(given):
-                self.extension(kind)
+                self.extension(kind, given)
         for ext in self.extensions:              # their own checks and work, before any queueing
             if set(type(ext).request_fields) & set(given):
                 ext.prepare(samples, given)

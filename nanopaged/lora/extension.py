@@ -29,9 +29,9 @@ class LoRA(Extension):
         return config.enable_lora
 
     @classmethod
-    def late_install(cls, config) -> bool:
-        raise ValueError("lora_request needs an engine made with enable_lora=True (the adapters' linears "
-                         "are wrapped when the model loads)")
+    def late_install(cls, config, fields: dict) -> bool:
+        raise ValueError(f"lora_request={fields.get('lora_request')!r} needs an engine made with enable_lora=True "
+                         "(the adapters' linears are wrapped when the model loads)")
 
     def __init__(self, config) -> None:
         super().__init__(config)

@@ -43,7 +43,7 @@ class SpeculativeDecoding(Extension):
         return config.speculative_config is not None
 
     @classmethod
-    def late_install(cls, config) -> bool:
+    def late_install(cls, config, fields: dict) -> bool:
         return FORCED_DRAFTS
 
     def __init__(self, config) -> None:

@@ -21,7 +21,7 @@ class StructuredOutputs(Extension, ForcedDrafts):
     request_fields = ("structured_outputs",)
 
     @classmethod
-    def late_install(cls, config) -> bool:
+    def late_install(cls, config, fields: dict) -> bool:
         return True
 
     def attach(self, engine) -> None:
