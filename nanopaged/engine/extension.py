@@ -1,17 +1,19 @@
 """Extension: the one way a feature attaches to the engine (docs/00_how_to_extend.md).
 
-The core (block pool, scheduler, runner, engine step) knows no feature by name. A feature is a subclass of `Extension` in its own folder, listed once in nanopaged/extensions.py.
-The engine installs it when an engine setting asks for it (`wanted`) or when a request first sets
-one of its `request_fields`, and then calls the methods it overrides, and only those, at fixed
+The core (block pool, scheduler, runner, engine step) knows no feature by name. A feature is a
+subclass of `Extension` in its own folder, listed once in nanopaged/extensions.py. The engine installs
+it when an engine setting asks for it (`wanted`) or when a request first sets one of its
+`request_fields` (`late_install`), and then calls the methods it overrides, and only those, at fixed
 points of a step, extensions in the order of the registry:
 
-    add_request    check_config -> (model_stages, at load) -> attach -> prepare -> block_hash_keys
+    the engine     check_config -> (model_stages, at load) -> attach
+    add_request    prepare, block_hash_keys                 check and take a request's fields
     schedule       admit                                    may a waiting request join the running ones?
     execute        before_forward                           per-step inputs the model reads
     select         process_logits, wrap_token_selection     masks; who chooses the tokens
     outputs        stop, forget                             is the output complete? a request ended
     after a step   observe, propose                         figures; tokens to verify next step
-    get_stats      stats
+    get_stats      stats, reset_stats, progress             and /metrics: counters
 
 An extension never assigns to the engine's attributes; what it needs from another extension it asks
 for by type (`LLMEngine.find`), as a declared capability (`ForcedDrafts`), never by module name.
