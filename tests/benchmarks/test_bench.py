@@ -372,6 +372,8 @@ def test_batch_invariance_is_timed_against_the_trace_without_it_where_the_kernel
     trace = make_trace(3, (4, 8), (2, 4), 0, 500)
     first = nr.run_nanopaged(model, trace, {"quantization": "int8"})[0]
     for settings in ({}, {"quantization": "int8"}):
+        if nr.kernels({**settings, "batch_invariant": False}, model)[:3] != nr.kernels(settings, model)[:3]:
+            continue      # an AMX host's dense layers: oneDNN without invariance, timed below, pretended or not
         same = nr.batch_invariance_cost(model, trace, settings, first)
         assert same == {"batch_invariant": True, "same_kernels": True, "kernels": list(nr.kernels({}, model)[:3]),
                         "ratio": 1.0, "single_stream_ratio": 1.0}
