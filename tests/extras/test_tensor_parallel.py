@@ -166,7 +166,7 @@ class FailingRankRunner(RankRunner):
 
 
 class LLMWithFailingWorker(LLM):
-    def make_runner(self, config):
+    def make_runner(self, config, stages):
         return TensorParallelRunner(config, rank_runner_class=FailingRankRunner)
 
 
