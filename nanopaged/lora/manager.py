@@ -30,7 +30,7 @@ import torch
 from nanopaged.core.request import Request
 from nanopaged.cpu.build import cpu_ops
 from nanopaged.cpu.fused import FusedLlamaModel
-from nanopaged.cpu.linear import Dpbf16Linear
+from nanopaged.cpu.choose import choose
 from nanopaged.lora.adapter import LoRAAdapter, load_adapter
 from nanopaged.lora.layers import StepAdapters, wrap_linears
 from nanopaged.lora.request import LoRARequest
@@ -79,12 +79,12 @@ class LoRAManager:
         self.step = StepAdapters([])
         self.layers: list = []
         self.fused = None                     # the fused layer loop, where it runs the updates in C++
+        # the updates run on nanopaged's bfloat16 kernel where the linears do (each row alone: batch invariance)
+        self.ops = cpu_ops() if choose(cfg).linear == "dpbf16" else None
 
     def wrap(self, model):
-        """The model pipeline's `adapters` stage: every decoder projection in a LoRA linear. Where the
-        linears run on nanopaged's bfloat16 kernel, the updates do too (each row alone: batch invariance)."""
-        ops = cpu_ops() if any(isinstance(m, Dpbf16Linear) for m in model.modules()) else None
-        self.layers = wrap_linears(model, self.max_loras, self.step, self.device, ops)
+        """The model pipeline's `adapters` stage: every decoder projection in a LoRA linear."""
+        self.layers = wrap_linears(model, self.max_loras, self.step, self.device, self.ops)
         return model
 
     def find_fused_loop(self, model) -> None:
