@@ -37,8 +37,6 @@ ALLOWED = {
 EXTENSION_MODULES = re.compile(r"^nanopaged\.(lora|spec_decode|structured_output|pooling|extras)\b")
 # Strings that name such modules for another reason, each with its reason:
 MODULE_STRINGS_ALLOWED = {
-    # PEP 562's lazy public names (`nanopaged.LoRARequest`, ...): `import nanopaged` loads the reading path only
-    PACKAGE / "__init__.py",
     # the attention backends' table: triton and flash-attn are optional packages, imported only when chosen
     PACKAGE / "attention" / "backends.py",
 }
