@@ -6,8 +6,8 @@ import shutil
 import pytest
 
 from conftest import EOS_TOKEN_ID, make_prompts
-from nanopaged.engine.extension import StepObserver
 from nanopaged import LLM, LLMEngine, RequestOutput, SamplingParams
+from nanopaged.engine.extension import StepObserver
 
 
 @pytest.fixture(scope="module")

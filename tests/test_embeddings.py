@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 
-from nanopaged.engine.extension import StepObserver
 from nanopaged import LLM, EmbeddingRequestOutput, PoolingParams, SamplingParams
+from nanopaged.engine.extension import StepObserver
 
 SETTINGS = dict(dtype="float32", block_size=4, num_kv_blocks=64)
 PROMPTS = [list(range(3, 40)), list(range(50, 55)), [7], list(range(100, 121))]

@@ -98,7 +98,7 @@ class InputProcessor:
     def _encode(self, text: str) -> list[int]:
         """The text's tokens. A text far longer than the context is refused after tokenizing only
         its start (a 20 MB prompt would otherwise take seconds and a gigabyte to be refused)."""
-        limit, head = self.config.max_model_len, self.config.max_model_len * MAX_CHARS_PER_TOKEN
+        head = self.config.max_model_len * MAX_CHARS_PER_TOKEN
         if len(text) > head:
             n = len(self.tokenizer.encode(text[:head]))
             if n > self.longest_prompt():
