@@ -45,3 +45,12 @@ def per_prompt(name: str, value, num_prompts: int) -> list:
     if len(value) != num_prompts:
         raise ValueError(f"got {len(value)} {name} for {num_prompts} prompts; give one, or one per prompt")
     return list(value)
+
+
+def encodes_as_utf8(text: str) -> bool:
+    """False for a string holding a lone UTF-16 surrogate (JSON's "\\ud800" without its pair): not text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

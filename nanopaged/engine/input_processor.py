@@ -15,6 +15,7 @@ from nanopaged.config import EngineConfig
 from nanopaged.core.block_pool import cdiv
 from nanopaged.core.request import Request
 from nanopaged.sampling_params import SamplingParams
+from nanopaged.validation import encodes_as_utf8
 
 # A tokenizer makes at least one token of every this many characters of text (real vocabularies
 # average 3-5; the longest tokens of English BPE vocabularies run to about 30).
@@ -55,7 +56,7 @@ class InputProcessor:
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        if cache_salt is not None and not _encodes(cache_salt):
+        if cache_salt is not None and not encodes_as_utf8(cache_salt):
             raise ValueError(f"cache_salt must encode as UTF-8, got {cache_salt!r}")
         room = cfg.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -77,7 +78,7 @@ class InputProcessor:
         """The prompt's text (None if given as ids) and tokens; `whole`: tokenize all of a long text
         (it is to be truncated, so its length is no reason to refuse it)."""
         if isinstance(prompt, str):
-            if not _encodes(prompt):
+            if not encodes_as_utf8(prompt):
                 raise ValueError("the prompt must encode as UTF-8 (it holds a lone surrogate)")
             return prompt, self.tokenizer.encode(prompt) if whole else self._encode(prompt)
         unknown = sorted(k for k, v in prompt.items() if k not in PROMPT_KEYS and v is not None
@@ -205,17 +206,9 @@ def _message(m) -> dict:
         content = "\n".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ValueError(f"a chat message's content must be a string or a list of text parts, got {content!r}")
-    if not _encodes(content):
+    if not encodes_as_utf8(content):
         raise ValueError(f"a chat message's content must encode as UTF-8, got {content!r}")
     return {**m, "content": content}
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:

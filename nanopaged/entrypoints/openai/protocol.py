@@ -19,7 +19,7 @@ from nanopaged.entrypoints.openai.tools import ToolCalling, check_tool_choice, c
 from nanopaged.lora.request import LoRARequest
 from nanopaged.sampling_params import SamplingParams
 from nanopaged.structured_output.params import StructuredOutputsParams
-from nanopaged.validation import INT_RANGE
+from nanopaged.validation import INT_RANGE, encodes_as_utf8
 
 # ---- the fields -----------------------------------------------------------------------------
 # OpenAI's sampling fields, and vLLM's extra ones, with their SamplingParams names.
@@ -132,9 +132,9 @@ def _check_values(body: dict | list, root: str = "") -> None:
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, child in items:
             here = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"
-            if isinstance(key, str) and not _encodable(key):
+            if isinstance(key, str) and not encodes_as_utf8(key):
                 _refuse_surrogate(path.lstrip(".") or "body")
-            if isinstance(child, str) and not _encodable(child):
+            if isinstance(child, str) and not encodes_as_utf8(child):
                 _refuse_surrogate(here.lstrip("."))
             if _is_int(child) and not INT_RANGE[0] <= child <= INT_RANGE[1]:
                 raise OpenAIError(f"{here.lstrip('.')} is {cut(str(child), 60)}, outside the integers the server "
@@ -147,14 +147,6 @@ def _check_values(body: dict | list, root: str = "") -> None:
 def _refuse_surrogate(where: str) -> None:
     raise OpenAIError(f"{where} holds a lone UTF-16 surrogate (an escape like \\ud800 without its pair): "
                       "not a character; send the pair, or the character itself", param=where)
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _nests_deeper_than(value, limit: int) -> bool:

@@ -23,6 +23,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from nanopaged.validation import encodes_as_utf8
+
 DECODER = json.JSONDecoder()
 # The name, once its string is complete, of an object still being written: {"name": "get_weather", ...
 NAME_FIRST = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -139,7 +141,7 @@ class CallReader:
             self.broken = True
             return False
         key = next((k for k in self.keys if k in obj), None)
-        if key is None or not isinstance(obj.get("name"), str) or not _encodable(obj["name"]):
+        if key is None or not isinstance(obj.get("name"), str) or not encodes_as_utf8(obj["name"]):
             raise ValueError(f"not a tool call: {text[self.brace:closed][:200]!r}")
         try:
             arguments = _text(obj[key])
@@ -156,17 +158,9 @@ class CallReader:
         named = NAME_FIRST.match(text, self.brace, limit)
         if named:
             name = json.loads(f'"{named.group(1)}"')
-            if not _encodable(name):
+            if not encodes_as_utf8(name):
                 raise ValueError("not a tool call: its name holds half a UTF-16 pair")
             self.call.name = name
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class HermesToolParser:
