@@ -50,6 +50,7 @@ class LLMEngine:
                  extensions: Sequence[type[Extension]] = EXTENSIONS) -> None:
         self.config = config
         self.extension_kinds = tuple(extensions)      # what may be installed, in the order hooks run
+        self.request_fields = {name for kind in self.extension_kinds for name in kind.request_fields}
         for kind in self.extension_kinds:             # every setting checked before any weight loads
             kind.check_config(config)
         wanted = [kind(config) for kind in self.extension_kinds if kind.wanted(config)]
@@ -135,7 +136,7 @@ class LLMEngine:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         fields = {name: value for name, value in fields.items() if value is not None}
-        known = {name for kind in self.extension_kinds for name in kind.request_fields}
+        known = self.request_fields
         keywords = known - PARAM_FIELDS
         if not set(fields) <= keywords:
             raise ValueError(f"unknown request field(s) {sorted(set(fields) - keywords)}; known: {sorted(keywords)}")

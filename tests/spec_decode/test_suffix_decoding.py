@@ -422,7 +422,12 @@ def test_each_nodes_total_and_best_child_follow_the_counts():
     cache = GlobalSuffixCache(max_depth=5, max_cached_requests=4)
     for _ in range(60):
         cache.add([rng.randrange(6) for _ in range(rng.randrange(1, 12))])
-    todo = [cache.tree.root]
+    assert_counts_as_a_scan_gives(cache.tree)
+
+
+def assert_counts_as_a_scan_gives(tree) -> None:
+    """Every node's `total` is its children's counts summed, its `best` a most frequent child (None: no child)."""
+    todo = [tree.root]
     while todo:
         node = todo.pop()
         todo.extend(node.children.values())

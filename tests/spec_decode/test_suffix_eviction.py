@@ -8,6 +8,7 @@ built afresh from the texts it keeps. docs/11_speculative_decoding.md, "Suffix d
 import random
 
 import pytest
+from test_suffix_decoding import assert_counts_as_a_scan_gives
 
 from nanopaged.spec_decode import suffix_tree
 from nanopaged.spec_decode.config import SpeculativeConfig
@@ -92,16 +93,7 @@ def test_the_best_child_after_evictions_is_a_most_frequent_one():
     cache = GlobalSuffixCache(depth, max_cached_requests=6)
     for _ in range(300):
         cache.add(skewed(rng, rng.randrange(1, 40), vocabulary=12))
-        todo = [cache.tree.root]
-        while todo:
-            node = todo.pop()
-            todo.extend(node.children.values())
-            assert node.total == sum(c.count for c in node.children.values())
-            if node.children:
-                assert node.best is node.children[node.best_token]
-                assert node.best.count == max(c.count for c in node.children.values())
-            else:
-                assert node.best is None
+        assert_counts_as_a_scan_gives(cache.tree)
 
 
 def test_the_global_tree_never_holds_more_than_max_cached_tokens():
