@@ -75,6 +75,7 @@ class EngineConfig:
     quantization_group_size: int = 32       # int4 / int8: input features per scale (gguf: the file's 32)
     batch_invariant: bool | None = None     # a request's tokens never depend on its batch; None: where the kernels hold it
     disable_cascade_attn: bool = False      # cpu attention: rows sharing their first blocks read them once (same result)
+    async_scheduling: bool | None = None    # schedule step N+1 while N computes (engine/overlap.py); None: where it pays
     enable_lora: bool = False               # LoRA adapters per request (lora/): vLLM's four settings
     max_loras: int = 1                      # adapters in one step, at most (their slots)
     max_lora_rank: int = 16                 # the largest adapter rank accepted
@@ -107,12 +108,18 @@ class EngineConfig:
         check_range("tensor_parallel_size", self.tensor_parallel_size, 1, integer=True)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("quantization_group_size", self.quantization_group_size, (32, 64, 128, 256))
-        if self.batch_invariant is not None:
-            check_bool("batch_invariant", self.batch_invariant)
+        for name in ("batch_invariant", "async_scheduling"):
+            if getattr(self, name) is not None:
+                check_bool(name, getattr(self, name))
         self.tokenizer = check_model_folder(self.model, self.tokenizer)
         self.model_config = ModelConfig.from_folder(self.model)
         self._resolve_defaults()
         check_tensor_parallel(self.model_config, self.tensor_parallel_size, self.device)
+        if self.tensor_parallel_size > 1:
+            if self.async_scheduling:
+                raise ValueError("async_scheduling=True with tensor_parallel_size > 1 is not supported: the ranks' "
+                                 "runner has not been tested on the model thread; leave async_scheduling unset")
+            self.async_scheduling = False
         self.gguf_file = check_quantization(self)
         # The extensions' settings (speculative_config, enable_lora and its three, runner and pooler_config)
         # are each extension's to check: the engine asks every registered one before any weight loads

@@ -74,7 +74,6 @@ NOT_IMPLEMENTED = [
      "has one scheduling rule: one token budget per step (core/scheduler.py)"),
     (("long_prefill_token_threshold", "num_lookahead_slots", "scheduler_delay_factor"), (0,),
      "has one scheduling rule: one token budget per step (core/scheduler.py)"),
-    (("async_scheduling",), (None, False), "schedules a step after the one before has finished"),
     (("external_parameters",), (None,), "has no scheduler plugins"),
     (("tokenizer_pool_size",), (0,), "tokenizes in the calling thread"),
     (("tokenizer_pool_type", "tokenizer_pool_extra_config"), ANY, "tokenizes in the calling thread"),

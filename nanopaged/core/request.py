@@ -6,6 +6,8 @@ in the cache). A step schedules `num_new_tokens` for a request to let the second
 chase the first; a prompt, a chunk of a prompt, a decode step and a recomputation after
 preemption are all the same thing seen through these two numbers (docs/04_scheduler.md).
 Drafts only raise the target: `num_tokens_with_spec` adds vLLM's spec_token_ids, verified in one step.
+So does a placeholder (async scheduling, engine/overlap.py): the token a step still computing will
+sample, counted before it is known, so the next step can be scheduled meanwhile.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from nanopaged.sampling_params import SamplingParams
+
+
+PLACEHOLDER = -1        # the id of a token not sampled yet (engine/overlap.py fills it in before the model reads it)
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +55,7 @@ class Request:
     num_preemptions: int = 0
     num_seqs: int = 1                     # seats it takes in max_num_seqs: n while n - 1 samples will fork off it
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in its next step
+    num_output_placeholders: int = 0     # tokens sampled by a step still computing, ids not known yet
     extension_fields: dict = field(default_factory=dict)   # by name (vLLM's lora_request): Extension.prepare
     extra_keys: tuple = ()                # what else its K/V depend on (from extensions): prefix-cache keys
 
@@ -67,14 +73,15 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        """The target `num_computed_tokens` chases: the tokens, then the drafts (vLLM's name)."""
-        return self.num_tokens + len(self.spec_token_ids)
+        """The target `num_computed_tokens` chases: the tokens, then the placeholders or the drafts (vLLM's name)."""
+        return self.num_tokens + self.num_output_placeholders + len(self.spec_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output (+ drafts past the end), without building the whole list."""
+        """Tokens [start, end) of prompt + output (+ placeholders or drafts past the end), without building it all."""
         p, n = len(self.prompt_token_ids), self.num_tokens
         if end > n:
-            return self.token_ids(start, n) + self.spec_token_ids[max(start - n, 0):end - n]
+            ahead = [PLACEHOLDER] * self.num_output_placeholders + self.spec_token_ids
+            return self.token_ids(start, n) + ahead[max(start - n, 0):end - n]
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:

@@ -66,6 +66,8 @@ class Scheduler:
         for request in list(self.running):
             if token_budget == 0 or request.status != RequestStatus.RUNNING:
                 break
+            if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
+                continue      # a step computing now samples its last token (async scheduling)
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, token_budget)
             # drafts past the budget are dropped, not chunked: they are guesses (vLLM does the same)
             del request.spec_token_ids[max(0, request.num_computed_tokens + num_new - request.num_tokens):]
@@ -142,7 +144,8 @@ class Scheduler:
         if num_hits >= pool.max_cache_hit_blocks(request):
             return False
         needed = pool.block_hashes(request)[num_hits]
-        return any(needed in pool.block_hashes(r)[r.num_computed_tokens // bs:r.num_prompt_tokens // bs]
+        # not named in the cache yet: computed now, or later, or by a step computing now (async scheduling)
+        return any(needed in pool.block_hashes(r)[r.num_cached_blocks:r.num_prompt_tokens // bs]
                    for r in self.running)
 
     def _allocate_slots(self, request: Request, num_new_tokens: int,
@@ -209,8 +212,19 @@ class Scheduler:
         accepted and one more. Whether a request stops is not decided here but where its text
         is known (engine/output_processor.py: check_stop).
         """
+        self.advance(out)
+        self.append(out, sampled)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step's K/V is computed, or being computed: async scheduling schedules the next step now. Each
+        request it samples for counts a placeholder token until `append` (vLLM: num_output_placeholders)."""
         for request, num_new in out.scheduled:
+            request.num_output_placeholders += request.num_computed_tokens + num_new == request.num_tokens_with_spec
             request.num_computed_tokens += num_new
+
+    def append(self, out: SchedulerOutput, sampled: dict[Request, list[SampledToken]]) -> None:
+        for request, _ in out.scheduled:
+            request.num_output_placeholders = 0
         # Fork first, append after: a child shares its parent's blocks as they were computed.
         forked = [r for r, tokens in sampled.items() if tokens[0].parent is not None]
         for request in forked:            # n > 1 samples, or a rule's new sequences: drawn from the parent's row
@@ -218,7 +232,8 @@ class Scheduler:
         for request, tokens in sampled.items():
             self._append(request, tokens)
         for request in [r for r, _ in out.scheduled] + forked:
-            self.block_pool.cache_full_blocks(request)   # before a finish frees them
+            if request.status == RequestStatus.RUNNING:     # not preempted while its step ran (async)
+                self.block_pool.cache_full_blocks(request)   # before a finish frees them
 
     def _append(self, request: Request, tokens: list[SampledToken]) -> None:
         """Append the step's tokens. With k drafts the step computed k + 1 positions and the

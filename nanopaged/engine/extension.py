@@ -21,7 +21,7 @@ docs/00_how_to_extend.md lists which extension uses which hook.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:                      # type hints only: this module imports nothing of the package at run time
@@ -52,7 +52,8 @@ class StepRecord:
     outputs: list[RequestOutput]
     stopped: list[tuple[Request, RequestStatus]]
     running: list[Request]                  # the requests holding blocks during the step
-    times: tuple[float, float, float, float]   # perf_counter at start, scheduled, executed, updated
+    times: tuple[float, float, float, float]   # perf_counter at start, forward pass begun, sampled, updated
+    phases: dict[str, float] = field(default_factory=dict)   # seconds: schedule, prepare, forward, sample, ...
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,7 @@ from nanopaged.core.scheduler import Scheduler, SchedulerOutput
 from nanopaged.engine.extension import Extension, StepRecord, TokenSelection
 from nanopaged.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from nanopaged.engine.output_processor import OutputProcessor
+from nanopaged.engine.overlap import OverlappedSteps, resolve_async_scheduling
 from nanopaged.extensions import EXTENSIONS
 from nanopaged.models.pipeline import ModelStage
 from nanopaged.outputs import RequestOutput
@@ -53,6 +54,7 @@ class LLMEngine:
         self.request_fields = {name for kind in self.extension_kinds for name in kind.request_fields}
         for kind in self.extension_kinds:             # every setting checked before any weight loads
             kind.check_config(config)
+        config.async_scheduling = resolve_async_scheduling(config)
         wanted = [kind(config) for kind in self.extension_kinds if kind.wanted(config)]
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.runner = make_runner(config, [stage for ext in wanted for stage in ext.model_stages()])
@@ -68,6 +70,8 @@ class LLMEngine:
         self._installing = threading.RLock()     # the server adds requests on several threads
         for ext in wanted:
             self.install(ext)
+        # async scheduling: the same step, pipelined on two threads (overlap.py); None: one step at a time
+        self.overlap = OverlappedSteps(self) if config.async_scheduling else None
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -181,34 +185,50 @@ class LLMEngine:
         """Schedule, run the model once, choose tokens, update; the outputs of the requests
         that advanced. `select_tokens` replaces the sampler (a search that chooses its own); it
         must give every row a token, unless its caller aborts that request before the next step.
-        If the step fails, its requests end with "abort" and the error goes on to the caller."""
+        If the step fails, its requests end with "abort" and the error goes on to the caller.
+        With async_scheduling the same work runs pipelined (overlap.py), unless a rule chooses the tokens."""
+        if self.overlap is not None and select_tokens is None:
+            return self.overlap.step()
+        if self.overlap is not None and self.overlap.in_flight is not None:
+            raise RuntimeError("a token-selection rule cannot take over a step already computing")
         aborted, self.output_processor.aborted = self.output_processor.aborted, []
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()                                 # 1. schedule
         if not scheduler_output.scheduled:
-            if self.scheduler.has_unfinished_requests() and not aborted:
-                raise EngineStalled(self._why_stalled())
+            self.check_not_stalled(aborted)
             return aborted
         try:
             t1 = time.perf_counter()
-            runner_output = self.runner.execute(scheduler_output)                    # 2. execute
-            sampled = (select_tokens or self.token_selection)(runner_output)
+            inputs = self.runner.prepare_inputs(scheduler_output)                    # 2. execute
             t2 = time.perf_counter()
-            self.scheduler.update(scheduler_output, sampled)                         # 3. update
+            runner_output = self.runner.forward(scheduler_output, inputs)
             t3 = time.perf_counter()
+            sampled = (select_tokens or self.token_selection)(runner_output)
+            t4 = time.perf_counter()
+            self.scheduler.update(scheduler_output, sampled)                         # 3. update
+            t5 = time.perf_counter()
             outputs, stopped = self.output_processor.process(sampled, runner_output.prompt_logits)  # 4. outputs
-            record = StepRecord(scheduler_output, sampled, outputs, stopped, self.scheduler.running,
-                                (t0, t1, t2, t3))
-            for observe in self.hooks["observe"]:
-                observe(record)
-            for request, status in stopped:
-                self._finish(request, status)
-            for propose in self.hooks["propose"]:                                    # 5. guess ahead
-                propose(self.scheduler.running)
+            phases = {"schedule": t1 - t0, "prepare": t2 - t1, "forward": t3 - t2, "sample": t4 - t3,
+                      "update": t5 - t4, "output": time.perf_counter() - t5}
+            self.finish_step(StepRecord(scheduler_output, sampled, outputs, stopped, self.scheduler.running,
+                                        (t0, t2, t4, t5), phases))
         except BaseException:
-            self._abort_step(scheduler_output)
+            self.abort_step(scheduler_output)
             raise
         return aborted + outputs
+
+    def finish_step(self, record: StepRecord) -> None:
+        """Observers see the step; its stopped requests give their blocks back; drafts are guessed."""
+        for observe in self.hooks["observe"]:
+            observe(record)
+        for request, status in record.stopped:
+            self._finish(request, status)
+        for propose in self.hooks["propose"]:                                    # 5. guess ahead
+            propose(self.scheduler.running)
+
+    def check_not_stalled(self, aborted: list[RequestOutput]) -> None:
+        if self.scheduler.has_unfinished_requests() and not aborted:
+            raise EngineStalled(self._why_stalled())
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(request, status)
@@ -216,7 +236,7 @@ class LLMEngine:
         for forget in self.hooks["forget"]:
             forget(request)
 
-    def _abort_step(self, scheduler_output: SchedulerOutput) -> None:
+    def abort_step(self, scheduler_output: SchedulerOutput) -> None:
         """A step failed (a bug, out of memory, Ctrl-C): its requests end with "abort" and give
         their blocks back, so the engine serves the others, and later calls, correctly."""
         for request, _ in scheduler_output.scheduled:

@@ -36,6 +36,9 @@ class EngineStats(Extension):
         self.kv_tokens_stored = self.kv_slots_held = 0              # tokens with K/V / slots of the tables
         self.max_num_running = 0
         self.model_time_s = self.schedule_time_s = 0.0
+        self.step_time_s: dict[str, float] = {}       # per phase of the step (StepRecord.phases)
+        self.step_wall_s = 0.0                        # the steps' wall time, end to end
+        self.discarded_base = self._discarded_rows(0)
         for ext in self.engine.extensions:        # each extension's counters count from here too
             ext.reset_stats()
         self._moe(reset=True)
@@ -65,9 +68,12 @@ class EngineStats(Extension):
             max(0, min(r.num_computed_tokens, r.num_prompt_tokens) - (r.num_computed_tokens - n))
             for r, n in out.scheduled)
         self.num_generated_tokens += step.num_tokens
-        t0, t1, t2, t3 = step.times
-        self.model_time_s += t2 - t1
-        self.schedule_time_s += (t1 - t0) + (t3 - t2)
+        phases = step.phases
+        for name, seconds in phases.items():
+            self.step_time_s[name] = self.step_time_s.get(name, 0.0) + seconds
+        self.step_wall_s += time.perf_counter() - step.times[0]
+        self.model_time_s += phases["prepare"] + phases["forward"] + phases["sample"]
+        self.schedule_time_s += phases["schedule"] + phases["update"]
         self._memory(step)
 
     def _memory(self, step: StepRecord) -> None:
@@ -119,9 +125,20 @@ class EngineStats(Extension):
             "num_generated_tokens": self.num_generated_tokens,
             "model_time_s": self.model_time_s,
             "schedule_time_s": self.schedule_time_s,
+            "async_scheduling": self.engine.config.async_scheduling,     # steps pipelined (engine/overlap.py)
+            "step_time_s": dict(self.step_time_s),                 # schedule, prepare, forward, sample, update, output
+            "step_wall_s": self.step_wall_s,
+            # the share of the steps' wall time the model's forward pass ran (with async scheduling, beside the rest)
+            "model_busy_share": self.step_time_s.get("forward", 0.0) / self.step_wall_s if self.step_wall_s else 0.0,
+            "num_discarded_rows": self._discarded_rows(self.discarded_base),   # computed for stopped requests
             "moe": self._moe(),                                   # a mixture of experts: tokens per expert
             **self.extension_stats(),                             # e.g. spec_decode, lora (docs/07_benchmarks.md)
         }
+
+    def _discarded_rows(self, base: int) -> int:
+        """Rows async scheduling computed for requests that had stopped (the extra step), since `base`."""
+        overlap = self.engine.overlap
+        return overlap.num_discarded_rows - base if overlap is not None else 0
 
     def prefix_cache_hit_rate(self) -> float:
         q = self.prefix_cache_queries

@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from nanopaged.engine.extension import Extension
+from nanopaged.engine.overlap import without_async_scheduling
 from nanopaged.models.pipeline import ModelStage
 from nanopaged.pooling.config import check_pooling
 from nanopaged.pooling.pooler import Pooler, read_every_row
@@ -23,6 +24,9 @@ class Pooling(Extension):
     def check_config(cls, config) -> None:
         if config.runner != "generate" or config.pooler_config is not None:
             check_pooling(config)         # resolves runner and pooler_config
+        if config.runner == "pooling":
+            without_async_scheduling(config, "runner='pooling'", "a pooling request ends with its prompt's step, so "
+                                     "there is no next step of its own to schedule ahead")
 
     @classmethod
     def wanted(cls, config) -> bool:

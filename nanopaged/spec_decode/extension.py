@@ -15,6 +15,7 @@ from nanopaged.engine.extension import Extension
 from nanopaged.sample.rejection_sampler import RejectionSampler
 from nanopaged.spec_decode.config import SpeculativeConfig
 from nanopaged.spec_decode.draft_model import DraftModelProposer
+from nanopaged.engine.overlap import without_async_scheduling
 from nanopaged.spec_decode.drafter import Drafter
 from nanopaged.spec_decode.ngram_proposer import NgramProposer
 from nanopaged.spec_decode.stats import SpecDecodeStats
@@ -34,6 +35,9 @@ class SpeculativeDecoding(Extension):
     @classmethod
     def check_config(cls, config) -> None:
         """`speculative_config={...}` with vLLM's names, checked (its draft model's folder too) before any weight loads."""
+        if config.speculative_config is not None:
+            without_async_scheduling(config, "speculative_config", "a step's drafts are guessed from the tokens of "
+                                     "the step before, which are not known when async scheduling schedules it")
         if config.speculative_config is not None and not isinstance(config.speculative_config, SpeculativeConfig):
             config.speculative_config = SpeculativeConfig.from_dict(config.speculative_config, config,
                                                                     check_model_folder)
@@ -44,7 +48,8 @@ class SpeculativeDecoding(Extension):
 
     @classmethod
     def late_install(cls, config, fields: dict) -> bool:
-        return FORCED_DRAFTS
+        # under async scheduling a request's next step is scheduled before its drafts could be forced
+        return FORCED_DRAFTS and not config.async_scheduling
 
     def __init__(self, config) -> None:
         super().__init__(config)

@@ -200,12 +200,15 @@ class ModelRunner:
         return ModelInput(as_tensor(input_ids), as_tensor(positions), meta, sample_rows, sample_requests,
                           prompt_rows)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.forward(out, self.prepare_inputs(out))
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput, inputs: ModelInput) -> ModelRunnerOutput:
         """Copy-on-write copies, then one forward pass; logits only for the rows that sample
-        (the lm_head is the largest matmul of a small model)."""
+        (the lm_head is the largest matmul of a small model). It reads no request's counters: async
+        scheduling runs it on a thread of its own while they move on (engine/overlap.py)."""
         self.copy_blocks(out.blocks_to_copy)
-        inputs = self.prepare_inputs(out)
         for hook in self.before_forward:      # an extension's per-step inputs (each row's adapter)
             hook(out, inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)

@@ -63,7 +63,7 @@ def fail_once(monkeypatch, obj, name, at=3):
     monkeypatch.setattr(obj, name, failing)
 
 
-@pytest.mark.parametrize("part, method", [("runner", "execute"), ("Sampler", "__call__"),
+@pytest.mark.parametrize("part, method", [("runner", "forward"), ("Sampler", "__call__"),
                                           ("output_processor", "process")])
 def test_a_failing_step_aborts_its_requests_and_the_next_call_is_correct(llm, reference, monkeypatch,
                                                                           part, method):
@@ -80,7 +80,7 @@ def test_an_aborted_step_gives_final_abort_outputs_to_an_engine_user(llm, monkey
     engine.add_request("a", PROMPTS[0], GREEDY)
     engine.add_request("b", PROMPTS[1], SamplingParams(n=3, max_tokens=5, seed=2))
     engine.step()
-    fail_once(monkeypatch, engine.runner, "execute", at=2)
+    fail_once(monkeypatch, engine.runner, "forward", at=2)
     engine.step()
     with pytest.raises(Boom):
         engine.step()
@@ -110,7 +110,7 @@ def test_ctrl_c_in_generate_leaves_nothing_behind(llm, reference):
 
 
 def test_a_failing_beam_search_leaves_no_beam_behind(llm, reference, monkeypatch):
-    fail_once(monkeypatch, llm.llm_engine.runner, "execute")
+    fail_once(monkeypatch, llm.llm_engine.runner, "forward")
     with pytest.raises(Boom):
         llm.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=6))
     monkeypatch.undo()

@@ -7,23 +7,26 @@
 #include "vec16.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row, as Hugging Face's LlamaRMSNorm");
-  m.def("add_rms_norm", &add_rms_norm, "x += y in place (the residual), then RMSNorm of x");
-  m.def("rotary_and_store", &rotary_and_store, "rotate q and k in place (Qwen3: norm each head first), store k and v");
-  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
-  m.def("argmax_rows", &argmax_rows, "the index of each row's largest value, as torch.argmax(x, dim=-1)");
-  m.def("paged_attention", &paged_attention, "every row of a step attending through its block table, causally",
+  // Every kernel lets go of the GIL while it runs, so Python on another thread (the engine scheduling
+  // the next step: nanopaged/engine/overlap.py) goes on beside it; a Python callback takes it back.
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, nogil, "RMSNorm of each row, as Hugging Face's LlamaRMSNorm");
+  m.def("add_rms_norm", &add_rms_norm, nogil, "x += y in place (the residual), then RMSNorm of x");
+  m.def("rotary_and_store", &rotary_and_store, nogil, "rotate q and k in place (Qwen3: norm each head first), store k and v");
+  m.def("silu_and_mul", &silu_and_mul, nogil, "SiLU(gate) * up");
+  m.def("argmax_rows", &argmax_rows, nogil, "the index of each row's largest value, as torch.argmax(x, dim=-1)");
+  m.def("paged_attention", &paged_attention, nogil, "every row of a step attending through its block table, causally",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("share_prefixes") = true);
-  m.def("shared_prefix_groups", &shared_prefix_groups, "the rows paged_attention reads together, and the blocks "
+  m.def("shared_prefix_groups", &shared_prefix_groups, nogil, "the rows paged_attention reads together, and the blocks "
         "they share");
-  m.def("store_kv", &store_kv, "each token's K and V into its slot, in the kernels' order within a block");
-  m.def("pack_bf16_weight", &pack_bf16_weight, "a bfloat16 weight in the layout linear_bf16 reads");
-  m.def("linear_bf16_silu_mul", &linear_bf16_silu_mul, "SiLU(gate) * up of a packed gate_up projection, in one pass");
-  m.def("linear_bf16", &linear_bf16, "x W^T + b on AVX512-BF16's dot-product instruction");
+  m.def("store_kv", &store_kv, nogil, "each token's K and V into its slot, in the kernels' order within a block");
+  m.def("pack_bf16_weight", &pack_bf16_weight, nogil, "a bfloat16 weight in the layout linear_bf16 reads");
+  m.def("linear_bf16_silu_mul", &linear_bf16_silu_mul, nogil, "SiLU(gate) * up of a packed gate_up projection, in one pass");
+  m.def("linear_bf16", &linear_bf16, nogil, "x W^T + b on AVX512-BF16's dot-product instruction");
   m.attr("has_avx512_bf16") = bool(NP_HAS_AVX512_BF16);
-  m.def("pack_quantized", &pack_quantized, "4- or 8-bit codes with their block scales, in linear_quantized's layout");
-  m.def("linear_quantized", &linear_quantized, "x W^T for W in 4 or 8 bits, x quantized to 8 bits per block");
+  m.def("pack_quantized", &pack_quantized, nogil, "4- or 8-bit codes with their block scales, in linear_quantized's layout");
+  m.def("linear_quantized", &linear_quantized, nogil, "x W^T for W in 4 or 8 bits, x quantized to 8 bits per block");
 #if defined(__AVX512VNNI__)
   m.attr("has_avx512_vnni") = true;
 #else
@@ -46,7 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("packed", &Linear::packed).def_readwrite("bias", &Linear::bias)
       .def_readwrite("group", &Linear::group).def_readwrite("bits", &Linear::bits)
       .def_readwrite("fn", &Linear::fn).def_readwrite("lora", &Linear::lora)
-      .def("__call__", &Linear::operator(), py::arg("x"), py::arg("groups") = LoraGroups{});
+      .def("__call__", &Linear::operator(), nogil, py::arg("x"), py::arg("groups") = LoraGroups{});
   py::class_<LoraSlots, std::shared_ptr<LoraSlots>>(m, "LoraSlots", py::module_local())
       .def(py::init<int64_t>()).def("set", &LoraSlots::set, "put an adapter's packed A and B's into a slot")
       .def("add", [](const LoraSlots& s, torch::Tensor y, const torch::Tensor& x, const LoraGroups& g) { s.add(y, x, g); });
@@ -60,12 +63,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Experts>(m, "Experts", py::module_local())
       .def(py::init<>())
       .def_readwrite("gate_up", &Experts::gate_up).def_readwrite("down", &Experts::down)
-      .def("__call__", &Experts::operator(), py::arg("x"), py::arg("chosen"), py::arg("weights"));
+      .def("__call__", &Experts::operator(), nogil, py::arg("x"), py::arg("chosen"), py::arg("weights"));
   py::class_<Decoder>(m, "Decoder", py::module_local())
       .def(py::init<>())
       .def_readwrite("layers", &Decoder::layers).def_readwrite("heads", &Decoder::heads)
       .def_readwrite("kv_heads", &Decoder::kv_heads).def_readwrite("head_dim", &Decoder::head_dim)
       .def_readwrite("eps", &Decoder::eps).def_readwrite("qk_eps", &Decoder::qk_eps)
       .def_readwrite("scale", &Decoder::scale).def_readwrite("lora_groups", &Decoder::lora_groups);
-  m.def("decoder_forward", &decoder_forward, "every decoder layer of one step, in C++");
+  m.def("decoder_forward", &decoder_forward, nogil, "every decoder layer of one step, in C++");
 }

@@ -18,6 +18,12 @@
 #include "ops.h"
 #include "vec16.h"
 
+// A Python layer, called back: with the GIL, which every kernel lets go while it runs (bindings.cpp)
+static torch::Tensor call_python(const pybind11::object& fn, const torch::Tensor& x) {
+  pybind11::gil_scoped_acquire gil;
+  return fn(x).cast<torch::Tensor>();
+}
+
 torch::Tensor Linear::operator()(const torch::Tensor& x, const LoraGroups& groups) const {
   torch::Tensor y;
   if (kind == LinearKind::DPBF16) {
@@ -26,7 +32,7 @@ torch::Tensor Linear::operator()(const torch::Tensor& x, const LoraGroups& group
     y = linear_quantized(x, packed, out_features, group, bits);
     if (bias.defined() && bias.numel()) y.add_(bias);
   } else {
-    y = fn(x).cast<torch::Tensor>();
+    y = call_python(fn, x);
   }
   if (lora) lora->add(y, x, groups);
   return y;
@@ -106,7 +112,7 @@ torch::Tensor decoder_forward(const Decoder& dec, torch::Tensor x, torch::Tensor
                              share_prefixes);
     auto h = add_rms_norm(x, layer.o(o.view({n, q_width}), loras), layer.post_norm, dec.eps);   // x += o
     const bool experts = layer.moe && !layer.moe.is_none();
-    mlp = experts ? layer.moe(h).cast<torch::Tensor>() : layer.down(layer.gate_up.silu_mul(h, loras), loras);
+    mlp = experts ? call_python(layer.moe, h) : layer.down(layer.gate_up.silu_mul(h, loras), loras);
   }
   return mlp.defined() ? x.add_(mlp) : x;
 }

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from nanopaged.config import EngineConfig, check_memory_fits
 from nanopaged.models.loader import weight_bytes
-from nanopaged.worker.model_runner import ModelRunnerOutput, per_request
+from nanopaged.worker.model_runner import ModelInput, ModelRunnerOutput, per_request
 from nanopaged.core.scheduler import SchedulerOutput
 from nanopaged.extras.tensor_parallel import parallel_state as ps
 from nanopaged.extras.tensor_parallel.rank_runner import RankRunner
@@ -175,11 +175,10 @@ class TensorParallelRunner(RankRunner):
 
     # ---- one step --------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def forward(self, out: SchedulerOutput, inputs: ModelInput) -> ModelRunnerOutput:
         if self.workers.stopped_because is not None:
             raise TensorParallelError(f"the tensor-parallel workers have stopped ({self.workers.stopped_because}); "
                                       "create a new LLM")
-        inputs = self.prepare_inputs(out)
         logit_rows = inputs.sample_rows + [row for _, _, rows in inputs.prompt_rows for row in rows]
         header, body = pack(inputs.input_ids, inputs.positions, inputs.meta, logit_rows, out.blocks_to_copy)
         try:
