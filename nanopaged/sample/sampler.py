@@ -123,7 +123,10 @@ class Sampler:
 
 def top_k_top_p_min_p(probs: torch.Tensor, top_k: list[int], top_p: list[float],
                       min_p: list[float]) -> torch.Tensor:
-    """Zero the tokens each row's top-k / top-p / min-p rule removes (all rows at once)."""
+    """Zero the tokens each row's top-k / top-p / min-p rule removes (all rows at once). Rows without a
+    rule are left as they are, sorted or not, so no row's values depend on its neighbours' rules."""
+    if all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0.0 for m in min_p):
+        return probs          # no rule: the sort over the vocabulary would cost more than the model's head
     sorted_p, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
     k = probs.new_tensor([kk if kk > 0 else probs.shape[1] for kk in top_k])[:, None]
