@@ -1,9 +1,8 @@
 """What every workload prints, in one place: the throughput table and the plot, then each other
-workload's tables (spec, moe, serve, ray among them) and the research tools', each from the figures its
-run returns."""
+workload's tables (spec, moe, serve, ray among them) and the tensor-parallel research tool's, each
+from the figures its run returns."""
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -483,25 +482,7 @@ def print_ray(result: dict) -> None:
               f"{r['wall_s']:>8.1f}{r['overhead_vs_generate']:>+12.0%}  {r['same_tokens_as_generate']}")
 
 
-# ==== the research tools (benchmarks/research/) ======================================
-
-def print_profile(fig: dict, top: int = 12) -> None:
-    print(f"decode step, {fig['rows']} rows: {fig['step_ms']:.1f} ms (median of 7, unprofiled); "
-          f"{fig['num_ops']} torch ops launched")
-    total = sum(fig["self_ms_by_group"].values())
-    for group, ms in fig["self_ms_by_group"].items():
-        print(f"  {group:17s} {ms:7.1f} ms  {ms / total:6.1%}")
-    print("  most launched: " + ", ".join(f"{n.removeprefix('aten::')} {c}"
-                                           for n, c in list(fig["ops_by_name"].items())[:top]))
-
-
-def print_without(fig: dict) -> None:
-    base = fig["step_ms"]
-    print(f"unprofiled, {fig['rows']} rows: {base:.1f} ms with everything")
-    for name, ms in fig["without_ms"].items():
-        print(f"  without {name:9s} {ms:6.1f} ms  (the piece costs {base - ms:+5.1f} ms)")
-    print(f"  without all four  {fig['without_all_ms']:6.1f} ms  (matmuls, residual adds, embedding, sampling, engine)")
-
+# ==== the research tool (benchmarks/research/tensor_parallel.py) =====================
 
 def print_tensor_parallel_head(args) -> None:
     print(f"{args.random_weights} (random weights, float32), {args.num_requests} requests, input "
@@ -516,20 +497,3 @@ def tensor_parallel_row(r: dict) -> str:
     kv = " / ".join(f"{k / 2**20:.1f}" for _, k in r["memory"])
     message = f"{r['bytes_per_step']:,.0f}" if r["size"] > 1 else "-"
     return (f"| {r['size']} | {weights} | {kv} | {message} | {r['out_tok_s']:.1f} | {r['wall_s']:.1f} |")
-
-
-def print_skinny(weight_bytes: int, figs: list[dict]) -> None:
-    print(f"one pass over the model's {weight_bytes / 1e6:.0f} MB of float32 matmul weights:")
-    for f in figs:
-        if f["rows"]:
-            print(f"  {f['threads']} thread(s), {f['rows']:3d} rows: {f['ms']:6.1f} ms  "
-                  f"{f['weight_bytes_per_s'] / 1e9:5.1f} GB/s of weights  {f['flops_per_s'] / 1e9:6.1f} GFLOP/s")
-        else:
-            print(f"  {f['threads']} thread(s), a copy of the same bytes reads {f['copy_bytes_per_s'] / 1e9:5.1f} GB/s")
-
-
-def print_shared_prefix_kernel(args, threads: int, times: dict) -> None:
-    print(f"{args.rows} rows, prefix {args.prefix_blocks} blocks ({'own copies' if args.own else 'shared'}), "
-          f"shape {args.shape}, {threads} threads")
-    for name, t in times.items():
-        print(f"  {name:<11} best {1e3 * min(t):7.1f} ms   median {1e3 * statistics.median(t):7.1f} ms")
