@@ -12,8 +12,7 @@ import torch
 
 from benchmarks.models import DRAFT_NOTE, build_draft_model, vocab_limit
 from benchmarks.nanopaged_run import run_nanopaged
-from benchmarks.spec_agent import run_agent
-from benchmarks.spec_json import run_json
+from benchmarks.spec_agent import run_agent, run_json
 from benchmarks.spec_prompts import INSTRUCTIONS, MAX_TOKENS_SLACK, NUM_TYPOS, SpecPrompt, build_workload
 from benchmarks.spec_run import (compare, concurrency_levels, configurations, draft_policy, drop_outputs, ngram_config,
                                  run_configs, run_levels, suffix_config, versus_off)

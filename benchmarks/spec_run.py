@@ -1,4 +1,4 @@
-"""The spec workloads' timed runs (benchmarks/spec.py, spec_agent.py, spec_json.py): an engine per
+"""The spec workloads' timed runs (benchmarks/spec.py, spec_agent.py): an engine per
 configuration and concurrency, the prompts in groups of that many, each run against speculation off's.
 (In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
