@@ -29,6 +29,7 @@ import torch
 from benchmarks.figures import SERVE_TARGETS
 from benchmarks.machine import machine_info, versions
 from benchmarks.peers import ROOT, not_set_up, repo_env, side_python, vllm_job
+from benchmarks.quality import DATA
 from benchmarks.report import print_serve
 from nanopaged.config import MAX_NUM_BATCHED_TOKENS, EngineConfig
 from nanopaged.models.config import ModelConfig
@@ -45,15 +46,11 @@ SHORT_NAMES = {"in-process": "nanopaged-in-process"}
 DEFAULT_PEERS = "in-process,vllm"
 START_TIMEOUT_S = 180
 VLLM_START_TIMEOUT_S = 900        # vLLM's CPU build compiles its model before /health answers
-# Prompt text: common words, so every tokenizer gives about one token each.
-WORDS = ("the of and to in is was for on that with as by at from his her they this which have "
-         "one all were when there been more their time would about if out up into some them "
-         "could other than then only its over new also after first two most like these people "
-         "year made work way may day many even back good well through great where much world").split()
+# Prompt text (benchmarks/data/serve_prompts.json): common words, so every tokenizer gives about one
+# token each; the chat set's system prompt begins with the preamble.
+PROMPT_TEXT = json.loads((DATA / "serve_prompts.json").read_text())
+WORDS, SYSTEM_PREAMBLE = PROMPT_TEXT["words"].split(), PROMPT_TEXT["system_preamble"]
 SYSTEM_WORDS = 300                # the chat set's shared system prompt, in words
-SYSTEM_PREAMBLE = ("You are a helpful assistant for a small team. Answer the question in plain words and "
-                   "briefly, and say so when you do not know. The notes below are background: use them "
-                   "where they help, and never repeat them.")
 
 
 # ==== servers as processes ====================================================================
