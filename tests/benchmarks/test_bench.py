@@ -302,6 +302,46 @@ def test_benchmarks_holds_what_bench_py_uses_and_research_the_rest():
     assert "research" not in seen
 
 
+def benchmarks_graph() -> dict[str, set[str]]:
+    """Each module of benchmarks/ (research/ too) -> the modules of benchmarks/ it imports, at any depth of
+    its code (`from benchmarks import x` imports benchmarks.x)."""
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / "benchmarks").rglob("*.py")}
+    return {name: {m for m in imports(path) if m in files and m != name} for name, path in files.items()}
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A chain of imports that comes back to where it started, or None (depth first, marking each module
+    while its imports are walked)."""
+    walking, done = [], set()
+
+    def walk(node: str) -> list[str] | None:
+        if node in walking:
+            return walking[walking.index(node):] + [node]
+        if node in done:
+            return None
+        walking.append(node)
+        found = next((c for c in map(walk, sorted(graph.get(node, ()))) if c), None)
+        walking.pop()
+        done.add(node)
+        return found
+    return next((c for c in map(walk, sorted(graph)) if c), None)
+
+
+def test_the_circle_finder_finds_a_circle_and_only_a_circle():
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_benchmarks_imports_form_no_circle():
+    """A module of benchmarks/ never imports, directly or through others, a module that imports it: the
+    modules read in one order (report.py, the one module every table is printed by, imports no workload)."""
+    graph = benchmarks_graph()
+    assert {"benchmarks.report", "benchmarks.serve", "benchmarks.research.tensor_parallel"} <= set(graph)
+    assert "benchmarks.report" in graph["benchmarks.serve"]
+    assert find_circle(graph) is None, f"an import circle in benchmarks/: {' -> '.join(find_circle(graph))}"
+
+
 @pytest.mark.parametrize("script, engine", [("vllm_peer", "vllm"), ("llamacpp_peer", "llama_cpp"),
                                             ("ctranslate2_peer", "ctranslate2")])
 def test_the_side_scripts_import_only_the_standard_library_and_their_engine(script, engine):
