@@ -76,9 +76,9 @@ def typo(word: str, rng: random.Random) -> str:
     return word[:j] + word[j + 1:]               # drop (and a swap of two equal letters)
 
 
-def chat_prompt(tokenizer, content: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of a conversation in the tokenizer's chat template, its generation prompt added."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -97,8 +97,8 @@ def build_workload(tokenizer, num_prompts: int, max_tokens: int | None = None, s
         passage = passages[index]
         shown = add_typos(passage, seed * 10_007 + index) if kind == "fix_typos" else passage
         n = num_tokens(tokenizer, passage)
-        items.append(SpecPrompt(kind, index, passage, shown, chat_prompt(tokenizer, INSTRUCTIONS[kind].format(shown)),
-                                n, max_tokens or n + MAX_TOKENS_SLACK))
+        ids = chat_prompt(tokenizer, [{"role": "user", "content": INSTRUCTIONS[kind].format(shown)}])
+        items.append(SpecPrompt(kind, index, passage, shown, ids, n, max_tokens or n + MAX_TOKENS_SLACK))
     return items
 
 
@@ -154,10 +154,8 @@ def build_agent_workload(tokenizer, num_prompts: int, seed: int = 0,
                          max_tokens: int = MAX_TOKENS) -> list[AgentPrompt]:
     items = []
     for city, date, unit in requests(num_prompts, seed):
-        text = tokenizer.apply_chat_template(conversation(city, date, unit), add_generation_prompt=True,
-                                             tokenize=False)
         items.append(AgentPrompt(city, date, unit, expected_answer(city, date, unit),
-                                 tokenizer.encode(text, add_special_tokens=False), max_tokens))
+                                 chat_prompt(tokenizer, conversation(city, date, unit)), max_tokens))
     return items
 
 
