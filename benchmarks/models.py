@@ -15,41 +15,17 @@ from typing import Callable
 
 import torch
 
+from benchmarks.quality import DATA
 from benchmarks.tokenizer import train_tokenizer
 from nanopaged.models.demo_model import cache_dir, demo_model_path
 from nanopaged.models.config import ModelConfig
 
-# Random-weight models for machines with no model files: a config written inline, weights
-# drawn once and cached. qwen3-0.6b is nano-vllm's benchmark shape; tiny-qwen3 is for tests.
-RANDOM_CONFIGS = {
-    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, intermediate_size=3072,
-                       vocab_size=151936, rope_theta=1_000_000.0, max_position_embeddings=40960,
-                       tie_word_embeddings=True, rms_norm_eps=1e-6),
-    "tiny-qwen3": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=32, intermediate_size=128,
-                       vocab_size=49152, rope_theta=1_000_000.0, max_position_embeddings=2048,
-                       tie_word_embeddings=True, rms_norm_eps=1e-6),
-}
-
-
-# Mixtures of experts for the moe workload (benchmarks/moe.py); tiny-olmoe is for tests.
-MOE_CONFIGS = {
-    "olmoe-1b-7b": dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", vocab_size=50304, hidden_size=2048,
-                        intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
-                        num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, rms_norm_eps=1e-5,
-                        rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False),
-    "qwen3-30b-a3b-12l": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
-                              hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                              num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                              num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
-                              mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1_000_000.0,
-                              max_position_embeddings=40960, tie_word_embeddings=False),
-    "tiny-olmoe": dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", vocab_size=4096, hidden_size=128,
-                       intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, rms_norm_eps=1e-5,
-                       rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False),   # for tests
-}
+# Random-weight models for machines with no model files: the shapes are data
+# (benchmarks/data/model_shapes.json), weights drawn once and cached. Dense: qwen3-0.6b is
+# nano-vllm's benchmark shape. Mixtures of experts for the moe workload (benchmarks/moe.py): OLMoE's
+# and Qwen3-30B-A3B's (12 of its layers). tiny-qwen3 and tiny-olmoe are for tests.
+SHAPES = json.loads((DATA / "model_shapes.json").read_text())
+RANDOM_CONFIGS, MOE_CONFIGS = SHAPES["dense"], SHAPES["moe"]
 
 
 def write_random_moe(name: str, folder: Path) -> None:

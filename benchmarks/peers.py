@@ -182,14 +182,19 @@ def run_side(python: Path, script, job: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path_in, path_out = Path(tmp) / "job.json", Path(tmp) / "result.json"
         path_in.write_text(json.dumps(job))
-        env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        env = repo_env({"OMP_NUM_THREADS": str(torch.get_num_threads())})
         done = subprocess.run([str(python), "-m", script.__name__, str(path_in), str(path_out)], env=env,
                               capture_output=True, text=True, timeout=SIDE_TIMEOUT_S)
         if done.returncode != 0 or not path_out.exists():
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
             raise RuntimeError(f"exited with {done.returncode}: {' | '.join(tail)}")
         return json.loads(path_out.read_text())
+
+
+def repo_env(extra: dict) -> dict:
+    """This process's environment with `extra`, and the repository first on PYTHONPATH."""
+    return {**os.environ, **extra,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 # ---- vLLM ---------------------------------------------------------------------------------

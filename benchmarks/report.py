@@ -1,13 +1,25 @@
 """What every workload prints, in one place: the throughput table and the plot, then each other
-workload's tables (spec, moe, serve, ray among them) and the research tools', each from the figures its
-run returns."""
+workload's tables (spec, moe, serve, ray among them) and the tensor-parallel research tool's, each
+from the figures its run returns."""
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
 from benchmarks.figures import SERVE_TARGETS
+
+
+def table(head: tuple[str, int], columns: list[tuple[str, int, str]], rows: dict) -> None:
+    """The tables' one shape: a header line, then a line per row, its name left-aligned in head's width,
+    then each value right-aligned in its column's width and format ("-" for None)."""
+    print(f"{head[0]:<{head[1]}}" + "".join(f"{h:>{w}}" for h, w, _ in columns))
+    for name, values in rows.items():
+        print(f"{name:<{head[1]}}" + "".join(f"{'-' if v is None else format(v, f):>{w}}"
+                                              for (_, w, f), v in zip(columns, values)))
+
+
+def host(m: dict) -> str:
+    return f"{m['cpu']}, flags {' '.join(m['matrix_flags']) or 'none'}"
 
 
 def print_table(r: dict) -> None:
@@ -165,11 +177,10 @@ def print_shared_prefix(r: dict) -> None:
           f"{s['question_len'][0]}-{s['question_len'][1]}-token question, output {s['output_len'][0]}-"
           f"{s['output_len'][1]} tokens; {r['prompt_tokens']} prompt tokens, shared fraction "
           f"{r['shared_fraction']:.1%}")
-    print(f"{'prefix caching':<16}{'wall s':>9}{'prefill tokens':>16}{'hit rate':>10}{'out tok/s':>11}")
-    for key in ("on", "off"):
-        x = r[key]
-        print(f"{key:<16}{x['wall_s']:>9.2f}{x['prefill_tokens_computed']:>16}{x['hit_rate']:>10.1%}"
-              f"{x['output_tokens_per_s']:>11.1f}")
+    table(("prefix caching", 16), [("wall s", 9, ".2f"), ("prefill tokens", 16, ""), ("hit rate", 10, ".1%"),
+                                   ("out tok/s", 11, ".1f")],
+          {k: [r[k][x] for x in ("wall_s", "prefill_tokens_computed", "hit_rate", "output_tokens_per_s")]
+           for k in ("on", "off")})
     print(f"prefill tokens computed fall by {r['prefill_reduction']:.1%} (shared fraction "
           f"{r['shared_fraction']:.1%}); speedup {r['speedup']:.2f}x (target 2x); "
           f"outputs identical: {r['identical_outputs']}")
@@ -178,15 +189,11 @@ def print_shared_prefix(r: dict) -> None:
 def print_cascade(r: dict) -> None:
     s, m = r["settings"], r["machine"]
     print(f"\nshared prefixes read once: decode steps (model + sampler, best of {s['rounds']} rounds), "
-          f"{s['prefix_len']}-token prefix, {s['output_len']} tokens out; {m['cpu']}, flags "
-          f"{' '.join(m['matrix_flags']) or 'none'}")
-    print(f"{'workload':<16}{'rows':>6}{'read once ms':>14}{'plain ms':>10}{'own copies ms':>15}{'speedup':>9}"
-          f"{'same tokens':>13}")
-    for name, w in r["workloads"].items():
-        t = w["decode_step_ms"]
-        own = f"{t['own copies']:.1f}" if "own copies" in t else "-"
-        print(f"{name:<16}{w['rows']:>6}{t['read once']:>14.1f}{t['plain']:>10.1f}{own:>15}{w['speedup']:>8.2f}x"
-              f"{str(w['identical_outputs']):>13}")
+          f"{s['prefix_len']}-token prefix, {s['output_len']} tokens out; {host(m)}")
+    table(("workload", 16), [("rows", 6, ""), ("read once ms", 14, ".1f"), ("plain ms", 10, ".1f"),
+                             ("own copies ms", 15, ".1f"), ("speedup", 9, ""), ("same tokens", 13, "")],
+          {name: [w["rows"], *(w["decode_step_ms"].get(k) for k in ("read once", "plain", "own copies")),
+                  f"{w['speedup']:.2f}x", str(w["identical_outputs"])] for name, w in r["workloads"].items()})
     print("target: decode steps >= 1.5x faster read once than plain (issue 37): " + ", ".join(
         f"{name} {'met' if w['speedup'] >= 1.5 else 'missed'}" for name, w in r["workloads"].items()))
 
@@ -195,13 +202,11 @@ def print_lora(r: dict) -> None:
     s, m = r["settings"], r["machine"]
     print(f"\nLoRA adapters mixed in one batch: {s['num_requests']} requests, prompts {s['input_len'][0]}-"
           f"{s['input_len'][1]}, outputs {s['output_len'][0]}-{s['output_len'][1]} tokens, greedy; rank {s['rank']} "
-          f"on all seven projections; faster of two alternating runs; {m['cpu']}, flags "
-          f"{' '.join(m['matrix_flags']) or 'none'}")
-    print(f"{'run':<14}{'wall s':>8}{'out tok/s':>11}{'of base':>9}{'mean active':>13}")
-    for name, run in r["runs"].items():
-        lora = run["stats"]["lora"]
-        active = f"{lora['mean_active_adapters']:.1f}" if lora else "-"
-        print(f"{name:<14}{run['wall_s']:>8.2f}{run['output_tokens_per_s']:>11.1f}{run['of_base']:>8.0%}{active:>13}")
+          f"on all seven projections; faster of two alternating runs; {host(m)}")
+    table(("run", 14), [("wall s", 8, ".2f"), ("out tok/s", 11, ".1f"), ("of base", 9, ".0%"),
+                        ("mean active", 13, ".1f")],
+          {name: [run["wall_s"], run["output_tokens_per_s"], run["of_base"],
+                  (run["stats"]["lora"] or {}).get("mean_active_adapters")] for name, run in r["runs"].items()})
     v = r.get("vllm")
     if v and "error" in v:
         print(f"vllm: {v['error']}")
@@ -227,17 +232,15 @@ def print_structured(r: dict) -> None:
     print(f"\nstructured outputs: {s['num_requests']} requests, prompts {s['input_len'][0]}-{s['input_len'][1]} "
           f"tokens, outputs {s['output_len'][0]}-{s['output_len'][1]} tokens, greedy; the same requests with "
           "and without a JSON schema (the faster of two runs each)")
-    print(f"{'run':<13}{'wall s':>8}{'out tok/s':>11}{'steps':>7}{'mask s':>9}{'matcher s':>11}"
-          f"{'share':>8}{'median step':>13}")
-    for name in ("plain", "constrained"):
-        x = r[name]
-        print(f"{name:<13}{x['wall_s']:>8.2f}{x['output_tokens_per_s']:>11.1f}{x['steps']:>7}{x['mask_s']:>9.3f}"
-              f"{x['matcher_s']:>11.3f}{x['mask_and_matcher_share']:>8.1%}{x['median_step_share']:>13.1%}")
+    keys = ("wall_s", "output_tokens_per_s", "steps", "mask_s", "matcher_s", "mask_and_matcher_share",
+            "median_step_share")
+    table(("run", 13), [("wall s", 8, ".2f"), ("out tok/s", 11, ".1f"), ("steps", 7, ""), ("mask s", 9, ".3f"),
+                        ("matcher s", 11, ".3f"), ("share", 8, ".1%"), ("median step", 13, ".1%")],
+          {name: [r[name][k] for k in keys] for name in ("plain", "constrained")})
     verdict = "met" if r["target_met"] else "missed"
     print(f"the schema costs {r['overhead_per_token']:+.1%} per output token (target <= {r['target']:.0%}: {verdict})")
-    print(f"{'compile':<14}{'cold ms':>10}{'cached ms':>11}")
-    for name, t in r["compile"].items():
-        print(f"{name:<14}{t['cold_s'] * 1e3:>10.2f}{t['cached_s'] * 1e3:>11.4f}")
+    table(("compile", 14), [("cold ms", 10, ".2f"), ("cached ms", 11, ".4f")],
+          {name: [t["cold_s"] * 1e3, t["cached_s"] * 1e3] for name, t in r["compile"].items()})
 
 
 # ==== --workload spec ====================================================================
@@ -410,7 +413,7 @@ def print_moe(r: dict) -> None:
     s, e, f = r["settings"], r["engine"], r["floor"]
     print(f"\nmixture of experts: {s['random_weights']} (random weights), {s['num_requests']} requests, input "
           f"{s['input_len'][0]}-{s['input_len'][1]}, output {s['output_len'][0]}-{s['output_len'][1]}, "
-          f"{s['threads']} threads; {r['machine']['cpu']}, flags {' '.join(r['machine']['matrix_flags'])}")
+          f"{s['threads']} threads; {host(r['machine'])}")
     print(f"  nanopaged ({e['stats']['cpu_linear']}, {e['stats']['cpu_kernels']}, quantization "
           f"{(e['quantization'] or {}).get('quantization')}): trace {e['output_tokens_per_s']:.1f} tok/s, one request "
           f"{e['decode_tokens_per_s']:.2f} tok/s, loaded in {e['load_s']:.0f} s; busiest expert {e['expert_load']:.2f}x "
@@ -476,32 +479,15 @@ def print_ray(result: dict) -> None:
     m = result["machine"]
     print(f"\nRay Data: {result['rows']} rows, input {result['input_len']}, output {result['output_len']} tokens, "
           f"dtype {result['dtype']}, batch_size {result['batch_size']} x {result['max_concurrent_batches']} in "
-          f"flight; {m['cpu']}, {m['cpu_cores']} cores, flags {' '.join(m['matrix_flags'])}")
-    print(f"{'run':<14}{'rows/s':>9}{'out tok/s':>11}{'gen s':>8}{'wall s':>8}{'vs generate':>13}  same tokens")
-    for r in result["runs"]:
-        print(f"{r['run']:<14}{r['rows_per_s']:>9.2f}{r['output_tokens_per_s']:>11.1f}{r['generation_s']:>8.1f}"
-              f"{r['wall_s']:>8.1f}{r['overhead_vs_generate']:>+12.0%}  {r['same_tokens_as_generate']}")
+          f"flight; {m['cpu_cores']} cores, {host(m)}")
+    keys = ("rows_per_s", "output_tokens_per_s", "generation_s", "wall_s", "overhead_vs_generate",
+            "same_tokens_as_generate")
+    table(("run", 14), [("rows/s", 9, ".2f"), ("out tok/s", 11, ".1f"), ("gen s", 8, ".1f"), ("wall s", 8, ".1f"),
+                        ("vs generate", 13, "+.0%"), ("same tokens", 13, "")],
+          {r["run"]: [r[k] for k in keys] for r in result["runs"]})
 
 
-# ==== the research tools (benchmarks/research/) ======================================
-
-def print_profile(fig: dict, top: int = 12) -> None:
-    print(f"decode step, {fig['rows']} rows: {fig['step_ms']:.1f} ms (median of 7, unprofiled); "
-          f"{fig['num_ops']} torch ops launched")
-    total = sum(fig["self_ms_by_group"].values())
-    for group, ms in fig["self_ms_by_group"].items():
-        print(f"  {group:17s} {ms:7.1f} ms  {ms / total:6.1%}")
-    print("  most launched: " + ", ".join(f"{n.removeprefix('aten::')} {c}"
-                                           for n, c in list(fig["ops_by_name"].items())[:top]))
-
-
-def print_without(fig: dict) -> None:
-    base = fig["step_ms"]
-    print(f"unprofiled, {fig['rows']} rows: {base:.1f} ms with everything")
-    for name, ms in fig["without_ms"].items():
-        print(f"  without {name:9s} {ms:6.1f} ms  (the piece costs {base - ms:+5.1f} ms)")
-    print(f"  without all four  {fig['without_all_ms']:6.1f} ms  (matmuls, residual adds, embedding, sampling, engine)")
-
+# ==== the research tool (benchmarks/research/tensor_parallel.py) =====================
 
 def print_tensor_parallel_head(args) -> None:
     print(f"{args.random_weights} (random weights, float32), {args.num_requests} requests, input "
@@ -516,20 +502,3 @@ def tensor_parallel_row(r: dict) -> str:
     kv = " / ".join(f"{k / 2**20:.1f}" for _, k in r["memory"])
     message = f"{r['bytes_per_step']:,.0f}" if r["size"] > 1 else "-"
     return (f"| {r['size']} | {weights} | {kv} | {message} | {r['out_tok_s']:.1f} | {r['wall_s']:.1f} |")
-
-
-def print_skinny(weight_bytes: int, figs: list[dict]) -> None:
-    print(f"one pass over the model's {weight_bytes / 1e6:.0f} MB of float32 matmul weights:")
-    for f in figs:
-        if f["rows"]:
-            print(f"  {f['threads']} thread(s), {f['rows']:3d} rows: {f['ms']:6.1f} ms  "
-                  f"{f['weight_bytes_per_s'] / 1e9:5.1f} GB/s of weights  {f['flops_per_s'] / 1e9:6.1f} GFLOP/s")
-        else:
-            print(f"  {f['threads']} thread(s), a copy of the same bytes reads {f['copy_bytes_per_s'] / 1e9:5.1f} GB/s")
-
-
-def print_shared_prefix_kernel(args, threads: int, times: dict) -> None:
-    print(f"{args.rows} rows, prefix {args.prefix_blocks} blocks ({'own copies' if args.own else 'shared'}), "
-          f"shape {args.shape}, {threads} threads")
-    for name, t in times.items():
-        print(f"  {name:<11} best {1e3 * min(t):7.1f} ms   median {1e3 * statistics.median(t):7.1f} ms")

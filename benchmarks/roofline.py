@@ -85,12 +85,7 @@ def copy_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
     """Bytes read per second by a plain copy of num_bytes (it also writes as many)."""
     src = torch.randn(num_bytes // 4)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(tries):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return num_bytes / best
+    return num_bytes / best_seconds(lambda: dst.copy_(src), tries)
 
 
 def read_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
@@ -98,15 +93,7 @@ def read_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
     streams its weights once can reach; a copy's (copy_bytes_per_s) also pays for its writes. The best
     over fresh buffers of random values: on these VMs one buffer reads at 30 GB/s and the next at 50 (how
     its pages are backed, not measured), and a floor takes the fastest."""
-    best = float("inf")
-    for _ in range(tries):
-        src = torch.rand(num_bytes // 4)
-        for _ in range(tries):
-            t = time.perf_counter()
-            src.sum()
-            best = min(best, time.perf_counter() - t)
-        del src
-    return num_bytes / best
+    return num_bytes / min(best_seconds(torch.rand(num_bytes // 4).sum, tries) for _ in range(tries))
 
 
 def measure_matmul_flops(device: str, dtype: torch.dtype) -> float:
@@ -114,9 +101,18 @@ def measure_matmul_flops(device: str, dtype: torch.dtype) -> float:
     return max(measure_rows_matmul_flops(n, n, n, device, dtype, repeat=1, tries=4) for n in (1024, 2048))
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+def best_seconds(run, tries: int, device: str = "cpu") -> float:
+    """The fastest of `tries` timings of run() (on a GPU, from an idle device to an idle device)."""
+    best = float("inf")
+    for _ in range(tries):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        run()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def trace_flops(m: ModelConfig, trace: Trace) -> dict:
@@ -188,15 +184,7 @@ def own_matmul_seconds(m: ModelConfig, row_counts: list[int], device: str, dtype
     with torch.inference_mode():
         for rows in row_counts:
             inputs = {k: torch.randn(rows, k, device=device, dtype=dtype) for _, k in shapes}
-            best = float("inf")
-            for _ in range(tries):
-                _sync(device)
-                t = time.perf_counter()
-                for layer in layers:
-                    layer(inputs[layer.in_features])
-                _sync(device)
-                best = min(best, time.perf_counter() - t)
-            out[rows] = best
+            out[rows] = best_seconds(lambda: [layer(inputs[layer.in_features]) for layer in layers], tries, device)
     return out
 
 
@@ -206,12 +194,4 @@ def measure_rows_matmul_flops(rows: int, k: int, n: int, device: str, dtype: tor
     one is too short to time alone)."""
     a = torch.randn(rows, k, device=device, dtype=dtype)
     b = torch.randn(k, n, device=device, dtype=dtype)
-    best = 0.0
-    for _ in range(tries):
-        _sync(device)
-        t = time.perf_counter()
-        for _ in range(repeat):
-            a @ b
-        _sync(device)
-        best = max(best, repeat * 2 * rows * k * n / (time.perf_counter() - t))
-    return best
+    return repeat * 2 * rows * k * n / best_seconds(lambda: [a @ b for _ in range(repeat)], tries, device)

@@ -28,13 +28,13 @@ import torch
 
 from benchmarks.figures import SERVE_TARGETS
 from benchmarks.machine import machine_info, versions
-from benchmarks.peers import not_set_up, side_python, vllm_job
+from benchmarks.peers import ROOT, not_set_up, repo_env, side_python, vllm_job
+from benchmarks.quality import DATA
 from benchmarks.report import print_serve
 from nanopaged.config import MAX_NUM_BATCHED_TOKENS, EngineConfig
 from nanopaged.models.config import ModelConfig
 from nanopaged.models.demo_model import demo_model_path
 
-ROOT = Path(__file__).resolve().parent.parent
 # Sized for a few minutes on a 2-core CPU with the demo model and the default peers, vLLM's
 # start (it compiles for about two minutes) included.
 DEFAULTS = dict(rate=(1.0, 4.0, math.inf), dataset=("random", "chat"), num_requests=24,
@@ -46,15 +46,11 @@ SHORT_NAMES = {"in-process": "nanopaged-in-process"}
 DEFAULT_PEERS = "in-process,vllm"
 START_TIMEOUT_S = 180
 VLLM_START_TIMEOUT_S = 900        # vLLM's CPU build compiles its model before /health answers
-# Prompt text: common words, so every tokenizer gives about one token each.
-WORDS = ("the of and to in is was for on that with as by at from his her they this which have "
-         "one all were when there been more their time would about if out up into some them "
-         "could other than then only its over new also after first two most like these people "
-         "year made work way may day many even back good well through great where much world").split()
+# Prompt text (benchmarks/data/serve_prompts.json): common words, so every tokenizer gives about one
+# token each; the chat set's system prompt begins with the preamble.
+PROMPT_TEXT = json.loads((DATA / "serve_prompts.json").read_text())
+WORDS, SYSTEM_PREAMBLE = PROMPT_TEXT["words"].split(), PROMPT_TEXT["system_preamble"]
 SYSTEM_WORDS = 300                # the chat set's shared system prompt, in words
-SYSTEM_PREAMBLE = ("You are a helpful assistant for a small team. Answer the question in plain words and "
-                   "briefly, and say so when you do not know. The notes below are background: use them "
-                   "where they help, and never repeat them.")
 
 
 # ==== servers as processes ====================================================================
@@ -90,24 +86,20 @@ def start_nanopaged(model: str | None, engine_args: list[str] = (), served_model
                     timeout_s: float = START_TIMEOUT_S, name: str = "nanopaged") -> ServerProcess:
     """`python -m nanopaged.entrypoints.serve MODEL --port 0 ...`; ready when it prints its address.
     `about` keeps the ready line's details (KV blocks, block size, max_model_len)."""
-    log = Path(tempfile.mkstemp(prefix="nanopaged-serve-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "nanopaged.entrypoints.serve", *([model] if model else []), "--host", "127.0.0.1",
            "--port", "0", *(["--served-model-name", served_model_name] if served_model_name else []),
            *engine_args]
-    process = _spawn(cmd, log)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in log.read_text(errors="replace").splitlines():
+    server = spawn(name, cmd, "", "")
+
+    def ready() -> bool:
+        for line in server.log.read_text(errors="replace").splitlines():
             if line.startswith("nanopaged: serving "):
-                served = line.split("'")[1]
-                url = line.split(" at ", 1)[1].split()[0]           # http://127.0.0.1:PORT/v1
-                about = {"command": " ".join(cmd), "ready": line, **ready_details(line)}
-                return ServerProcess(name, process, url.removesuffix("/v1"), log, served, about)
-        if process.poll() is not None:
-            raise RuntimeError(f"nanopaged serve exited with {process.returncode}:\n{_tail(log)}")
-        time.sleep(0.1)
-    ServerProcess(name, process, "", log, "").stop()
-    raise RuntimeError(f"nanopaged serve was not ready after {timeout_s} s:\n{_tail(log)}")
+                server.model_name = line.split("'")[1]
+                server.base_url = line.split(" at ", 1)[1].split()[0].removesuffix("/v1")   # http://127.0.0.1:PORT
+                server.about |= {"ready": line, **ready_details(line)}
+                return True
+        return False
+    return wait_ready(server, ready, timeout_s)
 
 
 def ready_details(line: str) -> dict:
@@ -125,19 +117,16 @@ def start_transformers(model: str, device: str = "cpu", dtype: str = "float32",
     if exe is None:
         raise RuntimeError("the `transformers` command is not installed (transformers[serving] >= 5)")
     port = free_port()
-    log = Path(tempfile.mkstemp(prefix="transformers-serve-", suffix=".log")[1])
     cmd = [exe, "serve", model, "--continuous-batching", "--device", device, "--dtype", dtype,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    server = ServerProcess("transformers", _spawn(cmd, log), f"http://127.0.0.1:{port}", log, model,
-                           {"command": " ".join(cmd)})
-    return wait_healthy(server, timeout_s)
+    server = spawn("transformers", cmd, f"http://127.0.0.1:{port}", model)
+    return wait_ready(server, lambda: healthy(server.base_url), timeout_s)
 
 
 def start_vllm(python: Path, model: str, settings: dict, timeout_s: float = VLLM_START_TIMEOUT_S) -> ServerProcess:
     """vLLM's OpenAI server from its own environment, with `settings` (vllm_settings); ready when
     /health answers. Raises RuntimeError saying why it did not start."""
     port = free_port()
-    log = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", model,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", settings["dtype"],
            "--max-model-len", str(settings["max_model_len"]), "--max-num-seqs", str(settings["max_num_seqs"]),
@@ -147,14 +136,12 @@ def start_vllm(python: Path, model: str, settings: dict, timeout_s: float = VLLM
     # The CPU backend sizes its KV cache from this variable (GiB), as benchmarks/vllm_peer.py sets it.
     # VLLM_HOST_IP: its engine's internal sockets on loopback too (it takes the host's address otherwise).
     env = {"VLLM_CPU_KVCACHE_SPACE": str(settings["kv_cache_gib"]), "VLLM_HOST_IP": "127.0.0.1"}
-    server = ServerProcess("vllm", _spawn(cmd, log, env), f"http://127.0.0.1:{port}", log, model,
-                           {"command": " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(cmd),
-                            "settings": settings})
-    wait_healthy(server, timeout_s)
+    server = spawn("vllm", cmd, f"http://127.0.0.1:{port}", model, env, {"settings": settings})
+    wait_ready(server, lambda: healthy(server.base_url), timeout_s)
     server.about["version"] = vllm_version(server.base_url)
     # Which cores its model runs on: on a small host vLLM keeps one for its front end by default.
     server.about["cpu_binding"] = re.findall(r"core ids=\[[^\]]*\]|reserved_cpus=\[[^\]]*\]",
-                                             log.read_text(errors="replace"))
+                                             server.log.read_text(errors="replace"))
     return server
 
 
@@ -196,32 +183,37 @@ def vllm_version(base_url: str) -> str | None:
         return None
 
 
-def wait_healthy(server: ServerProcess, timeout_s: float) -> ServerProcess:
-    """The server once /health answers 200; a RuntimeError with its log's tail if it exits or times out."""
+def healthy(base_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def spawn(name: str, cmd: list[str], base_url: str, model_name: str, env: dict | None = None,
+          about: dict | None = None) -> ServerProcess:
+    """`cmd` in a session of its own, offline, its output in a log file (a file, not a pipe: a chatty
+    server can never block); `about` keeps its command line."""
+    log = Path(tempfile.mkstemp(prefix=f"{name}-serve-", suffix=".log")[1])
+    with open(log, "wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                   env=repo_env({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}))
+    command = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), *cmd])
+    return ServerProcess(name, process, base_url, log, model_name, {"command": command, **(about or {})})
+
+
+def wait_ready(server: ServerProcess, ready, timeout_s: float) -> ServerProcess:
+    """The server once `ready()`; a RuntimeError with its log's tail if it exits or times out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if ready():
+            return server
         if server.process.poll() is not None:
             raise RuntimeError(f"{server.name} exited with {server.process.returncode}:\n{_tail(server.log)}")
-        try:
-            with urllib.request.urlopen(server.base_url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return server
-        except OSError:
-            pass
-        time.sleep(0.5)
+        time.sleep(0.2)
     server.stop()
     raise RuntimeError(f"{server.name} was not ready after {timeout_s} s:\n{_tail(server.log)}")
-
-
-def _env(extra: dict | None = None) -> dict:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(extra or {}),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-
-
-def _spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    with open(log, "wb") as out:            # a file, not a pipe: a chatty server can never block
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(env), cwd=ROOT,
-                                start_new_session=True)
 
 
 def free_port() -> int:

@@ -12,10 +12,9 @@ import torch
 
 from benchmarks.models import DRAFT_NOTE, build_draft_model, vocab_limit
 from benchmarks.nanopaged_run import run_nanopaged
-from benchmarks.spec_agent import run_agent
-from benchmarks.spec_json import run_json
+from benchmarks.spec_agent import run_agent, run_json
 from benchmarks.spec_prompts import INSTRUCTIONS, MAX_TOKENS_SLACK, NUM_TYPOS, SpecPrompt, build_workload
-from benchmarks.spec_run import (compare, concurrency_levels, configurations, draft_policy, drop_outputs, ngram_config,
+from benchmarks.spec_run import (DRAFT_POLICY, compare, concurrency_levels, configurations, drop_outputs, ngram_config,
                                  run_configs, run_levels, suffix_config, versus_off)
 from benchmarks.spec_vllm import run_vllm_spec
 from benchmarks.quality import TEXTS
@@ -157,7 +156,7 @@ def run_spec(args, model_dir: str, settings: dict) -> dict:
         "ngram_k": args.ngram_k, "prompt_lookup_max": args.prompt_lookup_max,
         "prompt_lookup_min": args.prompt_lookup_min, "suffix_k": args.suffix_k, "draft_k": args.draft_k,
         "seed": args.seed, "sampling": "greedy, stops at EOS", "enable_prefix_caching": False,
-        "threads": torch.get_num_threads(), "draft_policy": draft_policy(),
+        "threads": torch.get_num_threads(), "draft_policy": DRAFT_POLICY,
         "texts": [t.name for t in TEXTS], "instructions": INSTRUCTIONS, "num_typos": NUM_TYPOS,
         "speculative_configs": {name: spec for name, (_, spec) in configurations(args, draft_dir).items()},
         **settings}}

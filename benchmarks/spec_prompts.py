@@ -1,19 +1,23 @@
-"""The spec workload's prompts: answers that repeat their input.
+"""The spec workload's prompts: answers that repeat their input, and the agent-like ones, one
+tool-using task asked again and again with small changes. The words are data:
+benchmarks/data/spec_prompts.json.
 (In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
 from __future__ import annotations
 
+import datetime
+import json
 import random
 import re
 from dataclasses import dataclass
 
-from benchmarks.quality import TEXTS
+from benchmarks.quality import DATA, TEXTS
 
+PROMPTS = json.loads((DATA / "spec_prompts.json").read_text())
 MIN_PASSAGE_TOKENS = 100        # a passage ends at the first sentence end past this (demo tokenizer: 100-143)
 MAX_TOKENS_SLACK = 16           # max_tokens = the passage's tokens + this: room to copy it and stop
 NUM_TYPOS = 3
-INSTRUCTIONS = {"repeat": "Repeat this passage exactly:\n\n{}",
-                "fix_typos": "Fix the typos in this passage and write it out in full:\n\n{}"}
+INSTRUCTIONS = PROMPTS["instructions"]           # kind -> the instruction, the passage at {}
 
 
 @dataclass
@@ -72,9 +76,9 @@ def typo(word: str, rng: random.Random) -> str:
     return word[:j] + word[j + 1:]               # drop (and a swap of two equal letters)
 
 
-def chat_prompt(tokenizer, content: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of a conversation in the tokenizer's chat template, its generation prompt added."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -93,6 +97,69 @@ def build_workload(tokenizer, num_prompts: int, max_tokens: int | None = None, s
         passage = passages[index]
         shown = add_typos(passage, seed * 10_007 + index) if kind == "fix_typos" else passage
         n = num_tokens(tokenizer, passage)
-        items.append(SpecPrompt(kind, index, passage, shown, chat_prompt(tokenizer, INSTRUCTIONS[kind].format(shown)),
-                                n, max_tokens or n + MAX_TOKENS_SLACK))
+        ids = chat_prompt(tokenizer, [{"role": "user", "content": INSTRUCTIONS[kind].format(shown)}])
+        items.append(SpecPrompt(kind, index, passage, shown, ids, n, max_tokens or n + MAX_TOKENS_SLACK))
     return items
+
+
+# ==== the agent-like prompts ===============================================================
+
+AGENT = PROMPTS["agent"]
+TOOL, SYSTEM, REQUEST, ANSWER = AGENT["tool"], AGENT["system"], AGENT["request"], AGENT["answer"]
+EXAMPLE = tuple(AGENT["example"])          # the worked exchange every prompt shows
+CITIES, UNITS = tuple(AGENT["cities"]), tuple(AGENT["units"])
+TOOL_CALL_SCHEMA = AGENT["tool_call_schema"]     # the call as JSON: fixed keys, two enums, a date pattern
+MAX_TOKENS = 96          # an answer is about 66 tokens in the demo tokenizer: room to finish and stop
+
+
+@dataclass
+class AgentPrompt:
+    city: str
+    date: str
+    unit: str
+    expected_answer: str           # the worked exchange's answer with this request's values
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def tool_call(city: str, date: str, unit: str) -> str:
+    return json.dumps({"name": TOOL["name"], "arguments": {"city": city, "date": date, "unit": unit}})
+
+
+def expected_answer(city: str, date: str, unit: str) -> str:
+    return ANSWER.format(call=tool_call(city, date, unit), city=city, date=date, unit=unit)
+
+
+def conversation(city: str, date: str, unit: str) -> list[dict]:
+    """The chat messages of one request: system, the worked exchange, the request."""
+    return [{"role": "system", "content": SYSTEM.format(tool=json.dumps(TOOL))},
+            {"role": "user", "content": REQUEST.format(city=EXAMPLE[0], date=EXAMPLE[1], unit=EXAMPLE[2])},
+            {"role": "assistant", "content": expected_answer(*EXAMPLE)},
+            {"role": "user", "content": REQUEST.format(city=city, date=date, unit=unit)}]
+
+
+def requests(num_prompts: int, seed: int = 0) -> list[tuple[str, str, str]]:
+    """(city, date, unit) of each request: the cities in turn, a seeded date in 2025 and unit each."""
+    if not 1 <= num_prompts <= len(CITIES):
+        raise ValueError(f"--agent-prompts {num_prompts}: 1 to {len(CITIES)} (one request per city)")
+    rng = random.Random(seed)
+    out = []
+    for city in CITIES[:num_prompts]:
+        day = datetime.date(2025, 1, 1) + datetime.timedelta(days=rng.randrange(365))
+        out.append((city, day.isoformat(), rng.choice(UNITS)))
+    return out
+
+
+def build_agent_workload(tokenizer, num_prompts: int, seed: int = 0,
+                         max_tokens: int = MAX_TOKENS) -> list[AgentPrompt]:
+    items = []
+    for city, date, unit in requests(num_prompts, seed):
+        items.append(AgentPrompt(city, date, unit, expected_answer(city, date, unit),
+                                 chat_prompt(tokenizer, conversation(city, date, unit)), max_tokens))
+    return items
+
+
+def answer_tokens(tokenizer, items: list[AgentPrompt]) -> list[int]:
+    """Each expected answer's tokens: [min, max]."""
+    n = [num_tokens(tokenizer, it.expected_answer) for it in items]
+    return [min(n), max(n)]

@@ -1,4 +1,4 @@
-"""The spec workloads' timed runs (benchmarks/spec.py, spec_agent.py, spec_json.py): an engine per
+"""The spec workloads' timed runs (benchmarks/spec.py, spec_agent.py): an engine per
 configuration and concurrency, the prompts in groups of that many, each run against speculation off's.
 (In full: docs/07_benchmarks.md, "The benchmark modules in full".)
 """
@@ -18,6 +18,8 @@ from nanopaged.spec_decode import config as spec_config_module
 # A prompt that repeats itself: every method finds drafts in it, so drafts are verified once before
 # the clock (and the first request's output in suffix decoding's cache is not one of the workload's).
 WARMUP_REPEATING = {"prompt_token_ids": WARMUP_PROMPT["prompt_token_ids"] * 3}
+# What decides how many drafts a request gets per step in this engine, in words.
+DRAFT_POLICY = "the engine's current policy (nanopaged/spec_decode/draft_budget.py)"
 
 
 def ngram_config(k: int, args) -> dict:
@@ -163,7 +165,3 @@ def forced_drafts_switch() -> str | None:
     keys = [k for k in spec_config_module.KEYS if "forced" in k or "grammar" in k]
     return keys[0] if keys else None
 
-
-def draft_policy() -> str:
-    """What decides how many drafts a request gets per step in this engine, in words."""
-    return "the engine's current policy (nanopaged/spec_decode/draft_budget.py)"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from benchmarks import vllm_peer
-from benchmarks.agent_prompts import MAX_TOKENS
+from benchmarks.spec_prompts import MAX_TOKENS
 from benchmarks.peers import not_set_up, run_side, side_python, vllm_job
 from benchmarks.spec_prompts import SpecPrompt
 from benchmarks.spec_run import concurrency_levels, ngram_config, suffix_config, versus_off

@@ -42,38 +42,36 @@ def main(path_in: str, path_out: str) -> None:
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
     generate([WARMUP_PROMPT["prompt_token_ids"]], [4])
+    result = {"load_s": load, "vllm": vllm.__version__}
     if job.get("concurrency"):
-        result = {"load_s": load, "vllm": vllm.__version__, **spec_runs(llm, job, generate, spec)}
-        open(path_out, "w").write(json.dumps(result))
-        return
+        result |= spec_runs(llm, job, generate, spec)
+    else:
+        result |= timed(llm, generate, job["prompts"], job["output_lens"], len(job["prompts"]), spec)
+        result["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
+        one = job.get("single_stream")
+        if one:
+            result["decode_tokens_per_s"] = single_stream(generate, one["prompt"], one["output_tokens"])
+    open(path_out, "w").write(json.dumps(result))
+
+
+def timed(llm, generate, prompts, lens, c: int, spec) -> dict:
+    """The prompts in groups of c, one generate call each: wall time, output tokens and ids, and the
+    spec-decode counters of the run."""
     before = spec_counters(llm) if spec else None
     start = time.perf_counter()
-    outs = generate(job["prompts"], job["output_lens"])
-    wall = time.perf_counter() - start
-    result = {"wall_s": wall, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-              "load_s": load, "vllm": vllm.__version__,
-              "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
-              "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
-    if spec:
-        result["spec_decode"] = counters_since(spec_counters(llm), before)
-    one = job.get("single_stream")
-    if one:
-        result["decode_tokens_per_s"] = single_stream(generate, one["prompt"], one["output_tokens"])
-    open(path_out, "w").write(json.dumps(result))
+    outs = [o for i in range(0, len(prompts), c) for o in generate(prompts[i:i + c], lens[i:i + c])]
+    return {"wall_s": time.perf_counter() - start, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+            "spec_decode": counters_since(spec_counters(llm), before) if spec else None}
 
 
 def spec_runs(llm, job: dict, generate, spec) -> dict:
     """The prompts in groups of c for each c in job["concurrency"], then each of job["sequences"] one
-    at a time: wall time, output tokens and ids, and the spec-decode counters of each run."""
-    def run(prompts, lens, c):
-        before = spec_counters(llm) if spec else None
-        start = time.perf_counter()
-        outs = [o for i in range(0, len(prompts), c) for o in generate(prompts[i:i + c], lens[i:i + c])]
-        return {"wall_s": time.perf_counter() - start, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-                "token_ids": [list(o.outputs[0].token_ids) for o in outs],
-                "spec_decode": counters_since(spec_counters(llm), before) if spec else None}
-    return {"concurrency": {str(c): run(job["prompts"], job["output_lens"], c) for c in job["concurrency"]},
-            "sequences": {name: run(x["prompts"], x["output_lens"], 1) for name, x in job.get("sequences", {}).items()}}
+    at a time (timed)."""
+    return {"concurrency": {str(c): timed(llm, generate, job["prompts"], job["output_lens"], c, spec)
+                            for c in job["concurrency"]},
+            "sequences": {name: timed(llm, generate, x["prompts"], x["output_lens"], 1, spec)
+                          for name, x in job.get("sequences", {}).items()}}
 
 
 def lora_runs(llm, job: dict, adapters: list[str]) -> dict:

@@ -241,38 +241,28 @@ def test_random_weights_need_no_demo_model(tmp_path, monkeypatch):
     assert (tmp_path / "bench" / "tiny-qwen3-random-v2" / "tokenizer.json").is_file()
 
 
+def decode_step_ops(model: str, rows: int) -> int:
+    """Top-level torch ops one decode-only step of `rows` requests launches (the profiler's count)."""
+    from torch.profiler import ProfilerActivity, profile
+    from nanopaged import LLM, SamplingParams
+    engine = LLM(model, cpu_threads=None).llm_engine
+    for i in range(rows):
+        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(3, 3 + 8 + i))},
+                           SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                          for r in engine.scheduler.running):
+        engine.step()
+    engine.step()                                      # one decode step before the profiled one
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    ops = [e for e in prof.events() if e.name.startswith("aten::")]
+    return sum(e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::") for e in ops)
+
+
 def test_a_decode_step_launches_as_many_torch_ops_for_two_rows_as_for_six(tiny_model_dirs):
     """The decode path has no per-request loop: the op count is per layer, not per request."""
-    from benchmarks.research.profile_step import profile_decode_step
-    two, six = (profile_decode_step(tiny_model_dirs["qwen3"], rows) for rows in (2, 6))
-    assert two["num_ops"] == six["num_ops"] > 0
-    assert two["self_ms_by_group"]["matmul"] > 0 and six["step_ms"] > 0
-    assert sum(c for n, c in six["ops_by_name"].items()) == six["num_ops"]
-
-
-def test_the_skinny_matmul_probe_times_every_row_and_thread_count(tiny_model_dirs):
-    import torch
-    from benchmarks.roofline import layer_weights
-    from benchmarks.research.skinny_matmul import main, weight_bytes
-    from nanopaged.models.config import ModelConfig
-    m = ModelConfig.from_folder(tiny_model_dirs["llama"])
-    assert weight_bytes(m) == 4 * (m.num_hidden_layers * layer_weights(m) + m.vocab_size * m.hidden_size)
-    threads = torch.get_num_threads()
-    figs = main(["--model", tiny_model_dirs["llama"], "--rows", "1", "4", "--threads", "1"])
-    assert [(f["threads"], f["rows"]) for f in figs] == [(1, 1), (1, 4), (1, 0)]
-    assert all(f["ms"] > 0 and f["flops_per_s"] > 0 for f in figs[:2]) and figs[2]["copy_bytes_per_s"] > 0
-    # one timing, two readings: FLOP/s = 2 x rows x weights/s, weights/s = bytes/s / 4
-    assert figs[1]["flops_per_s"] == pytest.approx(2 * 4 * figs[1]["weight_bytes_per_s"] / 4)
-    assert torch.get_num_threads() == threads          # the probe gives the thread count back
-
-
-def test_the_step_is_timed_without_each_piece_and_every_piece_is_put_back(tiny_model_dirs):
-    from benchmarks.research.profile_step import PASS_THROUGH, profile_decode_step
-    before = {name: getattr(owner, attr) for name, (owner, attr, _) in PASS_THROUGH.items()}
-    fig = profile_decode_step(tiny_model_dirs["llama"], rows=2, without=True)["without"]
-    assert set(fig["without_ms"]) == {"attention", "rmsnorm", "rotary", "silu_mul"}
-    assert fig["step_ms"] > 0 and fig["without_all_ms"] > 0 and min(fig["without_ms"].values()) > 0
-    assert {name: getattr(owner, attr) for name, (owner, attr, _) in PASS_THROUGH.items()} == before
+    two, six = (decode_step_ops(tiny_model_dirs["qwen3"], rows) for rows in (2, 6))
+    assert two == six > 0
 
 
 def imports(path: pathlib.Path) -> set[str]:
@@ -310,6 +300,60 @@ def test_benchmarks_holds_what_bench_py_uses_and_research_the_rest():
     modules = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__"}
     assert modules == seen & modules, f"not used by bench.py, belongs in benchmarks/research/: {modules - seen}"
     assert "research" not in seen
+
+
+def benchmarks_graph() -> dict[str, set[str]]:
+    """Each module of benchmarks/ (research/ too) -> the modules of benchmarks/ it imports, at any depth of
+    its code (`from benchmarks import x` imports benchmarks.x)."""
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / "benchmarks").rglob("*.py")}
+    return {name: {m for m in imports(path) if m in files and m != name} for name, path in files.items()}
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A chain of imports that comes back to where it started, or None (depth first, marking each module
+    while its imports are walked)."""
+    walking, done = [], set()
+
+    def walk(node: str) -> list[str] | None:
+        if node in walking:
+            return walking[walking.index(node):] + [node]
+        if node in done:
+            return None
+        walking.append(node)
+        found = next((c for c in map(walk, sorted(graph.get(node, ()))) if c), None)
+        walking.pop()
+        done.add(node)
+        return found
+    return next((c for c in map(walk, sorted(graph)) if c), None)
+
+
+# Issue 52 asks for at most 3,000 lines; this is where benchmarks/ stands after its first cut (a ceiling
+# that only comes down: each workload's own code is what is left, docs/07_benchmarks.md lists it).
+LINE_BUDGET = 4_150
+
+
+def test_benchmarks_stays_within_its_line_budget():
+    """Every line of every .py file of benchmarks/ (research/ too), blank lines and docstrings counted:
+    what a reader of the benchmarks reads. Data (prompts, schemas, model shapes) lives in benchmarks/data/."""
+    files = sorted((ROOT / "benchmarks").rglob("*.py"))
+    lines = sum(len(p.read_text().splitlines()) for p in files)
+    assert len(files) > 20 and lines > 0
+    assert lines <= LINE_BUDGET, f"benchmarks/ has {lines} lines of Python, over its budget of {LINE_BUDGET:,}"
+
+
+def test_the_circle_finder_finds_a_circle_and_only_a_circle():
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_benchmarks_imports_form_no_circle():
+    """A module of benchmarks/ never imports, directly or through others, a module that imports it: the
+    modules read in one order (report.py, the one module every table is printed by, imports no workload)."""
+    graph = benchmarks_graph()
+    assert {"benchmarks.report", "benchmarks.serve", "benchmarks.research.tensor_parallel"} <= set(graph)
+    assert "benchmarks.report" in graph["benchmarks.serve"]
+    assert find_circle(graph) is None, f"an import circle in benchmarks/: {' -> '.join(find_circle(graph))}"
 
 
 @pytest.mark.parametrize("script, engine", [("vllm_peer", "vllm"), ("llamacpp_peer", "llama_cpp"),

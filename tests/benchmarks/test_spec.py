@@ -1,6 +1,6 @@
 """`bench.py --workload spec` (benchmarks/spec.py) on the tiny models: the prompts repeat their passage
 (benchmarks/spec_prompts.py), the typos are the same every run, the agent's prompts ask the same tool call
-with other values (benchmarks/agent_prompts.py), the truncated draft model (benchmarks/models.py) is what it
+with other values (benchmarks/spec_prompts.py), the truncated draft model (benchmarks/models.py) is what it
 says and loads as a draft model, the targets are computed from the figures, and one tiny run yields every
 figure and target the JSON promises."""
 import json
@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import bench  # noqa: E402
-from benchmarks import agent_prompts, spec, spec_json, spec_prompts, spec_run, spec_vllm  # noqa: E402
+from benchmarks import spec, spec_agent, spec_prompts, spec_run, spec_vllm  # noqa: E402
 from benchmarks.models import build_draft_model  # noqa: E402
 
 
@@ -105,17 +105,17 @@ def test_the_draft_model_keeps_the_first_layers_and_loads_as_a_draft(tiny_model_
 
 
 def test_agent_prompts_ask_the_same_call_with_other_values(tokenizer):
-    items = agent_prompts.build_agent_workload(tokenizer, 6, seed=0)
-    again = agent_prompts.build_agent_workload(tokenizer, 6, seed=0)
+    items = spec_prompts.build_agent_workload(tokenizer, 6, seed=0)
+    again = spec_prompts.build_agent_workload(tokenizer, 6, seed=0)
     assert [it.prompt_token_ids for it in items] == [it.prompt_token_ids for it in again]
-    assert [it.date for it in agent_prompts.build_agent_workload(tokenizer, 6, seed=1)] != [it.date for it in items]
-    assert len({it.city for it in items}) == 6 and {it.unit for it in items} <= set(agent_prompts.UNITS)
-    example = agent_prompts.expected_answer(*agent_prompts.EXAMPLE)
+    assert [it.date for it in spec_prompts.build_agent_workload(tokenizer, 6, seed=1)] != [it.date for it in items]
+    assert len({it.city for it in items}) == 6 and {it.unit for it in items} <= set(spec_prompts.UNITS)
+    example = spec_prompts.expected_answer(*spec_prompts.EXAMPLE)
     for it in items:
         text = tokenizer.decode(it.prompt_token_ids)
-        assert text.count(json.dumps(agent_prompts.TOOL)) == 1 and text.count(example) == 1   # schema, worked answer
+        assert text.count(json.dumps(spec_prompts.TOOL)) == 1 and text.count(example) == 1   # schema, worked answer
         assert text.rstrip().endswith("<|im_start|>assistant")
-        assert agent_prompts.REQUEST.format(city=it.city, date=it.date, unit=it.unit) in text
+        assert spec_prompts.REQUEST.format(city=it.city, date=it.date, unit=it.unit) in text
         call, sentence = it.expected_answer.split("\n")
         assert json.loads(call) == {"name": "get_weather", "arguments": {"city": it.city, "date": it.date,
                                                                           "unit": it.unit}}
@@ -123,18 +123,18 @@ def test_agent_prompts_ask_the_same_call_with_other_values(tokenizer):
         # the same prompt but for the request's line: everything before it is shared
         assert it.prompt_token_ids[:100] == items[0].prompt_token_ids[:100]
     with pytest.raises(ValueError, match="--agent-prompts"):
-        agent_prompts.build_agent_workload(tokenizer, len(agent_prompts.CITIES) + 1)
+        spec_prompts.build_agent_workload(tokenizer, len(spec_prompts.CITIES) + 1)
 
 
 def test_the_tool_call_schema_takes_the_taught_call_and_refuses_others():
     xgrammar = pytest.importorskip("xgrammar")
     assert xgrammar
-    schema = agent_prompts.TOOL_CALL_SCHEMA
+    schema = spec_prompts.TOOL_CALL_SCHEMA
     assert schema["properties"]["name"]["enum"] == ["get_weather"]
     assert set(schema["properties"]["arguments"]["required"]) == {"city", "date", "unit"}
-    assert spec_json.valid_call(agent_prompts.tool_call("Lima", "2025-02-03", "celsius"),
-                                agent_prompts.AgentPrompt("Lima", "2025-02-03", "celsius", "", [], 1))
-    assert not spec_json.valid_call('{"name": "get_weather"', agent_prompts.AgentPrompt("Lima", "x", "y", "", [], 1))
+    assert spec_agent.valid_call(spec_prompts.tool_call("Lima", "2025-02-03", "celsius"),
+                                spec_prompts.AgentPrompt("Lima", "2025-02-03", "celsius", "", [], 1))
+    assert not spec_agent.valid_call('{"name": "get_weather"', spec_prompts.AgentPrompt("Lima", "x", "y", "", [], 1))
 
 
 def _runs(by_c: dict) -> dict:
@@ -180,7 +180,7 @@ def test_speedups_and_identical_outputs_are_against_off_at_the_same_concurrency(
 
 def test_forced_drafts_are_read_from_the_engine_and_a_run_without_them_is_the_baseline():
     args = bench.parse_args(["--workload", "spec"])
-    configs = spec_json.json_configurations(args)
+    configs = spec_agent.json_configurations(args)
     assert configs["off"][1] is None and configs["off"][2] is False       # no speculative config, no drafts
     assert {"ngram_k5", "suffix_k16"} <= set(configs)
     switch = spec_run.forced_drafts_switch()
@@ -191,8 +191,8 @@ def test_forced_drafts_are_read_from_the_engine_and_a_run_without_them_is_the_ba
             "ngram_k5": {"forced_drafts": True, "concurrency": {"1": {"output_tokens_per_s": 18.0}}},
             "suffix_k16": {"forced_drafts": True, "concurrency": {"1": {"output_tokens_per_s": 15.0}}}}
     # the grammar's drafts alone over no drafts; n-gram's own drafts are not credited to the grammar
-    assert spec_json.forced_vs_without(runs, 1) == (1.6, "forced")
-    assert spec_json.forced_vs_without({"off": runs["off"]}, 1) == (None, None)
+    assert spec_agent.forced_vs_without(runs, 1) == (1.6, "forced")
+    assert spec_agent.forced_vs_without({"off": runs["off"]}, 1) == (None, None)
 
 
 def test_spec_flags_and_peers():
