@@ -6,6 +6,7 @@
     python bench.py --workload spec --peers vllm # speculative decoding: repeating, agent, JSON (benchmarks/spec.py)
     python bench.py --workload lora --peers vllm # many LoRA adapters in one batch (benchmarks/lora.py)
     python bench.py --random-weights olmoe-1b-7b --peers vllm   # a mixture of experts (benchmarks/moe.py)
+    python bench.py --workload overlap           # async scheduling on vs off: each step's phases (benchmarks/overlap.py)
     python bench.py --workload ray               # a dataset through Ray Data replicas (benchmarks/ray_data.py)
 
 Throughput follows nano-vllm's bench.py: seeded random token-id prompts, input and output
@@ -33,11 +34,12 @@ from benchmarks.memory import memory_figures
 from benchmarks.models import MOE_CONFIGS, RANDOM_CONFIGS, resolve_model, vocab_limit
 from benchmarks.nanopaged_run import batch_invariance_cost, quantized_vs_dense, resolved_settings, run_nanopaged
 from benchmarks.noise import noise_figures
+from benchmarks.overlap import run_overlap
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
 from benchmarks.lora import run_lora
 from benchmarks.moe import run_moe
-from benchmarks.report import (plot, print_cascade, print_lora, print_moe, print_shared_prefix, print_sharing,
-                               print_spec, print_structured, print_table)
+from benchmarks.report import (plot, print_cascade, print_lora, print_moe, print_overlap, print_shared_prefix,
+                               print_sharing, print_spec, print_structured, print_table)
 from benchmarks.quality import quality_figures, text_ids
 from benchmarks.roofline import measure_matmul_flops, roofline_figures
 from benchmarks.single_stream import single_stream_figures, single_stream_length
@@ -55,7 +57,7 @@ from nanopaged.engine.input_processor import load_tokenizer
 DEFAULTS = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))
 # nano-vllm's bench.py: 256 requests, lengths uniform in 100..1024 (a GPU-sized run).
 PRESETS = {"nano-vllm": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))}
-WORKLOADS = ("throughput", "shared-prefix", "cascade", "sharing", "structured", "spec", "lora", "moe",
+WORKLOADS = ("throughput", "shared-prefix", "cascade", "sharing", "structured", "spec", "lora", "moe", "overlap",
              "serve", "ray")      # serve: benchmarks/serve.py, ray: benchmarks/ray_data.py, each its own flags
 # shared-prefix: each request = one system prompt (--prefix-len) + its own question.
 SHARED_PREFIX_DEFAULTS = dict(num_requests=64, input_len=(16, 48), output_len=(8, 16), prefix_len=256)
@@ -68,7 +70,8 @@ OTHER_WORKLOADS = {"shared-prefix": (run_shared_prefix, print_shared_prefix),
                    "structured": (run_structured, print_structured),
                    "spec": (run_spec, print_spec),
                    "lora": (run_lora, print_lora),
-                   "moe": (run_moe, print_moe)}
+                   "moe": (run_moe, print_moe),
+                   "overlap": (run_overlap, print_overlap)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,7 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "sharing (KV saved by n > 1 and beam search); spec (speculative decoding: "
                         "benchmarks/spec.py); lora (1, 4, 16 adapters mixed vs the base model: benchmarks/lora.py); "
                         "moe (a mixture of experts against its active-weight floor: benchmarks/moe.py, the workload "
-                        "of --random-weights olmoe-1b-7b and qwen3-30b-a3b-12l)")
+                        "of --random-weights olmoe-1b-7b and qwen3-30b-a3b-12l); overlap (async scheduling on vs "
+                        "off: benchmarks/overlap.py)")
+    p.add_argument("--overlap-requests", type=int, default=256,
+                   help="overlap: requests of 16 output tokens in its third workload (default 256)")
     p.add_argument("--prefix-len", type=int,
                    help="shared-prefix, cascade: tokens of the system prompt every request starts with "
                         "(default 256, cascade 1024)")

@@ -198,6 +198,28 @@ def print_cascade(r: dict) -> None:
         f"{name} {'met' if w['speedup'] >= 1.5 else 'missed'}" for name, w in r["workloads"].items()))
 
 
+def print_overlap(r: dict) -> None:
+    s, m = r["settings"], r["machine"]
+    print(f"\nasync scheduling off vs on (fastest of {s['rounds']} rounds each; ms per step by phase; busy: the "
+          f"share of the steps' wall time the forward pass ran); {host(m)}")
+    rows = {}
+    for name, w in r["workloads"].items():
+        for mode in ("off", "on"):
+            f = w[mode]
+            rows[f"{name}, {mode}"] = [f["output_tokens_per_s"], f["step_wall_ms"],
+                                       *(f["step_ms"].get(p) for p in PHASES), f["model_busy_share"]]
+    table(("workload", 24), [("out tok/s", 11, ".1f"), ("step ms", 9, ".2f"),
+                             *((p, 9, ".2f") for p in PHASES), ("busy", 7, ".1%")], rows)
+    for name, w in r["workloads"].items():
+        on, gain = w["on"]["model_busy_share"], w["speedup"] - 1
+        print(f"{name}: same tokens {w['identical_outputs']}; targets (issue 54): busy >= 97% with it on "
+              f"{on:.1%} {'met' if on >= 0.97 else 'missed'}; out tok/s +{gain:.1%} against the non-model share "
+              f"off {w['non_model_share_off']:.1%}: {'met' if gain >= w['non_model_share_off'] else 'missed'}")
+
+
+PHASES = ("schedule", "prepare", "forward", "wait", "sample", "update", "output")
+
+
 def print_lora(r: dict) -> None:
     s, m = r["settings"], r["machine"]
     print(f"\nLoRA adapters mixed in one batch: {s['num_requests']} requests, prompts {s['input_len'][0]}-"
