@@ -54,7 +54,6 @@ class LLMEngine:
         self.request_fields = {name for kind in self.extension_kinds for name in kind.request_fields}
         for kind in self.extension_kinds:             # every setting checked before any weight loads
             kind.check_config(config)
-        config.async_scheduling = resolve_async_scheduling(config)
         wanted = [kind(config) for kind in self.extension_kinds if kind.wanted(config)]
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.runner = make_runner(config, [stage for ext in wanted for stage in ext.model_stages()])
@@ -71,7 +70,7 @@ class LLMEngine:
         for ext in wanted:
             self.install(ext)
         # async scheduling: the same step, pipelined on two threads (overlap.py); None: one step at a time
-        self.overlap = OverlappedSteps(self) if config.async_scheduling else None
+        self.overlap = OverlappedSteps(self) if resolve_async_scheduling(config) else None
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -186,11 +185,13 @@ class LLMEngine:
         that advanced. `select_tokens` replaces the sampler (a search that chooses its own); it
         must give every row a token, unless its caller aborts that request before the next step.
         If the step fails, its requests end with "abort" and the error goes on to the caller.
-        With async_scheduling the same work runs pipelined (overlap.py), unless a rule chooses the tokens."""
-        if self.overlap is not None and select_tokens is None:
-            return self.overlap.step()
-        if self.overlap is not None and self.overlap.in_flight is not None:
-            raise RuntimeError("a token-selection rule cannot take over a step already computing")
+        With async_scheduling the same work runs pipelined (overlap.py), but for the steps whose next one
+        depends on their tokens: a rule chooses the tokens, or an extension proposes drafts from them."""
+        if self.overlap is not None and (select_tokens is None or self.overlap.in_flight is not None):
+            if select_tokens is not None:
+                raise RuntimeError("a token-selection rule cannot take over a step already computing")
+            if self.overlap.in_flight is not None or not self.hooks["propose"]:
+                return self.overlap.step(ahead=not self.hooks["propose"])
         aborted, self.output_processor.aborted = self.output_processor.aborted, []
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()                                 # 1. schedule

@@ -36,11 +36,9 @@ from nanopaged.worker.model_runner import ModelInput, ModelRunner, ModelRunnerOu
 
 
 def resolve_async_scheduling(config) -> bool:
-    """None (unset): on where it pays, on CUDA, where the model runs on the GPU while the CPU does the
-    rest; off on a CPU, whose cores the two threads share (docs/04_scheduler.md has the figures)."""
-    if config.async_scheduling is not None:
-        return config.async_scheduling
-    return config.device == "cuda"
+    """None (unset): on. On a GPU the engine's thread has the CPU to itself; on a CPU the two threads share
+    its cores, and the overlap still pays where it was measured (docs/04_scheduler.md has the figures)."""
+    return config.async_scheduling is not False
 
 
 def without_async_scheduling(config, what: str, why: str) -> None:
@@ -88,8 +86,11 @@ class OverlappedSteps:
         self.model = ModelThread(engine.runner)
         self.in_flight: InFlight | None = None
         self.num_discarded_rows = 0          # rows computed for requests that had stopped (the extra step)
+        self.num_overlapped_steps = 0        # steps launched before the one before had its outputs
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, ahead: bool = True) -> list[RequestOutput]:
+        """One step's outputs; `ahead`: schedule and launch the next before making them (False: finish the
+        step in flight and stop overlapping, while an extension guesses drafts from each step's tokens)."""
         e = self.engine
         start = time.perf_counter()
         aborted, e.output_processor.aborted = e.output_processor.aborted, []
@@ -101,7 +102,7 @@ class OverlappedSteps:
         current, self.in_flight = self.in_flight, None
         try:
             t0 = time.perf_counter()
-            following = e.scheduler.schedule()                                  # N+1, with placeholders
+            following = e.scheduler.schedule() if ahead else SchedulerOutput()   # N+1, with placeholders
             t1 = time.perf_counter()
             inputs = e.runner.prepare_inputs(following) if following.scheduled else None
             unknown = placeholder_rows(following)
@@ -115,18 +116,19 @@ class OverlappedSteps:
                                           {"schedule": t1 - t0, "prepare": t2 - t1})
             t4 = time.perf_counter()
             e.scheduler.append(current.scheduler_output, sampled)                # update N
-            if self.in_flight is not None:
-                e.scheduler.advance(following)
             t5 = time.perf_counter()
             outputs, stopped = e.output_processor.process(sampled, runner_output.prompt_logits)   # outputs N
             t6 = time.perf_counter()
+            phases = {**current.phases, "forward": forward_end - forward_start, "wait": t3 - t2,
+                      "sample": t4 - t3, "update": t5 - t4, "output": t6 - t5}
+            e.finish_step(StepRecord(current.scheduler_output, sampled, outputs, stopped, e.scheduler.running,
+                                     (start, forward_start, t4, t5), phases))
+            if self.in_flight is not None:
+                e.scheduler.advance(following)      # after N's observers: they count N's tokens as computed
+                self.num_overlapped_steps += 1
         except BaseException:
             self._abort(current)
             raise
-        phases = {**current.phases, "forward": forward_end - forward_start, "wait": t3 - t2,
-                  "sample": t4 - t3, "update": t5 - t4, "output": t6 - t5}
-        e.finish_step(StepRecord(current.scheduler_output, sampled, outputs, stopped, e.scheduler.running,
-                                 (start, forward_start, t4, t5), phases))
         if self.in_flight is not None and not e.scheduler.has_unfinished_requests():
             self.drain()              # only stopped requests' rows are left in it: nothing waits for them
         return aborted + outputs

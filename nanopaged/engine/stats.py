@@ -125,7 +125,7 @@ class EngineStats(Extension):
             "num_generated_tokens": self.num_generated_tokens,
             "model_time_s": self.model_time_s,
             "schedule_time_s": self.schedule_time_s,
-            "async_scheduling": self.engine.config.async_scheduling,     # steps pipelined (engine/overlap.py)
+            "async_scheduling": self.engine.overlap is not None,     # steps pipelined (engine/overlap.py)
             "step_time_s": dict(self.step_time_s),                 # schedule, prepare, forward, sample, update, output
             "step_wall_s": self.step_wall_s,
             # the share of the steps' wall time the model's forward pass ran (with async scheduling, beside the rest)

@@ -48,8 +48,9 @@ class SpeculativeDecoding(Extension):
 
     @classmethod
     def late_install(cls, config, fields: dict) -> bool:
-        # under async scheduling a request's next step is scheduled before its drafts could be forced
-        return FORCED_DRAFTS and not config.async_scheduling
+        # asked for by name, async scheduling keeps overlapping and no drafts are forced; unset, the steps
+        # run one at a time from the first structured request on, and drafts are forced (the greater gain)
+        return FORCED_DRAFTS and config.async_scheduling is not True
 
     def __init__(self, config) -> None:
         super().__init__(config)

@@ -26,9 +26,9 @@ def test_capture_sizes():
                     reason="the triton backend needs triton, and CUDA or TRITON_INTERPRET=1")
 def test_padded_decode_batch_equals_the_real_one(tiny_model_dirs):
     # float32 (the CUDA default is bfloat16, too coarse for atol 1e-5) and eager: this test
-    # runs the model on padded inputs itself, on CPU or CUDA alike.
+    # runs the model on padded inputs itself, on CPU or CUDA alike, after one synchronous step (no step in flight).
     llm = LLM(tiny_model_dirs["llama"], attention_backend="triton", num_kv_blocks=32, block_size=8,
-              dtype="float32", enforce_eager=True)
+              dtype="float32", enforce_eager=True, async_scheduling=False)
     engine = llm.llm_engine
     for i, n in enumerate((5, 11, 20)):
         engine.add_request(str(i), {"prompt_token_ids": list(range(100 * i + 3, 100 * i + 3 + n))},

@@ -193,8 +193,30 @@ def test_the_stats_time_every_phase_of_a_step(tiny_model_dirs):
 
 
 # ---- the settings ----------------------------------------------------------------------------------
-def test_it_is_off_by_default_on_a_cpu(tiny_model_dirs):
-    assert LLM(tiny_model_dirs["qwen3"]).llm_engine.overlap is None
+def test_it_is_on_by_default(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["qwen3"])
+    llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert llm.get_stats()["async_scheduling"] is True and llm.llm_engine.overlap.num_overlapped_steps > 0
+
+
+def test_unset_it_gives_way_to_forced_drafts_once_a_structured_request_comes(tiny_model_dirs):
+    """Asked for by name, async scheduling forces no drafts; unset, the first structured request installs
+    the drafter and the steps run one at a time from then on (its drafts need each step's tokens)."""
+    pytest.importorskip("xgrammar")
+    from nanopaged import StructuredOutputsParams
+    from nanopaged.spec_decode.extension import SpeculativeDecoding
+    params = SamplingParams(max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams(regex="[ab]{4,9}"))
+    named = LLM(tiny_model_dirs["llama"], dtype="float32", async_scheduling=True)
+    unset = LLM(tiny_model_dirs["llama"], dtype="float32")
+    want = [o.outputs[0].token_ids for o in named.generate(PROMPTS[:3], params, use_tqdm=False)]
+    assert named.llm_engine.find(SpeculativeDecoding) is None
+    unset.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
+    overlapped = unset.llm_engine.overlap.num_overlapped_steps
+    assert overlapped > 0
+    assert [o.outputs[0].token_ids for o in unset.generate(PROMPTS[:3], params, use_tqdm=False)] == want
+    assert unset.llm_engine.find(SpeculativeDecoding) is not None
+    assert unset.llm_engine.overlap.num_overlapped_steps == overlapped
+    assert_pool_clean(unset)
 
 
 @pytest.mark.parametrize("settings, named", [
