@@ -128,3 +128,13 @@ def test_every_path_the_docs_mention_exists(path):
     text names a real file or folder of the checkout."""
     missing = sorted({p for p in PATH.findall(path.read_text()) if not (ROOT / p).exists()})
     assert not missing, f"{path.name} mentions paths that do not exist: {missing}"
+
+
+# The front door and the results page stay pages, not manuals (issue 52): reference text goes to docs/.
+PAGE_LIMITS = {"README.md": 150, "docs/benchmarks.md": 350}
+
+
+@pytest.mark.parametrize("page, limit", PAGE_LIMITS.items())
+def test_the_front_door_and_the_results_page_stay_short(page, limit):
+    lines = len((ROOT / page).read_text().splitlines())
+    assert lines <= limit, f"{page} has {lines} lines, over its {limit}: move reference text into docs/"

@@ -36,9 +36,10 @@ from nanopaged.worker.model_runner import ModelInput, ModelRunner, ModelRunnerOu
 
 
 def resolve_async_scheduling(config) -> bool:
-    """None (unset): on. On a GPU the engine's thread has the CPU to itself; on a CPU the two threads share
-    its cores, and the overlap still pays where it was measured (docs/04_scheduler.md has the figures)."""
-    return config.async_scheduling is not False
+    """None (unset): on where it pays. On a GPU the engine's thread has the CPU to itself while the model
+    computes; on a CPU the two threads share its cores, and what the engine's thread does slows the
+    kernels by about what it hides (docs/benchmarks.md, "Async scheduling"): off there."""
+    return config.async_scheduling if config.async_scheduling is not None else config.device == "cuda"
 
 
 def without_async_scheduling(config, what: str, why: str) -> None:

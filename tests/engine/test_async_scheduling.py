@@ -20,6 +20,7 @@ from nanopaged import LLM, BeamSearchParams, SamplingParams
 from nanopaged.core.request import PLACEHOLDER, Request
 from nanopaged.core.scheduler import Scheduler
 from nanopaged.core.block_pool import BlockPool
+from nanopaged.engine import llm_engine
 
 PROMPTS = [{"prompt_token_ids": p} for p in make_prompts(512, n=8, seed=54, min_len=4, max_len=50)]
 SHARED = [{"prompt_token_ids": list(range(3, 40)) + p} for p in make_prompts(512, n=4, seed=55, max_len=12)]
@@ -193,16 +194,19 @@ def test_the_stats_time_every_phase_of_a_step(tiny_model_dirs):
 
 
 # ---- the settings ----------------------------------------------------------------------------------
-def test_it_is_on_by_default(tiny_model_dirs):
-    llm = LLM(tiny_model_dirs["qwen3"])
+def test_unset_it_is_off_on_a_cpu_and_named_it_is_on(tiny_model_dirs):
+    assert LLM(tiny_model_dirs["qwen3"]).get_stats()["async_scheduling"] is False
+    llm = LLM(tiny_model_dirs["qwen3"], async_scheduling=True)
     llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
     assert llm.get_stats()["async_scheduling"] is True and llm.llm_engine.overlap.num_overlapped_steps > 0
 
 
-def test_unset_it_gives_way_to_forced_drafts_once_a_structured_request_comes(tiny_model_dirs):
-    """Asked for by name, async scheduling forces no drafts; unset, the first structured request installs
-    the drafter and the steps run one at a time from then on (its drafts need each step's tokens)."""
+def test_unset_it_gives_way_to_forced_drafts_once_a_structured_request_comes(tiny_model_dirs, monkeypatch):
+    """Asked for by name, async scheduling forces no drafts; unset where it is on by default (a GPU; here
+    the default is made on), the first structured request installs the drafter and the steps run one at
+    a time from then on (its drafts need each step's tokens)."""
     pytest.importorskip("xgrammar")
+    monkeypatch.setattr(llm_engine, "resolve_async_scheduling", lambda config: config.async_scheduling is not False)
     from nanopaged import StructuredOutputsParams
     from nanopaged.spec_decode.extension import SpeculativeDecoding
     params = SamplingParams(max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams(regex="[ab]{4,9}"))
