@@ -11,6 +11,7 @@
 # a tokenizer it trains itself. Everything is written to $OUT (default /tmp):
 #   $OUT/gpu_check.log     every step's output, and a summary line per step
 #   $OUT/gpu_bench.json    the bench's figures (nanopaged and the hf peer, same run)
+#   $OUT/gpu_overlap.json  async scheduling on vs off (bench.py --workload overlap)
 # Each test file runs in its own pytest process under its own timeout, so a CUDA crash (a
 # device-side assert poisons the whole process) takes down one step only; the KV-sizing test,
 # which allocates most of the GPU, runs last. The whole run stays under 8 minutes.
@@ -31,6 +32,7 @@ done
 out="${OUT:-/tmp}"
 log="$out/gpu_check.log"
 bench_json="$out/gpu_bench.json"
+overlap_json="$out/gpu_overlap.json"
 budget=450        # seconds for all steps together: 7.5 minutes, leaving a rerun room in 15
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PIP_NO_INDEX=1 \
        HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -43,6 +45,7 @@ steps=(
   "triton backend|90|python3 -m pytest -q -rs tests/attention/test_triton_backend.py"
   "cuda graphs|90|python3 -m pytest -q -rs tests/attention/test_cuda_graphs.py"
   "bench|200|python3 bench.py --random-weights qwen3-0.6b --device cuda --num-requests 64 --input-len 100 512 --output-len 100 256 --peers hf --hf-batch-sizes 32,64 --json $bench_json"
+  "overlap bench|150|python3 bench.py --workload overlap --random-weights qwen3-0.6b --device cuda --num-requests 32 --input-len 100 256 --output-len 32 64 --overlap-requests 256 --json $overlap_json"
   "kv sizing|90|python3 -m pytest -q -rs tests/test_gpu.py -k kv_cache_sized"
 )
 

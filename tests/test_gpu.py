@@ -31,6 +31,14 @@ def test_triton_backend_with_cuda_graphs_equals_torch_on_cuda(tiny_model_dirs, h
     assert torch_out == expected and eager_out == expected and graph_out == expected
 
 
+def test_async_scheduling_is_on_and_gives_the_synchronous_tokens_on_cuda(tiny_model_dirs):
+    """On CUDA async scheduling is on by default; its forward passes (CUDA graphs replayed) run on the model thread."""
+    off, _ = run(tiny_model_dirs["qwen3"], attention_backend="triton", max_num_seqs=8, async_scheduling=False)
+    on, llm = run(tiny_model_dirs["qwen3"], attention_backend="triton", max_num_seqs=8)
+    assert llm.get_stats()["async_scheduling"] is True and llm.llm_engine.overlap.num_overlapped_steps > 0
+    assert on == off
+
+
 def test_flash_backend_equals_torch_on_cuda(tiny_model_dirs):
     pytest.importorskip("flash_attn")
     torch_out, _ = run(tiny_model_dirs["llama"], attention_backend="torch")

@@ -90,7 +90,9 @@ def test_gpu_check_plans_a_run_a_bare_gpu_machine_can_do(tmp_path):
         for word in command.split():
             if word.startswith("tests/"):
                 assert (ROOT / word).is_file(), word
-    assert f"--json {tmp_path}/out/gpu_bench.json" in steps[-2][2] and "--random-weights" in steps[-2][2]
+    bench, overlap = steps[-3][2], steps[-2][2]
+    assert f"--json {tmp_path}/out/gpu_bench.json" in bench and "--random-weights" in bench
+    assert f"--json {tmp_path}/out/gpu_overlap.json" in overlap and "--workload overlap" in overlap
     assert not (tmp_path / "out").exists()                       # a dry run writes nothing
 
 

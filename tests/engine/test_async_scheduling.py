@@ -289,3 +289,12 @@ def test_the_kernels_let_python_run_beside_them():
     inside = [t for t in ticks if start + 0.01 < t < end - 0.01]
     assert end - start > 0.05, "the kernel call was too short to tell"
     assert len(inside) > (end - start - 0.02) / 0.001 / 4
+
+
+def test_the_demo_model_gives_the_synchronous_outputs(demo_model_dir):
+    """The real model in its default dtype: chat-like prompts, greedy and seeded sampling, stop strings."""
+    prompts = [f"Question {i}: tell me a short story about the number {i}." for i in range(12)]
+    params = [SamplingParams(max_tokens=40, temperature=0 if i % 2 else 0.8, seed=i,
+                             stop=["\n\n"] if i % 3 == 0 else None, logprobs=1 if i % 4 == 1 else None)
+              for i in range(12)]
+    same_outputs(demo_model_dir, prompts, params, max_num_seqs=8)
