@@ -78,8 +78,10 @@ NOT_IMPLEMENTED = [
     (("tokenizer_pool_size",), (0,), "tokenizes in the calling thread"),
     (("tokenizer_pool_type", "tokenizer_pool_extra_config"), ANY, "tokenizes in the calling thread"),
     # ---- parallelism
-    (("pipeline_parallel_size", "data_parallel_size", "decode_context_parallel_size"), (1,),
+    (("pipeline_parallel_size", "decode_context_parallel_size"), (1,),
      "splits a model across ranks by tensor parallelism only (tensor_parallel_size)"),
+    (("data_parallel_size",), (1,), "runs one engine in LLM: data parallelism is `nanopaged serve "
+     "--data-parallel-size N` (engine-core processes behind a router), or Ray Data offline (docs/14_ray_data.md)"),
     (("data_parallel_rank", "data_parallel_start_rank", "data_parallel_size_local", "data_parallel_address",
       "data_parallel_rpc_port"), (None,), "splits a model across ranks by tensor parallelism only"),
     (("data_parallel_hybrid_lb", "enable_dbo", "disable_nccl_for_dp_synchronization"), (False,),

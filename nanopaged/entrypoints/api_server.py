@@ -48,19 +48,26 @@ def uvicorn_server(args, app, on_started, host: str | None = None, port: int | N
     return server
 
 
-def run_api_server(name: str, args, sock, address: str, lifeline, core: tuple, started, key: str | None,
-                   updating: bool) -> None:
-    """The process's body. `core`: (EngineConfig, num_kv_blocks, serves adapters) from the engine core;
+def run_api_server(name: str, args, sock, addresses: list[str], lifelines: list, core: tuple, started,
+                   key: str | None, updating: bool) -> None:
+    """The process's body. `addresses`, `lifelines`: each engine core's socket and life line (one, or one per
+    data-parallel rank); `core`: (EngineConfig, num_kv_blocks, serves adapters) from the engine core;
     `started` hears ("started", name) once the socket is served, or ("error", text); `key`: the API key
     (or None), `updating`: whether the LoRA load and unload routes exist."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # SIGTERM exits at once until the server exists
     from nanopaged.engine.input_processor import load_tokenizer
+    from nanopaged.entrypoints.dp_router import Router
     from nanopaged.entrypoints.openai.core_client import CoreClient
+    from nanopaged.entrypoints.openai.dp_client import DataParallelClient
     from nanopaged.entrypoints.openai.metrics import ServerMetrics
 
     config, num_kv_blocks, serves_adapters = core
     metrics = ServerMetrics()
-    client = CoreClient(name, address, config, load_tokenizer(config.tokenizer), num_kv_blocks, lifeline, metrics)
+    tokenizer = load_tokenizer(config.tokenizer)
+    clients = [CoreClient(name, address, config, tokenizer, num_kv_blocks, lifeline, metrics, str(i))
+               for i, (address, lifeline) in enumerate(zip(addresses, lifelines))]
+    client = clients[0] if len(clients) == 1 else DataParallelClient(
+        clients, Router(args.dp_routing, len(clients), config.block_size, config.prefix_hash))
     client.start()
     try:
         models = served_models(args, client if serves_adapters else None, config.max_model_len)

@@ -41,6 +41,7 @@ class AddRequest(msgspec.Struct, tag=True):
     cache_salt: str | None = None
     lora: list | None = None          # [name, int id, path]
     pooling: dict | None = None       # an embedding request: PoolingParams' fields (params is then {})
+    prefix_keys: list[bytes] = []     # data parallelism: the router's keys of its first blocks (dp_router.py)
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -103,6 +104,7 @@ class Figures(msgspec.Struct, tag=True):
     prefix_hits: int
     generation_tokens: int
     counters: dict = {}               # each extension's (Extension.counters): name -> [help, total or totals]
+    prefix_keys: list[bytes] = []     # the prefix keys of the requests it took since its last figures
 
 
 class AdapterDone(msgspec.Struct, tag=True):

@@ -22,6 +22,7 @@ import os
 import signal
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
 import zmq
 
 from nanopaged.entrypoints import core_messages as m
@@ -32,12 +33,16 @@ logger = logging.getLogger("nanopaged.entrypoints.engine_core")
 CHECK_THREADS = 2         # process_request beside the steps (tokenizer-free: a grammar, an adapter)
 IDLE_POLL_MS = 100        # how long an idle loop waits for a message before it looks around again
 
+MAX_PREFIX_KEYS = 4096     # prefix keys kept for the next figures (a router misses what falls off)
 
-def run_engine_core(model: str | None, settings: dict, address: str, ready, lifeline) -> None:
+def run_engine_core(model: str | None, settings: dict, address: str, ready, lifeline, threads: int | None = None) -> None:
     """The process's body. `ready` (a Connection) hears ("ready", EngineConfig, num_kv_blocks) or
     ("error", text); `lifeline` is the write end of a pipe that only this process keeps open: when it
-    dies, however it dies, every API server's read end reports end of file (api_server.py)."""
+    dies, however it dies, every API server's read end reports end of file (api_server.py). `threads`:
+    torch's CPU threads here (data parallelism splits the host's cores between the engine cores)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C reaches the supervisor, which stops us
+    if threads is not None:
+        torch.set_num_threads(threads)
     from nanopaged.llm import LLM
     try:
         llm = LLM(model, **settings)
@@ -65,6 +70,7 @@ class EngineCore:
         self.checks = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="nanopaged-check")
         self.prompt_sent: dict[str, int] = {}         # prompt_logprobs entries sent so far
         self.changed = True                           # since the last figures were sent
+        self.prefix_keys: list[bytes] = []            # of the requests taken since (data parallelism's routers)
         self.parent = os.getppid()
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -149,6 +155,7 @@ class EngineCore:
                 self.send(client, m.Refused(message.request_id, str(e)))
                 continue
             self.owner[message.request_id] = client
+            self.prefix_keys = (self.prefix_keys + message.prefix_keys)[-MAX_PREFIX_KEYS:]
             self.send(client, m.Accepted(message.request_id))
 
     def abort(self, request_id: str) -> None:
@@ -230,6 +237,7 @@ class EngineCore:
     def send_figures(self) -> None:
         self.changed = False
         figures = m.figures_of(self.engine, self.llm.stats)
+        figures.prefix_keys, self.prefix_keys = self.prefix_keys, []
         for client in self.clients:
             self.send(client, figures)
 

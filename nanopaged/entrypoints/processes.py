@@ -1,13 +1,16 @@
 """The server's processes, as vLLM V1 lays them out: who starts them, watches them, stops them.
 
     supervisor (this process)   opens the listening socket, starts the others, watches them
-    engine core (1)             engine_core.py: scheduler, runner, block pool; no text work
-    API servers (N)             api_server.py: HTTP, tokenizing, detokenizing; N = --api-server-count
+    engine cores (D)            engine_core.py: scheduler, runner, block pool; no text work;
+                                D = --data-parallel-size, each with its own model copy and threads
+    API servers (N)             api_server.py: HTTP, tokenizing, detokenizing; N = --api-server-count;
+                                each connected to every engine core, routing new requests between them
 
 Faults end cleanly, never in a hang: if the engine core dies, every API server sees its life
 line close (a pipe only the core writes to), ends the requests in flight with an error and
 answers /health with 503; the supervisor gives them a moment to say so, stops them and exits
-1. If an API server dies, the engine core aborts that server's requests (ClientGone) and the
+1. With several engine cores only the dead core's requests end with the error, the others serve on
+and /health says "degraded" (it is not replaced); the supervisor exits 1 when none is left. If an API server dies, the engine core aborts that server's requests (ClientGone) and the
 others serve on; with none left, the supervisor exits 1. SIGINT or SIGTERM stops every process
 and exits 0. A supervisor killed outright (SIGKILL) can stop nothing: each child asked Linux, first
 thing, for SIGTERM when its parent dies (prctl's PR_SET_PDEATHSIG), so the port is free within
@@ -42,25 +45,37 @@ def serve_processes(args, settings: dict, describe, key: str | None, updating: b
     the ready line's (served name, details). A ValueError if it cannot start, saying why."""
     ctx = multiprocessing.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="nanopaged-")
-    address = f"ipc://{folder}/engine-core"
-    core, lifeline, info = start_engine_core(ctx, args.model, settings, address)
-    if core is None:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise ValueError(info)
-    supervisor = Supervisor(ctx, core, lifeline, address, folder)
+    n = args.data_parallel_size
+    threads = args.engine_core_threads
+    if threads is None and n > 1:          # the host's cores split between them, as evenly as they go
+        threads = max(1, (os.cpu_count() or 1) // n)
+    cores, lifelines, addresses = [], [], []
+    for i in range(n):
+        address = f"ipc://{folder}/engine-core" + (f"-{i}" if n > 1 else "")
+        core, lifeline, info = start_engine_core(ctx, args.model, settings, address, threads, i)
+        if core is None:
+            for started in cores:
+                started.terminate()
+                _join(started)
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ValueError(info)
+        cores.append(core)
+        lifelines.append(lifeline)
+        addresses.append(address)
+    supervisor = Supervisor(ctx, cores, lifelines, addresses, folder)
     try:
         return supervisor.run(args, info, describe, key, updating)
     finally:
         supervisor.stop_all()
 
 
-def start_engine_core(ctx, model, settings: dict, address: str):
-    """The engine-core process, once its model is loaded: (process, the life line's read end, its info),
-    or (None, None, why not)."""
+def start_engine_core(ctx, model, settings: dict, address: str, threads: int | None = None, index: int = 0):
+    """An engine-core process, once its model is loaded: (process, the life line's read end, its info),
+    or (None, None, why not). `threads`: torch's CPU threads in it (None: torch's own count)."""
     ready_r, ready_w = ctx.Pipe(duplex=False)
     life_r, life_w = ctx.Pipe(duplex=False)
-    core = ctx.Process(target=child_main, name="nanopaged-engine-core",
-                       args=(os.getpid(), run_engine_core, model, settings, address, ready_w, life_w))
+    core = ctx.Process(target=child_main, name=f"nanopaged-engine-core-{index}",
+                       args=(os.getpid(), run_engine_core, model, settings, address, ready_w, life_w, threads))
     core.start()
     ready_w.close()
     life_w.close()                     # from here on only the core holds the life line's write end
@@ -75,13 +90,17 @@ def start_engine_core(ctx, model, settings: dict, address: str):
 
 
 class Supervisor:
-    def __init__(self, ctx, core, lifeline, address: str, folder: str) -> None:
-        self.ctx, self.core, self.lifeline, self.address, self.folder = ctx, core, lifeline, address, folder
+    def __init__(self, ctx, cores: list, lifelines: list, addresses: list[str], folder: str) -> None:
+        self.ctx, self.cores, self.lifelines, self.addresses, self.folder = ctx, cores, lifelines, addresses, folder
         self.api_servers: dict[str, multiprocessing.Process] = {}
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)   # to tell the core of deaths, and to stop it
-        self.socket.setsockopt(zmq.IDENTITY, b"supervisor")
-        self.socket.setsockopt(zmq.LINGER, 1000)
-        self.socket.connect(address)
+        self.sockets = []                  # to tell each core of deaths, and to stop it
+        for address in addresses:
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, b"supervisor")
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(address)
+            self.sockets.append(sock)
+        self.live_cores = set(range(len(cores)))
         self.wake_r, self.wake_w = os.pipe()
         self.signal = None
 
@@ -92,7 +111,7 @@ class Supervisor:
             name = f"api-{i}"
             self.api_servers[name] = self.ctx.Process(
                 target=child_main, name=f"nanopaged-{name}",
-                args=(os.getpid(), run_api_server, name, args, listener, self.address, self.lifeline, info,
+                args=(os.getpid(), run_api_server, name, args, listener, self.addresses, self.lifelines, info,
                       started_w, key, updating))
             self.api_servers[name].start()
         started_w.close()
@@ -102,8 +121,9 @@ class Supervisor:
         host, port = listener.getsockname()[:2]
         listener.close()                  # the API servers hold it now
         name, details = describe(*info[:2])
+        pids = ", ".join(str(c.pid) for c in self.cores)
         print(f"nanopaged: serving {name!r} at http://{host}:{port}/v1 ({details}; {args.api_server_count} API "
-              f"server(s), engine core pid {self.core.pid})", flush=True)
+              f"server(s), engine core pid {pids})", flush=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)
         return self.watch()
@@ -112,7 +132,7 @@ class Supervisor:
         """None once every API server listens; else why one did not start."""
         waiting = set(self.api_servers)
         while waiting:
-            ready = wait([started, self.core.sentinel, *(p.sentinel for p in self.api_servers.values())])
+            ready = wait([started, *(c.sentinel for c in self.cores), *(p.sentinel for p in self.api_servers.values())])
             if started in ready:
                 try:
                     what, text = started.recv()
@@ -121,8 +141,8 @@ class Supervisor:
                 if what == "error":
                     return text
                 waiting.discard(text)
-            elif self.core.sentinel in ready:
-                return f"the engine core exited with status {self.core.exitcode}"
+            elif any(c.sentinel in ready for c in self.cores):
+                return f"an engine core exited with status {next(c.exitcode for c in self.cores if not c.is_alive())}"
             else:
                 dead = [n for n, p in self.api_servers.items() if not p.is_alive()]
                 return f"API server {dead[0]} exited with status {self.api_servers[dead[0]].exitcode} while starting"
@@ -136,19 +156,26 @@ class Supervisor:
         """Until a signal (0) or a fault (1)."""
         while True:
             sentinels = {p.sentinel: n for n, p in self.api_servers.items()}
-            ready = wait([self.wake_r, self.core.sentinel, *sentinels])
+            cores = {self.cores[i].sentinel: i for i in self.live_cores}
+            ready = wait([self.wake_r, *cores, *sentinels])
             if self.signal is not None:
                 return 0
-            if self.core.sentinel in ready:
-                print(f"nanopaged: the engine core died (exit status {self.core.exitcode}); every request in "
-                      "flight ended with an error; stopping", file=sys.stderr, flush=True)
+            for i in [cores[s] for s in ready if s in cores]:
+                self.live_cores.discard(i)
+                self.cores[i].join(STOP_S)
+                left = len(self.live_cores)
+                print(f"nanopaged: engine core {i} died (exit status {self.cores[i].exitcode}); its requests in "
+                      f"flight ended with an error; " + (f"{left} serve on" if left else "stopping"),
+                      file=sys.stderr, flush=True)
+            if not self.live_cores:
                 wait([p.sentinel for p in self.api_servers.values()], timeout=GRACE_S)
                 return 1
             for sentinel in ready:
                 name = sentinels.get(sentinel)
                 if name is not None:
                     process = self.api_servers.pop(name)
-                    self.socket.send(m.encode(m.ClientGone(name)))
+                    for i in self.live_cores:
+                        self.sockets[i].send(m.encode(m.ClientGone(name)))
                     process.join(STOP_S)                 # its sentinel fires a moment before its status is there
                     print(f"nanopaged: API server {name} died (exit status {process.exitcode}); the engine "
                           f"core aborts its requests; {len(self.api_servers)} serve on", file=sys.stderr, flush=True)
@@ -162,10 +189,12 @@ class Supervisor:
                 p.terminate()                            # SIGTERM: uvicorn's graceful shutdown
         for p in self.api_servers.values():
             _join(p)
-        if self.core.is_alive():
-            self.socket.send(m.encode(m.Shutdown()))
-            _join(self.core)
-        self.socket.close()
+        for core, sock in zip(self.cores, self.sockets):
+            if core.is_alive():
+                sock.send(m.encode(m.Shutdown()))
+        for core, sock in zip(self.cores, self.sockets):
+            _join(core)
+            sock.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

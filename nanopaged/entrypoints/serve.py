@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass, fields
 
 from nanopaged.config import EngineConfig
+from nanopaged.entrypoints.dp_router import RULES
 
 SETTINGS_OFF_IS_NONE = {"cpu_threads"}          # "auto" or None, spelled "none" on the command line
 API_KEY_ENV = "NANOPAGED_API_KEY"               # vLLM's is VLLM_API_KEY
@@ -48,6 +49,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-server-count", type=_positive(int), default=1, metavar="N",
                    help="API-server processes (HTTP, tokenizing, detokenizing) in front of the one engine-core "
                         "process (default: %(default)s)")
+    p.add_argument("--data-parallel-size", type=_positive(int), default=1, metavar="D",
+                   help="engine-core processes, each with its own copy of the model, scheduler and KV cache; every "
+                        "API server routes each new request to one of them (default: %(default)s)")
+    p.add_argument("--dp-routing", choices=RULES, default="prefix-aware",
+                   help="with --data-parallel-size > 1: which engine core a request goes to: the one holding its "
+                        "prefix unless overloaded (default), the least loaded, or each in turn")
+    p.add_argument("--engine-core-threads", type=_positive(int), metavar="T",
+                   help="torch's CPU threads in each engine core (default: torch's own count; with "
+                        "--data-parallel-size D, the host's cores / D)")
     p.add_argument("--engine-in-process", action="store_true",
                    help="run the engine on a thread of the one HTTP process, no engine-core process (the old "
                         "layout; with --api-server-count 1 only)")
@@ -67,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_tool_calling(p, args)
     if args.engine_in_process and args.api_server_count != 1:
         p.error("--engine-in-process runs one HTTP process: --api-server-count must be 1")
+    if args.engine_in_process and (args.data_parallel_size != 1 or args.engine_core_threads):
+        p.error("--engine-in-process runs the engine on a thread: --data-parallel-size must be 1, without "
+                "--engine-core-threads")
     if args.api_server_count > 1 and runtime_lora_updating(args):      # the flag or vLLM's variable
         p.error(f"--allow-runtime-lora-updating (or {RUNTIME_LORA_ENV}) needs --api-server-count 1 (each API "
                 "server keeps its own table of adapter names)")

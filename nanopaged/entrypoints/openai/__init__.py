@@ -5,6 +5,7 @@
     limits.py        who may ask (--api-key, or x-api-key) and how much: body size, JSON type, header deadline
     engine_loop.py   the engine on a thread of this process (--engine-in-process); per-request output queues
     core_client.py   the same interface, the engine in the engine-core process (the default layout)
+    dp_client.py     the same interface over several engine cores (--data-parallel-size), each request routed
     responses.py     RequestOutputs -> whole responses and streamed chunks
     tools.py         tools and tool_choice: checked, rendered, constrained ("required", a named function)
     tool_parsers.py  tool calls found in the text, whole or streamed (hermes, llama3_json)

@@ -62,7 +62,8 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedMod
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine_loop.alive else 503)
+        status, detail = engine_loop.health()        # data parallelism: "degraded" while a core is down
+        return Response(detail, status_code=status, media_type="text/plain")
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -57,10 +57,11 @@ class CoreDied(ConnectionError):
 
 class CoreClient:
     def __init__(self, name: str, address: str, config, tokenizer, num_kv_blocks: int, lifeline,
-                 metrics=None) -> None:
+                 metrics=None, engine: str = "0") -> None:
         """`name`: this API server's name on the socket; `lifeline`: the read end of the pipe that
-        only the engine core writes to (end of file: it died)."""
-        self.name, self.config, self.tokenizer, self.metrics = name, config, tokenizer, metrics
+        only the engine core writes to (end of file: it died); `engine`: the core's index (/metrics' label)."""
+        self.name, self.config, self.tokenizer, self.metrics, self.engine = name, config, tokenizer, metrics, engine
+        self.on_figures = None                                 # figures(Figures): a data-parallel router's
         self.input_processor = InputProcessor(config, tokenizer, num_kv_blocks)
         if config.runner == "pooling":           # PoolingParams in, as the engine core's own processor takes them
             self.input_processor = PoolingInputProcessor(config, tokenizer, num_kv_blocks)
@@ -97,8 +98,18 @@ class CoreClient:
     def alive(self) -> bool:
         return self.error is None and self.thread.is_alive()
 
+    def health(self) -> tuple[int, str]:
+        return (200, "") if self.alive else (503, f"the engine core has stopped: {self.error}")
+
     async def submit(self, submission: Submission) -> None:
-        batches = await asyncio.get_running_loop().run_in_executor(self.inputs, self._process, submission)
+        await self.send(submission, await self.prepare(submission))
+
+    async def prepare(self, submission: Submission) -> list[list[Request]]:
+        """Tokenized and checked, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.inputs, self._process, submission)
+
+    async def send(self, submission: Submission, batches: list[list[Request]]) -> None:
+        """To the engine core; returns once it took every request (or refused one: OpenAIError)."""
         if not self.alive:
             raise OpenAIError(f"the engine core has stopped: {self.error}", status=503, type="service_unavailable")
         self._command(("add", submission, batches))
@@ -161,8 +172,10 @@ class CoreClient:
         except BaseException as e:
             self.error = e
             logger.error("nanopaged: %s; every request in flight ends with an error", e)
-            self._fail_everyone(OpenAIError(f"{e}: the server is stopping", status=500,
-                                            type="internal_server_error"))
+            if self.metrics is not None:
+                self.metrics.engine_stopped(self.engine)
+            self._fail_everyone(OpenAIError(f"engine core {self.engine}: {e}; its requests in flight end here",
+                                            status=500, type="internal_server_error"))
         finally:
             if not stopped and not isinstance(self.error, CoreDied):
                 _exit_process(self.error)
@@ -221,7 +234,8 @@ class CoreClient:
                 wire = m.encode(m.AddRequest(rid, samples[0].prompt_token_ids,
                                              {} if pooling else m.params_to_wire(r.params), samples[0].cache_salt,
                                              m.lora_to_wire(r.lora_request),
-                                             m.params_to_wire(r.params) if pooling else None))
+                                             m.params_to_wire(r.params) if pooling else None,
+                                             submission.prefix_keys if rid == submission.request_ids[0] else []))
             except (TypeError, ValueError, OverflowError) as e:   # a value MessagePack cannot carry: its fault
                 self.outputs.abort(rid)
                 self.outputs.aborted.clear()
@@ -262,7 +276,9 @@ class CoreClient:
                 self._outputs(message)
             elif isinstance(message, m.Figures):
                 if self.metrics is not None:
-                    self.metrics.engine(message)
+                    self.metrics.engine(message, self.engine)
+                if self.on_figures is not None:
+                    self.on_figures(message)
             elif isinstance(message, m.Accepted):
                 self._accepted(message.request_id)
             elif isinstance(message, m.Refused):

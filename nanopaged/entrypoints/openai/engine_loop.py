@@ -58,6 +58,7 @@ class Submission:
     pending: dict = field(default_factory=dict)       # request id -> its newest unread RequestOutput
     error: BaseException | None = None        # ends the results once the pending outputs are read
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    prefix_keys: list = field(default_factory=list)   # data parallelism: its first prompt's keys (dp_router.py)
 
     def __post_init__(self) -> None:
         if self.accepted is None:
@@ -118,6 +119,9 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self.thread.is_alive()
+
+    def health(self) -> tuple[int, str]:
+        return (200, "") if self.alive else (503, "the engine has stopped")
 
     async def submit(self, submission: Submission) -> None:
         """Tokenize and check its requests on an input thread, then queue them; returns once the

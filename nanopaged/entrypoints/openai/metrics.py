@@ -16,6 +16,7 @@ docs/08_server.md, "Metrics".
 """
 from __future__ import annotations
 
+import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -56,6 +57,17 @@ class ServerMetrics:
         self.arrival: dict[str, float] = {}        # request id -> monotonic arrival time
         self.first_token: dict[str, float] = {}    # request id -> monotonic time of its first token
         self.seen = Figures(0, 0, 0.0, 0, 0, 0, 0)  # the totals at the last figures
+        self.per_engine: dict[str, Figures] = {}    # each engine core's last figures (data parallelism)
+        self.lock = threading.Lock()                # with data parallelism each core's client thread reports
+        label = dict(labelnames=["engine"], **r)
+        self.engine_running = Gauge(PREFIX + "engine_num_requests_running", "Running, per engine core.", **label)
+        self.engine_waiting = Gauge(PREFIX + "engine_num_requests_waiting", "Waiting, per engine core.", **label)
+        self.engine_kv_usage = Gauge(PREFIX + "engine_kv_cache_usage_perc", "KV cache usage, per engine core.",
+                                     **label)
+        self.engine_prefix_hits = Counter(PREFIX + "engine_prefix_cache_hits", "Prefix-cache hits, per engine core.",
+                                          **label)
+        self.engine_generation_tokens = Counter(PREFIX + "engine_generation_tokens", "Tokens generated, per "
+                                                "engine core.", **label)
         self.extension_counters: dict = {}          # an extension's counters, each made at its first figures
 
     def exposition(self) -> bytes:
@@ -70,7 +82,28 @@ class ServerMetrics:
         self.arrival.pop(request_id, None)
         self.first_token.pop(request_id, None)
 
-    def engine(self, figures: Figures) -> None:
+    def engine(self, figures: Figures, engine: str = "0") -> None:
+        """One engine core's figures: its own gauges (label `engine`, as vLLM's), and the totals over every
+        core (the unlabelled ones: KV usage is the mean); each counter moves by what its total grew."""
+        with self.lock:
+            self.engine_running.labels(engine=engine).set(figures.running)
+            self.engine_waiting.labels(engine=engine).set(figures.waiting)
+            self.engine_kv_usage.labels(engine=engine).set(figures.kv_usage)
+            was = self.per_engine.get(engine, Figures(0, 0, 0.0, 0, 0, 0, 0))
+            self.engine_prefix_hits.labels(engine=engine).inc(max(0, figures.prefix_hits - was.prefix_hits))
+            self.engine_generation_tokens.labels(engine=engine).inc(
+                max(0, figures.generation_tokens - was.generation_tokens))
+            self.per_engine[engine] = figures
+            self.total(figures if len(self.per_engine) == 1 else summed(list(self.per_engine.values())))
+
+    def engine_stopped(self, engine: str) -> None:
+        """An engine core died: it runs and holds nothing any more (its counters keep what it did)."""
+        was = self.per_engine.get(engine)
+        if was is not None:
+            self.engine(Figures(0, 0, 0.0, was.preemptions, was.prefix_queries, was.prefix_hits,
+                                was.generation_tokens, was.counters), engine)
+
+    def total(self, figures: Figures) -> None:
         """The gauges as they are; each counter moves by what its total grew since the last figures."""
         self.running.set(figures.running)
         self.waiting.set(figures.waiting)
@@ -121,3 +154,16 @@ class ServerMetrics:
         if tokens > 1:
             self.tpot.observe((now - first) / (tokens - 1))
         self.finished.labels(finished_reason=output.outputs[0].finish_reason).inc()
+
+
+def summed(each: list[Figures]) -> Figures:
+    """Every engine core's figures as one: counts and totals added, KV usage averaged (the cores' pools are
+    the same size), extensions' counters added name by name."""
+    counters: dict = {}
+    for f in each:
+        for name, (help_text, total) in f.counters.items():
+            was = counters.get(name, (help_text, [0] * len(total) if isinstance(total, list) else 0))[1]
+            counters[name] = [help_text, [a + b for a, b in zip(was, total)] if isinstance(total, list) else was + total]
+    return Figures(sum(f.running for f in each), sum(f.waiting for f in each), sum(f.kv_usage for f in each) / len(each),
+                   sum(f.preemptions for f in each), sum(f.prefix_queries for f in each),
+                   sum(f.prefix_hits for f in each), sum(f.generation_tokens for f in each), counters)
