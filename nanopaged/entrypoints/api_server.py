@@ -9,6 +9,9 @@ layouts, and so is `served_models`, the names it answers to. docs/08_server.md, 
 from __future__ import annotations
 
 import signal
+import threading
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
 
 import uvicorn
 
@@ -49,11 +52,12 @@ def uvicorn_server(args, app, on_started, host: str | None = None, port: int | N
 
 
 def run_api_server(name: str, args, sock, addresses: list[str], lifelines: list, core: tuple, started,
-                   key: str | None, updating: bool) -> None:
+                   key: str | None, updating: bool, control=None) -> None:
     """The process's body. `addresses`, `lifelines`: each engine core's socket and life line (one, or one per
     data-parallel rank); `core`: (EngineConfig, num_kv_blocks, serves adapters) from the engine core;
     `started` hears ("started", name) once the socket is served, or ("error", text); `key`: the API key
-    (or None), `updating`: whether the LoRA load and unload routes exist."""
+    (or None), `updating`: whether the LoRA load and unload routes exist; `control`: with several engine
+    cores, the supervisor's pipe that hands over the life line of a core started in a dead one's place."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # SIGTERM exits at once until the server exists
     from nanopaged.engine.input_processor import load_tokenizer
     from nanopaged.entrypoints.dp_router import Router
@@ -64,11 +68,16 @@ def run_api_server(name: str, args, sock, addresses: list[str], lifelines: list,
     config, num_kv_blocks, serves_adapters = core
     metrics = ServerMetrics()
     tokenizer = load_tokenizer(config.tokenizer)
-    clients = [CoreClient(name, address, config, tokenizer, num_kv_blocks, lifeline, metrics, str(i))
-               for i, (address, lifeline) in enumerate(zip(addresses, lifelines))]
+
+    def connect(i: int, lifeline) -> CoreClient:
+        return CoreClient(name, addresses[i], config, tokenizer, num_kv_blocks, lifeline, metrics, str(i))
+    clients = [connect(i, lifeline) for i, lifeline in enumerate(lifelines)]
     client = clients[0] if len(clients) == 1 else DataParallelClient(
-        clients, Router(args.dp_routing, len(clients), config.block_size, config.prefix_hash))
+        clients, Router(args.dp_routing, len(clients), config.block_size, config.prefix_hash), connect)
     client.start()
+    if control is not None:
+        threading.Thread(target=take_replacements, args=(control, client), name="nanopaged-control",
+                         daemon=True).start()
     try:
         models = served_models(args, client if serves_adapters else None, config.max_model_len)
     except ValueError as e:
@@ -87,6 +96,18 @@ def run_api_server(name: str, args, sock, addresses: list[str], lifelines: list,
         server.run(sockets=[sock])
     finally:
         client.stop()
+
+
+def take_replacements(control, client) -> None:
+    """The supervisor started engine core i again: ("core", i), then its life line's file descriptor
+    (passed over the pipe: multiprocessing.reduction.send_handle). Until the supervisor is gone."""
+    while True:
+        try:
+            _, i = control.recv()
+            fd = reduction.recv_handle(control)
+        except (EOFError, OSError):
+            return
+        client.replace(i, Connection(fd, writable=False))
 
 
 def served_models(args, lora_manager, max_model_len: int):

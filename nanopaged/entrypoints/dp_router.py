@@ -69,6 +69,10 @@ class Router:
         while len(self.holder) > PREFIX_MEMORY:
             self.holder.popitem(last=False)
 
+    def revived(self, core: int) -> None:
+        """Another engine core took the dead one's place: empty, and chosen again."""
+        self.loads[core] = CoreLoad()
+
     def died(self, core: int) -> None:
         self.loads[core].alive = False
         for key in [k for k, c in self.holder.items() if c == core]:

@@ -10,8 +10,10 @@ Faults end cleanly, never in a hang: if the engine core dies, every API server s
 line close (a pipe only the core writes to), ends the requests in flight with an error and
 answers /health with 503; the supervisor gives them a moment to say so, stops them and exits
 1. With several engine cores only the dead core's requests end with the error, the others serve on
-and /health says "degraded" (it is not replaced); the supervisor exits 1 when none is left. If an API server dies, the engine core aborts that server's requests (ClientGone) and the
-others serve on; with none left, the supervisor exits 1. SIGINT or SIGTERM stops every process
+and /health says "degraded" while the supervisor starts another core in its place (at most
+MAX_RESTARTS times a core; the new core's life line goes to each API server over its control pipe);
+it exits 1 when none is left. If an API server dies, the engine cores abort that server's requests
+(ClientGone) and the others serve on; with none left, the supervisor exits 1. SIGINT or SIGTERM stops every process
 and exits 0. A supervisor killed outright (SIGKILL) can stop nothing: each child asked Linux, first
 thing, for SIGTERM when its parent dies (prctl's PR_SET_PDEATHSIG), so the port is free within
 seconds. Processes are spawned, not forked: torch's thread pools are not fork-safe. vLLM: vllm/v1/utils.py
@@ -27,6 +29,7 @@ import signal
 import socket
 import sys
 import tempfile
+from multiprocessing import reduction
 from multiprocessing.connection import wait
 
 import zmq
@@ -36,6 +39,7 @@ from nanopaged.entrypoints.api_server import run_api_server
 from nanopaged.entrypoints.engine_core import run_engine_core
 
 GRACE_S = 2.0            # after the engine core died: time for the API servers to answer with the error
+MAX_RESTARTS = 3         # data parallelism: a dead engine core is started again at most this often
 STOP_S = 10.0            # a process that has not stopped by then is killed
 PR_SET_PDEATHSIG = 1     # <linux/prctl.h>: the signal a process gets when its parent dies
 
@@ -63,6 +67,7 @@ def serve_processes(args, settings: dict, describe, key: str | None, updating: b
         lifelines.append(lifeline)
         addresses.append(address)
     supervisor = Supervisor(ctx, cores, lifelines, addresses, folder)
+    supervisor.restart = lambda i: start_engine_core(ctx, args.model, settings, addresses[i], threads, i)
     try:
         return supervisor.run(args, info, describe, key, updating)
     finally:
@@ -101,6 +106,9 @@ class Supervisor:
             sock.connect(address)
             self.sockets.append(sock)
         self.live_cores = set(range(len(cores)))
+        self.restarts = [0] * len(cores)
+        self.restart = None                # restart(i): start engine core i again (serve_processes sets it)
+        self.controls: dict[str, object] = {}   # API server -> the supervisor's end of its control pipe
         self.wake_r, self.wake_w = os.pipe()
         self.signal = None
 
@@ -109,10 +117,13 @@ class Supervisor:
         started_r, started_w = self.ctx.Pipe(duplex=False)
         for i in range(args.api_server_count):
             name = f"api-{i}"
+            control = None
+            if len(self.cores) > 1:        # to hand over a replaced core's life line
+                self.controls[name], control = self.ctx.Pipe(duplex=True)
             self.api_servers[name] = self.ctx.Process(
                 target=child_main, name=f"nanopaged-{name}",
                 args=(os.getpid(), run_api_server, name, args, listener, self.addresses, self.lifelines, info,
-                      started_w, key, updating))
+                      started_w, key, updating, control))
             self.api_servers[name].start()
         started_w.close()
         error = self.wait_started(started_r)
@@ -167,6 +178,8 @@ class Supervisor:
                 print(f"nanopaged: engine core {i} died (exit status {self.cores[i].exitcode}); its requests in "
                       f"flight ended with an error; " + (f"{left} serve on" if left else "stopping"),
                       file=sys.stderr, flush=True)
+                if left and self.signal is None:
+                    self.replace(i)
             if not self.live_cores:
                 wait([p.sentinel for p in self.api_servers.values()], timeout=GRACE_S)
                 return 1
@@ -181,6 +194,27 @@ class Supervisor:
                           f"core aborts its requests; {len(self.api_servers)} serve on", file=sys.stderr, flush=True)
             if not self.api_servers:
                 return 1
+
+    def replace(self, i: int) -> None:
+        """Start engine core i again, at most MAX_RESTARTS times, and hand each API server its life line."""
+        if self.restarts[i] >= MAX_RESTARTS:
+            print(f"nanopaged: engine core {i} has been started {MAX_RESTARTS} times already: not again",
+                  file=sys.stderr, flush=True)
+            return
+        self.restarts[i] += 1
+        core, lifeline, info = self.restart(i)
+        if core is None:
+            print(f"nanopaged: engine core {i} could not be started again: {info}", file=sys.stderr, flush=True)
+            return
+        self.lifelines[i].close()
+        self.cores[i], self.lifelines[i] = core, lifeline
+        self.live_cores.add(i)
+        for name, control in self.controls.items():
+            if name in self.api_servers:
+                control.send(("core", i))
+                reduction.send_handle(control, lifeline.fileno(), self.api_servers[name].pid)
+        print(f"nanopaged: engine core {i} started again (pid {core.pid}; restart {self.restarts[i]} of "
+              f"{MAX_RESTARTS})", file=sys.stderr, flush=True)
 
     def stop_all(self) -> None:
         """API servers first (they finish what they can), then the engine core; nothing left behind."""

@@ -3,15 +3,17 @@
 Concurrent streams get the offline greedy answers; round-robin spreads requests evenly; prefix-aware
 routing sends requests that share a system prompt to one core, so it hits the prefix cache where
 round-robin misses; killing one engine core ends its own requests with an error while the other's finish,
-/health says "degraded" and new requests are served; SIGTERM leaves no process. The router's rules are
-checked on their own.
+/health says "degraded" until another core is started in its place, and both serve new requests; SIGTERM
+leaves no process. The router's rules are checked on their own.
 """
 import asyncio
+import json
 import os
 import pathlib
 import signal
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -91,7 +93,27 @@ def test_prefix_aware_routing_keeps_a_system_prompt_on_one_core(tiny_model_dirs,
         assert hits < 10 * 32
 
 
-def test_killing_one_engine_core_ends_only_its_requests_and_the_other_serves_on(tiny_model_dirs, make_prompts):
+def health_text(server) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(server.base_url + "/health", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+
+
+def wait_for(check, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def engine_stats(server) -> dict:
+    with urllib.request.urlopen(server.base_url + "/engine_stats", timeout=5) as response:
+        return json.loads(response.read())
+
+
+def test_a_killed_engine_core_ends_only_its_requests_and_is_started_again(tiny_model_dirs, make_prompts):
     prompts = make_prompts(512, n=8, seed=9, min_len=3, max_len=30)
     with start(tiny_model_dirs["llama"], "round-robin") as server:
         victim, survivor = core_pids(server)
@@ -99,10 +121,14 @@ def test_killing_one_engine_core_ends_only_its_requests_and_the_other_serves_on(
         async def run():
             client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
             try:
-                calls = [client.completions.create(model="tiny", prompt=p, max_tokens=400, temperature=0,
+                calls = [client.completions.create(model="tiny", prompt=p, max_tokens=450, temperature=0,
                                                    extra_body={"ignore_eos": True}) for p in prompts]
                 tasks = [asyncio.ensure_future(c) for c in calls]
-                await asyncio.sleep(1.0)
+                while True:          # both cores running requests (their figures, as this API server has them)
+                    engines = (await asyncio.to_thread(engine_stats, server))["engines"]
+                    if len(engines) == 2 and all(e["num_running"] > 0 for e in engines.values()):
+                        break
+                    await asyncio.sleep(0.01)
                 os.kill(victim, signal.SIGKILL)
                 return await asyncio.gather(*tasks, return_exceptions=True)
             finally:
@@ -113,10 +139,16 @@ def test_killing_one_engine_core_ends_only_its_requests_and_the_other_serves_on(
         assert failed and finished                       # the dead core's requests, and the other's
         assert all(len(r.choices[0].text) > 0 for r in finished)
         assert alive(survivor) and not alive(victim)
-        with urllib.request.urlopen(server.base_url + "/health", timeout=5) as response:
-            assert response.status == 200 and b"degraded" in response.read()
-        assert complete_all(server, prompts[:4], max_tokens=4)     # new requests go to the live core
+        # the supervisor starts another core in its place; until then /health says which is down
+        wait_for(lambda: "engine core 0 started again" in server.log.read_text())
+        wait_for(lambda: health_text(server) == (200, ""))
+        before = engine_stats(server)["engines"]
+        assert complete_all(server, prompts, max_tokens=4)     # round-robin: both cores serve again
+        after = wait_idle(server) and engine_stats(server)["engines"]
+        assert all(after[i]["num_generated_tokens"] > before[i]["num_generated_tokens"] for i in ("0", "1"))
         pids = descendants(server.process.pid)
+        replaced = int(server.log.read_text().split("engine core 0 started again (pid ")[1].split(";")[0])
+        assert alive(replaced) and replaced in pids and victim not in pids
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=30) == 0
         time.sleep(0.5)

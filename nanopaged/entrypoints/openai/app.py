@@ -73,6 +73,11 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedMod
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/engine_stats")
+    async def engine_stats() -> dict:
+        """/metrics' engine figures as JSON, per engine core (data parallelism) and in total."""
+        return metrics.engine_stats()
+
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict:
         body = await asyncio.to_thread(parse_body, await read_body(request, body_limits))

@@ -5,7 +5,7 @@ its tokens and the figures every core publishes after each step, and that core's
 it would take any request. An abort goes to every client (one that does not know the id ignores it); a
 LoRA adapter is loaded into every core. A core that dies fails its own requests (its client's life line
 closes, core_client.py); the router stops choosing it and the others serve on; /health says which
-died. docs/08_server.md, "Data parallelism".
+died, until the supervisor has started another in its place (`replace`). docs/08_server.md, "Data parallelism".
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from nanopaged.entrypoints.openai.protocol import OpenAIError
 
 
 class DataParallelClient:
-    def __init__(self, clients: list[CoreClient], router: Router) -> None:
-        self.clients, self.router = clients, router
+    def __init__(self, clients: list[CoreClient], router: Router, connect=None) -> None:
+        """`connect(i, lifeline)`: a new client of core i (`replace`)."""
+        self.clients, self.router, self.connect = clients, router, connect
         self.tokenizer = clients[0].tokenizer
         self.lock = threading.Lock()          # the router: the event loop chooses, the socket threads report
         for i, client in enumerate(clients):
@@ -65,6 +66,16 @@ class DataParallelClient:
                 raise OpenAIError(str(e), status=503, type="service_unavailable") from None
         submission.prefix_keys = keys
         await self.clients[core].send(submission, batches)
+
+    def replace(self, core: int, lifeline) -> None:
+        """A new engine core took the dead one's place (the supervisor started it): a client for it."""
+        client = self.connect(core, lifeline)
+        client.on_figures = self._figures_of(core)
+        client.start()
+        old, self.clients[core] = self.clients[core], client
+        with self.lock:
+            self.router.revived(core)
+        old.stop()
 
     def abort(self, request_ids: list[str]) -> None:
         for client in self.clients:

@@ -59,6 +59,7 @@ class ServerMetrics:
         self.seen = Figures(0, 0, 0.0, 0, 0, 0, 0)  # the totals at the last figures
         self.per_engine: dict[str, Figures] = {}    # each engine core's last figures (data parallelism)
         self.lock = threading.Lock()                # with data parallelism each core's client thread reports
+        self.carried: dict[str, Figures] = {}       # a dead core's totals, which its replacement's add to
         label = dict(labelnames=["engine"], **r)
         self.engine_running = Gauge(PREFIX + "engine_num_requests_running", "Running, per engine core.", **label)
         self.engine_waiting = Gauge(PREFIX + "engine_num_requests_waiting", "Waiting, per engine core.", **label)
@@ -86,6 +87,8 @@ class ServerMetrics:
         """One engine core's figures: its own gauges (label `engine`, as vLLM's), and the totals over every
         core (the unlabelled ones: KV usage is the mean); each counter moves by what its total grew."""
         with self.lock:
+            if engine in self.carried:
+                figures = plus_totals(figures, self.carried[engine])
             self.engine_running.labels(engine=engine).set(figures.running)
             self.engine_waiting.labels(engine=engine).set(figures.waiting)
             self.engine_kv_usage.labels(engine=engine).set(figures.kv_usage)
@@ -100,8 +103,22 @@ class ServerMetrics:
         """An engine core died: it runs and holds nothing any more (its counters keep what it did)."""
         was = self.per_engine.get(engine)
         if was is not None:
-            self.engine(Figures(0, 0, 0.0, was.preemptions, was.prefix_queries, was.prefix_hits,
-                                was.generation_tokens, was.counters), engine)
+            self.carried.pop(engine, None)          # `was` has them already
+            stopped = Figures(0, 0, 0.0, was.preemptions, was.prefix_queries, was.prefix_hits, was.generation_tokens,
+                              was.counters)
+            self.engine(stopped, engine)
+            self.carried[engine] = stopped
+
+    def engine_stats(self) -> dict:
+        """Each engine core's last figures and their totals, named as get_stats() names them."""
+        with self.lock:
+            each = dict(self.per_engine)
+        def named(f: Figures) -> dict:
+            return {"num_running": f.running, "num_waiting": f.waiting, "kv_cache_usage": f.kv_usage,
+                    "num_preemptions": f.preemptions, "prefix_cache_queries": f.prefix_queries,
+                    "prefix_cache_hits": f.prefix_hits, "num_generated_tokens": f.generation_tokens}
+        return {"engines": {name: named(f) for name, f in sorted(each.items())},
+                "total": named(summed(list(each.values()))) if each else None}
 
     def total(self, figures: Figures) -> None:
         """The gauges as they are; each counter moves by what its total grew since the last figures."""
@@ -167,3 +184,10 @@ def summed(each: list[Figures]) -> Figures:
     return Figures(sum(f.running for f in each), sum(f.waiting for f in each), sum(f.kv_usage for f in each) / len(each),
                    sum(f.preemptions for f in each), sum(f.prefix_queries for f in each),
                    sum(f.prefix_hits for f in each), sum(f.generation_tokens for f in each), counters)
+
+
+def plus_totals(figures: Figures, carried: Figures) -> Figures:
+    """A core's figures with a dead predecessor's totals added to its own (its gauges are its own)."""
+    both = summed([figures, carried])
+    return Figures(figures.running, figures.waiting, figures.kv_usage, both.preemptions, both.prefix_queries,
+                   both.prefix_hits, both.generation_tokens, both.counters)
