@@ -76,21 +76,23 @@ def test_two_engine_cores_answer_as_offline_and_round_robin_spreads_them(tiny_mo
         assert m["nanopaged:kv_cache_usage_perc"] == 0 and health(server) == 200
 
 
-@pytest.mark.parametrize("routing", ["prefix-aware", "round-robin"])
-def test_prefix_aware_routing_keeps_a_system_prompt_on_one_core(tiny_model_dirs, routing):
-    """Two system prompts of 8 blocks, 6 questions each, sent one after another: prefix-aware sends each
-    family to one core, which hits its cache from the second request on; round-robin splits them."""
+@pytest.mark.parametrize("routing, api_servers", [("prefix-aware", "2"), ("round-robin", "1")])
+def test_prefix_aware_routing_keeps_a_system_prompt_on_one_core(tiny_model_dirs, routing, api_servers):
+    """Two system prompts of 8 blocks, 6 questions each, sent one after another (families 0, 0, 1, 1, ...):
+    prefix-aware routing sends each family to one core, which hits its cache from the second request on,
+    though two API servers share the work (each learns where the other's requests went from the cores'
+    figures); round-robin (one API server, so its turns are known) sends each family to both cores."""
     systems = [list(range(10 + 100 * s, 10 + 100 * s + 32)) for s in range(2)]
-    prompts = [systems[i % 2] + [300 + i, 301 + i, 302 + i] for i in range(12)]
-    with start(tiny_model_dirs["llama"], routing) as server:
-        for p in prompts:
-            complete_all(server, [p], max_tokens=2)
-        m = wait_idle(server)
-        hits = m["nanopaged:prefix_cache_hits_total"]
-    if routing == "prefix-aware":
-        assert hits == 10 * 32      # every request but each family's first finds its 32-token system prompt
-    else:
-        assert hits < 10 * 32
+    prompts = [systems[(i // 2) % 2] + [300 + i, 301 + i, 302 + i] for i in range(12)]
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("NANOPAGED_API_KEY", raising=False)
+        args = [*ENGINE_ARGS, "--api-server-count", api_servers, "--data-parallel-size", "2", "--dp-routing", routing]
+        with start_nanopaged(tiny_model_dirs["llama"], args, served_model_name="tiny", timeout_s=180) as server:
+            for p in prompts:
+                complete_all(server, [p], max_tokens=2)
+            hits = wait_idle(server)["nanopaged:prefix_cache_hits_total"]
+    # prefix-aware: all but each family's first find its 32-token prompt; round-robin: each core misses each once
+    assert hits == (10 * 32 if routing == "prefix-aware" else 8 * 32)
 
 
 def health_text(server) -> tuple[int, str]:
