@@ -468,19 +468,38 @@ def print_serve(result: dict) -> None:
     for d in s["datasets"]:
         print(f"\n{d}:")
         head = (f"{'server':<22}{'rate':>5}{'done':>6}{'req/s':>7}{'out tok/s':>10}"
-                f"{'TTFT p50/p99 ms':>17}{'TPOT p50/p99 ms':>17}{'ITL p50/p99 ms':>16}")
+                f"{'TTFT p50/p99 ms':>17}{'TPOT p50/p99 ms':>17}{'ITL p50/p99 ms':>16}{'hits':>6}")
         print(head)
         print("-" * len(head))
         for name, r in result["servers"].items():
             for rate, f in r.get("datasets", {}).get(d, {}).items():
                 print(f"{name:<22}{rate:>5}{f['completed']:>6}{f['requests_per_s']:>7.2f}"
                       f"{f['output_tokens_per_s']:>10.1f}{_p50_p99(f, 'ttft', '.0f'):>17}"
-                      f"{_p50_p99(f, 'tpot', '.1f'):>17}{_p50_p99(f, 'itl', '.1f'):>16}")
+                      f"{_p50_p99(f, 'tpot', '.1f'):>17}{_p50_p99(f, 'itl', '.1f'):>16}"
+                      f"{'-' if f.get('prefix_hit_rate') is None else format(f['prefix_hit_rate'], '.0%'):>6}")
                 if f["failed"]:
                     print(f"{'':<22}{f['failed']} failed: {f['errors']}")
         for peer, n in result["same_text"].get(d, {}).items():
             print(f"greedy answers identical to nanopaged's: {peer} {n['identical']} of {n['of']}")
         print(f"targets (issue 40), {d}: " + "; ".join(describe_target(t) for t in result["targets"][d].values()))
+        print_data_parallel(result["servers"], d)
+
+
+def print_data_parallel(servers: dict, d: str) -> None:
+    """Issue 55's targets, where dp2 servers ran: all at once, out tok/s at least one core's (DP=1, both
+    threads); prefix-aware routing's hit rate within 5 points of one core's (round-robin's reported)."""
+    one = servers.get("nanopaged", {}).get("datasets", {}).get(d, {}).get("inf")
+    for name, r in servers.items():
+        f = r.get("datasets", {}).get(d, {}).get("inf")
+        if not name.startswith("dp2-") or f is None or one is None or not one["output_tokens_per_s"]:
+            continue
+        ratio = f["output_tokens_per_s"] / one["output_tokens_per_s"]
+        line = f"{name} all at once: {ratio:.2f}x one engine core's out tok/s (>= 1): {'met' if ratio >= 1 else 'missed'}"
+        if f.get("prefix_hit_rate") is not None and one.get("prefix_hit_rate") is not None:
+            gap = one["prefix_hit_rate"] - f["prefix_hit_rate"]
+            line += f"; hit rate {f['prefix_hit_rate']:.0%} against {one['prefix_hit_rate']:.0%}"
+            line += f" (prefix-aware within 5 points: {'met' if gap <= 0.05 else 'missed'})" if "prefix" in name else ""
+        print(line)
 
 
 def _p50_p99(f: dict, key: str, fmt: str) -> str:

@@ -39,9 +39,10 @@ from nanopaged.models.demo_model import demo_model_path
 # start (it compiles for about two minutes) included.
 DEFAULTS = dict(rate=(1.0, 4.0, math.inf), dataset=("random", "chat"), num_requests=24,
                 input_len=(16, 64), output_len=(16, 48))
-DATASETS = ("random", "chat")
-# The servers, nanopaged first (the others are compared with it); --peers picks from the rest.
-PEERS = ("nanopaged-in-process", "vllm", "transformers")
+DATASETS = ("random", "chat", "chat8")      # chat8: the chat set behind 8 system prompts, in turn
+# The servers, nanopaged first (the others are compared with it); --peers picks from the rest. dp2-RULE:
+# nanopaged with two engine cores (one thread each on 2 cores) routing by RULE (data parallelism).
+PEERS = ("nanopaged-in-process", "vllm", "transformers", "dp2-prefix-aware", "dp2-least-loaded", "dp2-round-robin")
 SHORT_NAMES = {"in-process": "nanopaged-in-process"}
 DEFAULT_PEERS = "in-process,vllm"
 START_TIMEOUT_S = 180
@@ -238,8 +239,9 @@ def make_prompts(num_requests: int, input_len: tuple[int, int], output_len: tupl
     for _ in range(num_requests):
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*input_len))).capitalize()
         max_tokens = rng.randint(*output_len)
-        if dataset == "chat":
-            text = [{"role": "system", "content": system_prompt(system_seed)},
+        if dataset in ("chat", "chat8"):
+            system = system_prompt(system_seed + (len(out) % 8 if dataset == "chat8" else 0))
+            text = [{"role": "system", "content": system},
                     {"role": "user", "content": text + "?"}]
         out.append((text, max_tokens))
     return out
@@ -428,9 +430,27 @@ def bench_server(server: ServerProcess, workloads: dict, seed: int) -> tuple[dic
         warmups[dataset] = {"ok": results[0].ok, "s": time.perf_counter() - start, "error": results[0].error}
         out[dataset] = {}
         for rate, prompts in rates:
+            before = prefix_counts(server.base_url)
             results, duration = asyncio.run(run_load(server.base_url, server.model_name, prompts, rate, seed))
-            out[dataset][rate_label(rate)] = {**figures(results, duration), "texts": [r.text for r in results]}
+            out[dataset][rate_label(rate)] = {**figures(results, duration), "texts": [r.text for r in results],
+                                              "prefix_hit_rate": hit_rate(before, prefix_counts(server.base_url))}
     return warmups, out
+
+
+def prefix_counts(base_url: str) -> tuple[float, float] | None:
+    """nanopaged's prefix-cache (hits, queries) so far, from /metrics; None from another server."""
+    try:
+        text = urllib.request.urlopen(base_url + "/metrics", timeout=10).read().decode()
+    except OSError:
+        return None
+    found = dict(re.findall(r"^nanopaged:prefix_cache_(hits|queries)_total (\S+)$", text, re.MULTILINE))
+    return (float(found["hits"]), float(found["queries"])) if len(found) == 2 else None
+
+
+def hit_rate(before, after) -> float | None:
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def start_server(name: str, model: str, device: str, dtype: str, args, ready: dict) -> ServerProcess:
@@ -441,6 +461,8 @@ def start_server(name: str, model: str, device: str, dtype: str, args, ready: di
         return start_nanopaged(model, flags)
     if name == "nanopaged-in-process":
         return start_nanopaged(model, [*flags, "--engine-in-process"], name=name)
+    if name.startswith("dp2-"):
+        return start_nanopaged(model, [*flags, "--data-parallel-size", "2", "--dp-routing", name[4:]], name=name)
     if name == "vllm":
         python = side_python(args, "vllm")
         if python is None:
@@ -537,7 +559,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests per second, one or more (inf: all at once); each server runs each, lowest first")
     p.add_argument("--dataset", nargs="+", choices=DATASETS, default=list(DEFAULTS["dataset"]),
                    help="random: completions of random common words; chat: chat completions after one shared "
-                        "system prompt")
+                        "system prompt; chat8: after one of 8 system prompts, in turn (data parallelism's routing)")
     p.add_argument("--num-requests", type=int, default=DEFAULTS["num_requests"], help="per rate")
     p.add_argument("--input-len", type=int, nargs=2, default=DEFAULTS["input_len"], metavar=("MIN", "MAX"),
                    help="prompt (chat: user message) words, about one token each, uniform")

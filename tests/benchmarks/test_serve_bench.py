@@ -325,3 +325,13 @@ def test_run_end_to_end_with_stand_in_servers(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "transformers skipped" in out and "raise the rates" in out and "vllm 0.32.0: core ids=[0]" in out
     assert result["targets"] == saved["targets"]
+
+
+def test_the_chat8_set_cycles_through_8_system_prompts_and_hit_rates_come_from_metrics_deltas():
+    from benchmarks.serve import hit_rate, make_prompts
+    prompts = make_prompts(16, (4, 8), (4, 8), seed=1, dataset="chat8")
+    systems = [p[0]["content"] for p, _ in prompts]
+    assert len(set(systems)) == 8 and systems[:8] == systems[8:]
+    assert all(p[1]["role"] == "user" for p, _ in prompts)
+    assert hit_rate((10.0, 100.0), (40.0, 140.0)) == 0.75
+    assert hit_rate(None, (1.0, 2.0)) is None and hit_rate((1.0, 2.0), (1.0, 2.0)) is None
