@@ -8,9 +8,11 @@ its new requests on them (the coordinator's rule, run where the request is):
     round-robin     each core in turn, whatever it holds
     least-loaded    the core with the fewest requests (running + waiting + sent but not yet counted
                     there), then the least KV usage
-    prefix-aware    the core that holds the longest run of the request's first blocks (llm-d's
-                    prefix-cache-aware routing), unless it is overloaded: more than OVERLOAD requests
-                    above the least loaded; otherwise least-loaded. (The default.)
+    prefix-aware    the core that holds the longest run of the request's first blocks, if that run is
+                    longer than the least loaded core's by at least half the blocks looked at (llm-d's
+                    prefix-cache-aware routing) and the core is not overloaded (more than twice the least
+                    loaded core's requests and OVERLOAD more); otherwise least-loaded. (The default.) A
+                    shared preamble alone does not draw a new system prompt to one core: those spread.
 
 A core "holds" a prefix when it took a request that began with the same blocks: the key of a block is
 the block pool's own chained hash (core/block_pool.py: hash_block) of its tokens, with the request's
@@ -29,9 +31,9 @@ from dataclasses import dataclass
 from nanopaged.core.block_pool import HASH_FUNCTIONS, ROOT_HASH, hash_block
 
 RULES = ("prefix-aware", "least-loaded", "round-robin")
-OVERLOAD = 4               # requests above the least loaded core past which a prefix hit is given up
+OVERLOAD = 4               # past 2x the least loaded core's requests and this many more, a prefix hit is given up
 PREFIX_MEMORY = 65_536     # block keys remembered, over all cores
-PREFIX_BLOCKS = 8          # leading blocks of a request looked at
+PREFIX_BLOCKS = 64         # leading blocks of a request looked at (system prompts often share a long preamble)
 
 
 @dataclass
@@ -53,7 +55,7 @@ class Router:
             raise ValueError(f"--dp-routing must be one of {', '.join(RULES)}, got {rule!r}")
         self.rule, self.block_size, self.hash_fn = rule, block_size, HASH_FUNCTIONS[hash_name]
         self.loads = [CoreLoad() for _ in range(num_cores)]
-        self.holder: OrderedDict[bytes, int] = OrderedDict()    # block key -> the core last sent it
+        self.holder: OrderedDict[bytes, set[int]] = OrderedDict()   # block key -> the cores sent it
         self.next = 0                                           # round-robin's turn
         self.counts = [0] * num_cores                           # requests routed to each core, ever
 
@@ -64,7 +66,7 @@ class Router:
     def learn(self, core: int, keys: list[bytes]) -> None:
         """The core took requests with these prefix keys (from any API server: they come in its figures)."""
         for key in keys:
-            self.holder[key] = core
+            self.holder.setdefault(key, set()).add(core)
             self.holder.move_to_end(key)
         while len(self.holder) > PREFIX_MEMORY:
             self.holder.popitem(last=False)
@@ -75,8 +77,10 @@ class Router:
 
     def died(self, core: int) -> None:
         self.loads[core].alive = False
-        for key in [k for k, c in self.holder.items() if c == core]:
-            del self.holder[key]
+        for key in [k for k, cores in self.holder.items() if core in cores]:
+            self.holder[key].discard(core)
+            if not self.holder[key]:
+                del self.holder[key]
 
     # ---- one request ----------------------------------------------------------------------------
     def choose(self, keys: list[bytes]) -> int:
@@ -99,21 +103,22 @@ class Router:
         least = min(alive, key=lambda i: (self.loads[i].requests(), self.loads[i].kv_usage, i))
         if self.rule == "least-loaded":
             return least
-        held = self.longest_prefix_holder(keys)
-        if held is not None and self.loads[held].alive and \
-                self.loads[held].requests() - self.loads[least].requests() <= OVERLOAD:
-            return held
+        depth = self.prefix_depths(keys)
+        best = max(alive, key=lambda i: (depth.get(i, 0), -self.loads[i].requests(), -i))
+        # a burst of requests arrives faster than the cores' figures: a queue twice as long is still worth a hit
+        if depth.get(best, 0) - depth.get(least, 0) >= max(1, len(keys) / 2) and \
+                self.loads[best].requests() <= 2 * self.loads[least].requests() + OVERLOAD:
+            return best
         return least
 
-    def longest_prefix_holder(self, keys: list[bytes]) -> int | None:
-        """The core that was sent the longest leading run of these keys (None: none was)."""
-        holder = None
-        for key in keys:
-            core = self.holder.get(key)
-            if core is None or (holder is not None and core != holder):
-                break
-            holder = core
-        return holder
+    def prefix_depths(self, keys: list[bytes]) -> dict[int, int]:
+        """Per core, how many of these leading keys it was sent. The keys are chained: a core that was sent
+        key i was sent every key before it too."""
+        depth = {}
+        for i, key in enumerate(keys):
+            for core in self.holder.get(key, ()):
+                depth[core] = i + 1
+        return depth
 
     def block_keys(self, tokens: list[int], salt, adapter: int) -> list[bytes]:
         """The chained keys of the request's first full blocks (at most PREFIX_BLOCKS)."""

@@ -180,9 +180,12 @@ def test_prefix_aware_follows_the_prefix_unless_its_core_is_overloaded():
     assert router.choose(keys(system, salt="other")) == 1 - first      # another salt: another prefix
     router.learn(1 - first, keys([9] * 16))                            # taken by the other core, via another server
     assert router.choose(keys([9] * 16 + [1])) == 1 - first
-    router.figures(first, running=OVERLOAD + 3, waiting=0, kv_usage=0.5)
-    router.figures(1 - first, running=0, waiting=0, kv_usage=0.0)
-    assert router.choose(keys(system + [5])) == 1 - first              # overloaded: least loaded instead
+    router.figures(first, running=2 * 3 + OVERLOAD, waiting=0, kv_usage=0.5)
+    router.figures(1 - first, running=3, waiting=0, kv_usage=0.0)
+    assert router.choose(keys(system + [5])) == first                  # twice the other's queue and 4 more: still
+    router.figures(first, running=2 * 3 + OVERLOAD + 1, waiting=0, kv_usage=0.5)
+    router.figures(1 - first, running=3, waiting=0, kv_usage=0.0)
+    assert router.choose(keys(system + [6])) == 1 - first              # overloaded: least loaded instead
     # a cache salt or an adapter makes another prefix
     assert router.block_keys(system, None, 0) != router.block_keys(system, "salt", 0)
     assert router.block_keys(system, None, 0) != router.block_keys(system, None, 3)
@@ -199,3 +202,14 @@ def test_round_robin_takes_each_live_core_in_turn_and_refuses_when_none_is_left(
         router.choose([])
     with pytest.raises(ValueError, match="--dp-routing"):
         Router("random", 2, 4)
+
+
+def test_a_shared_preamble_alone_does_not_draw_a_new_system_prompt_to_one_core():
+    router = Router("prefix-aware", 2, block_size=4)
+    preamble = list(range(100, 108))                           # 2 blocks every system prompt begins with
+    first = router.choose(router.block_keys(preamble + list(range(200, 216)), None, 0))
+    router.figures(first, running=1, waiting=0, kv_usage=0.1)
+    # another system prompt: the first core holds 2 of its 6 blocks, under half: the least loaded takes it
+    assert router.choose(router.block_keys(preamble + list(range(300, 316)), None, 0)) == 1 - first
+    # the first system prompt again: its core holds all 6 blocks
+    assert router.choose(router.block_keys(preamble + list(range(200, 216)) + [5], None, 0)) == first
