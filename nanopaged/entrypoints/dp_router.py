@@ -57,7 +57,6 @@ class Router:
         self.loads = [CoreLoad() for _ in range(num_cores)]
         self.holder: OrderedDict[bytes, set[int]] = OrderedDict()   # block key -> the cores sent it
         self.next = 0                                           # round-robin's turn
-        self.counts = [0] * num_cores                           # requests routed to each core, ever
 
     # ---- what the cores say ---------------------------------------------------------------------
     def figures(self, core: int, running: int, waiting: int, kv_usage: float) -> None:
@@ -91,7 +90,6 @@ class Router:
             raise ValueError("no engine core is alive")
         core = self._rule(alive, keys)
         self.loads[core].sent += 1
-        self.counts[core] += 1
         self.learn(core, keys)
         return core
 

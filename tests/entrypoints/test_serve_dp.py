@@ -126,10 +126,12 @@ def test_a_killed_engine_core_ends_only_its_requests_and_is_started_again(tiny_m
                 calls = [client.completions.create(model="tiny", prompt=p, max_tokens=450, temperature=0,
                                                    extra_body={"ignore_eos": True}) for p in prompts]
                 tasks = [asyncio.ensure_future(c) for c in calls]
+                deadline = time.monotonic() + 60
                 while True:          # both cores running requests (their figures, as this API server has them)
                     engines = (await asyncio.to_thread(engine_stats, server))["engines"]
                     if len(engines) == 2 and all(e["num_running"] > 0 for e in engines.values()):
                         break
+                    assert time.monotonic() < deadline and not all(t.done() for t in tasks), engines
                     await asyncio.sleep(0.01)
                 os.kill(victim, signal.SIGKILL)
                 return await asyncio.gather(*tasks, return_exceptions=True)

@@ -57,7 +57,7 @@ class DataParallelClient:
         lora = submission.request.lora_request
         with self.lock:
             for i, client in enumerate(self.clients):
-                if not client.alive:
+                if not client.alive and self.router.loads[i].alive:     # once: it forgets the core's prefixes
                     self.router.died(i)
             keys = self.router.block_keys(first.prompt_token_ids, first.cache_salt, lora.lora_int_id if lora else 0)
             try:
