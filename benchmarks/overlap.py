@@ -6,16 +6,12 @@ figure is an engine's fastest round."""
 from __future__ import annotations
 
 from benchmarks.models import vocab_limit
-from benchmarks.nanopaged_run import timed_generate, token_prompts, warm_up
+from benchmarks.nanopaged_run import greedy, timed_generate, token_prompts, warm_up
 from benchmarks.trace import make_trace
-from nanopaged import LLM, SamplingParams
+from nanopaged import LLM
 
 OVERLAP_ROUNDS = 3
 ONE_AT_A_TIME = 8           # requests of the trace sent one after another
-
-
-def greedy(lengths: list[int]) -> list[SamplingParams]:
-    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
 
 
 def overlap_workloads(args, vocab: int) -> dict[str, tuple[list, list, bool]]:
@@ -23,9 +19,10 @@ def overlap_workloads(args, vocab: int) -> dict[str, tuple[list, list, bool]]:
     trace = make_trace(args.num_requests, args.input_len, args.output_len, args.seed, vocab)
     many = make_trace(args.overlap_requests, args.input_len, (16, 16), args.seed + 1, vocab)
     first = slice(0, ONE_AT_A_TIME)
-    return {"trace": (token_prompts(trace.prompts), greedy(trace.output_lens), False),
-            "one at a time": (token_prompts(trace.prompts[first]), greedy(trace.output_lens[first]), True),
-            f"{len(many.prompts)} x 16 tokens": (token_prompts(many.prompts), greedy(many.output_lens), False)}
+    return {"trace": (token_prompts(trace.prompts), list(map(greedy, trace.output_lens)), False),
+            "one at a time": (token_prompts(trace.prompts[first]), list(map(greedy, trace.output_lens[first])), True),
+            f"{len(many.prompts)} x 16 tokens": (token_prompts(many.prompts), list(map(greedy, many.output_lens)),
+                                                 False)}
 
 
 def timed_run(llm: LLM, prompts: list, params: list, one_at_a_time: bool) -> tuple[dict, list]:

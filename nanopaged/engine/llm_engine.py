@@ -187,11 +187,12 @@ class LLMEngine:
         If the step fails, its requests end with "abort" and the error goes on to the caller.
         With async_scheduling the same work runs pipelined (overlap.py), but for the steps whose next one
         depends on their tokens: a rule chooses the tokens, or an extension proposes drafts from them."""
-        if self.overlap is not None and (select_tokens is None or self.overlap.in_flight is not None):
-            if select_tokens is not None:
+        if self.overlap is not None:
+            ahead = select_tokens is None and not self.hooks["propose"]   # the next step needs no token of this one
+            if select_tokens is not None and self.overlap.in_flight is not None:
                 raise RuntimeError("a token-selection rule cannot take over a step already computing")
-            if self.overlap.in_flight is not None or not self.hooks["propose"]:
-                return self.overlap.step(ahead=not self.hooks["propose"])
+            if ahead or self.overlap.in_flight is not None:
+                return self.overlap.step(ahead)
         aborted, self.output_processor.aborted = self.output_processor.aborted, []
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()                                 # 1. schedule

@@ -67,9 +67,6 @@ class ModelThread:
         result = self.runner.forward(out, inputs)
         return result, start, time.perf_counter()
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-
 
 @dataclass
 class InFlight:
@@ -173,13 +170,6 @@ class OverlappedSteps:
             following.result.exception()        # wait: its forward pass may still be writing K/V
             self.engine.abort_step(following.scheduler_output)
         self.engine.abort_step(current.scheduler_output)
-
-    def stats(self) -> dict:
-        return {"num_discarded_rows": self.num_discarded_rows}
-
-    def close(self) -> None:
-        self.drain()
-        self.model.close()
 
 
 def placeholder_rows(out: SchedulerOutput) -> list[tuple[int, Request]]:

@@ -18,6 +18,7 @@ vLLM: vllm/v1/engine/core.py (EngineCoreProc). docs/08_server.md, "Processes".
 from __future__ import annotations
 
 import logging
+from collections import deque
 import os
 import signal
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -70,7 +71,7 @@ class EngineCore:
         self.checks = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="nanopaged-check")
         self.prompt_sent: dict[str, int] = {}         # prompt_logprobs entries sent so far
         self.changed = True                           # since the last figures were sent
-        self.prefix_keys: list[bytes] = []            # of the requests taken since (data parallelism's routers)
+        self.prefix_keys = deque(maxlen=MAX_PREFIX_KEYS)   # of the requests taken since (data parallelism's routers)
         self.parent = os.getppid()
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -155,7 +156,7 @@ class EngineCore:
                 self.send(client, m.Refused(message.request_id, str(e)))
                 continue
             self.owner[message.request_id] = client
-            self.prefix_keys = (self.prefix_keys + message.prefix_keys)[-MAX_PREFIX_KEYS:]
+            self.prefix_keys.extend(message.prefix_keys)
             self.send(client, m.Accepted(message.request_id))
 
     def abort(self, request_id: str) -> None:
@@ -237,7 +238,8 @@ class EngineCore:
     def send_figures(self) -> None:
         self.changed = False
         figures = m.figures_of(self.engine, self.llm.stats)
-        figures.prefix_keys, self.prefix_keys = self.prefix_keys, []
+        figures.prefix_keys = list(self.prefix_keys)
+        self.prefix_keys.clear()
         for client in self.clients:
             self.send(client, figures)
 

@@ -8,7 +8,6 @@ flight, stop strings and stop tokens that end a request in the step already sche
 n > 1, seeded sampling, LoRA, structured outputs, beam search. After each run the pool is checked:
 every block back, the free queue sound, nothing left computing.
 """
-import sys
 import threading
 import time
 

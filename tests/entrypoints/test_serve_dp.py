@@ -26,7 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 from benchmarks.serve import start_nanopaged  # noqa: E402
 from nanopaged import LLM, SamplingParams  # noqa: E402
 from nanopaged.entrypoints.dp_router import OVERLOAD, Router  # noqa: E402
-from test_serve import ENGINE_ARGS, SETTINGS, metrics, wait_idle  # noqa: E402
+from test_serve import ENGINE_ARGS, SETTINGS, wait_idle  # noqa: E402
 from test_serve_processes import alive, descendants, health  # noqa: E402
 
 DP = [*ENGINE_ARGS, "--api-server-count", "2", "--data-parallel-size", "2"]
