@@ -41,7 +41,7 @@ from benchmarks.moe import run_moe
 from benchmarks.report import (plot, print_cascade, print_lora, print_moe, print_overlap, print_shared_prefix,
                                print_sharing, print_spec, print_structured, print_table)
 from benchmarks.quality import quality_figures, text_ids
-from benchmarks.roofline import measure_matmul_flops, roofline_figures
+from benchmarks.roofline import kernel_peak_flops, roofline_figures
 from benchmarks.single_stream import single_stream_figures, single_stream_length
 from benchmarks.spec import WORKLOADS as SPEC_WORKLOADS, run_spec
 from benchmarks.structured import run_structured
@@ -264,7 +264,9 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
     dense = quantized_vs_dense(model_dir, trace, settings, run) if settings.get("quantization") else None
     invariance = batch_invariance_cost(model_dir, trace, settings, run)
     device, dtype = hf_device_dtype(config)
-    peak_after_engine = measure_matmul_flops(device, dtype)   # the roofline's ceiling, timed twice
+    group = config.quantization_group_size
+    peak_after_engine = kernel_peak_flops(config.model_config, device, dtype, stats["cpu_linear"], stats["quantization"],
+                                          group)[0]   # the roofline's ceiling, timed twice
     resolved = resolved_settings(config, stats)
     one = {"prompt": trace.prompts[0], "output_tokens": single_stream_length(trace)}
     quality_ids = None
@@ -284,7 +286,7 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
         "published": PUBLISHED,
         "overhead": overhead_figures(stats, run),
         "roofline": roofline_figures(config.model_config, trace, run, device, dtype, (peak_after_engine,),
-                                     linear=stats["cpu_linear"], stats=stats),
+                                     linear=stats["cpu_linear"], stats=stats, group_size=group),
         "single_stream": single_stream_figures(model_dir, trace, settings, config, peers),
         "machine": machine_info(device),
         "versions": versions(),

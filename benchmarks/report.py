@@ -100,22 +100,22 @@ def print_table(r: dict) -> None:
     print(f"\nengine step: {o['step_ms']:.1f} ms = scheduler+block pool {o['schedule_ms_per_step']:.2f} ms "
           f"({o['schedule_share']:.1%}) + model {o['model_ms_per_step']:.1f} ms; "
           f"outside step(): {o['other_share_of_wall']:.1%} of wall")
-    print(f"roofline: matmul {rf['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, {rf['flops_per_token'] / 1e6:.0f} "
+    print(f"roofline: {rf['kernel']} {rf['kernel_flops_per_s'] / 1e9:.1f} GFLOP/s, {rf['flops_per_token'] / 1e6:.0f} "
           f"MFLOP/token -> {rf['roofline_tokens_per_s']:.0f} tok/s; nanopaged reaches {rf['fraction']:.1%}")
 
     fl = rf["floor"]
     print(f"trace floor: {fl['seconds']:.2f} s for nanopaged's {fl['num_steps']} steps ({fl['weight_bound_steps']} bound by "
           f"streaming {fl['weight_bytes'] / 1e6:.0f} MB of weights as stored and {fl['kv_bytes_per_token']:,} bytes of "
-          f"K/V per token of context at the copy's {fl['copy_bytes_per_s'] / 1e9:.1f} GB/s, the rest by arithmetic); "
-          f"nanopaged's wall {fl['wall_s']:.2f} s reaches {fl['fraction']:.1%} of it")
+          f"K/V per token of context at the copy's {fl['copy_bytes_per_s'] / 1e9:.1f} GB/s, the rest by arithmetic at "
+          f"{rf['kernel']}'s measured {fl['kernel_flops_per_s'] / 1e9:.1f} GFLOP/s); nanopaged's wall "
+          f"{fl['wall_s']:.2f} s reaches {fl['fraction']:.1%} of it")
+    table(("step kind", 14), [("steps", 7, ""), ("model s", 9, ".2f"), ("floor s", 9, ".2f"), ("floor/model", 13, ".1%"),
+                                ("bound by", 12, "")],
+          {k: [v["num_steps"], v["model_s"], v["floor_s"], v["share"], v["bound_by"]] for k, v in fl["by_step_kind"].items()})
     d = rf["decode_steps"]
     if d["num_steps"]:
-        print(f"decode steps ({d['num_steps']}, {d['share_of_model_time']:.0%} of model time, median "
-              f"{d['median_rows']} rows): {d['flops_per_s'] / 1e9:.1f} GFLOP/s; a plain {d['median_rows']}-row "
-              f"matmul {d['plain_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({d['fraction_of_plain_matmul']:.1%}); "
-              f"the model's own matmuls alone {d['model_matmuls_flops_per_s'] / 1e9:.1f} GFLOP/s at "
-              f"{d['median_rows']} rows; at each step's rows they take {d['model_matmuls_s']:.2f} s of the decode "
-              f"steps' {d['seconds']:.2f} s ({d['fraction_of_model_matmuls']:.1%})")
+        print(f"decode steps ({d['num_steps']}): the model's own matmuls alone, at each step's rows, take "
+              f"{d['model_matmuls_s']:.2f} s of their {d['seconds']:.2f} s ({d['fraction_of_model_matmuls']:.1%})")
     ss = r["single_stream"]
     print(f"one request at a time ({ss['prompt_tokens']}-token prompt, {ss['output_tokens']} tokens): decode "
           f"nanopaged {ss['nanopaged_decode_tokens_per_s']:.1f} tok/s, hf generate "

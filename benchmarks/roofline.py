@@ -1,7 +1,7 @@
-"""The roofline: the matmul FLOP/s this machine reaches, the FLOPs the trace needs, and the
-share of the tokens/s that ceiling allows which nanopaged reaches; and the trace floor, the
-fastest this machine could run nanopaged's own steps, each bound by streaming the weights or
-by its arithmetic, whichever takes longer."""
+"""The roofline: the multiply-add rate of the kernel the engine's matmuls run on, the FLOPs the trace
+needs, and the share of the tokens/s that ceiling allows which nanopaged reaches; and the trace floor,
+the fastest this machine could run nanopaged's own steps, each bound by streaming the weights or by
+its arithmetic, whichever takes longer, summed per kind of step."""
 from __future__ import annotations
 
 import time
@@ -11,45 +11,97 @@ import torch
 from benchmarks.trace import Run, StepTiming, Trace
 from nanopaged.models.config import ModelConfig
 from nanopaged.cpu.linear import KERNELS
+from nanopaged.cpu.quantized_linear import quantized_linear
+
+# A decode-only step by its rows (StepTiming.num_rows): the kind is the first whose limit holds
+DECODE_KINDS = (("1 row", 1), ("2-8 rows", 8), ("9-32 rows", 32), (">32 rows", float("inf")))
 
 
 def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype: torch.dtype,
-                     earlier_peaks: tuple[float, ...] = (), linear: str = "reference", stats: dict | None = None) -> dict:
-    """`earlier_peaks`: the same square-matmul timing taken earlier in the run. The ceiling is
-    the highest of them and the one taken now: a host that is busy at one moment only lowers
-    the figure, and a lowered ceiling would flatter the fraction. `stats`: the engine's
-    get_stats(), whose quantization and kv_cache_dtype set the bytes the floor streams."""
-    peak = max((measure_matmul_flops(device, dtype), *earlier_peaks))
+                     earlier_peaks: tuple[float, ...] = (), linear: str = "reference", stats: dict | None = None,
+                     group_size: int = 32) -> dict:
+    """`earlier_peaks`: the same kernel timing taken earlier in the run. The ceiling is the highest of
+    them and the one taken now: a host that is busy at one moment only lowers the figure, and a lowered
+    ceiling would flatter the fraction. `stats`: the engine's get_stats(), whose quantization and
+    kv_cache_dtype set the kernel and the bytes the floor streams."""
+    stats = stats or {}
+    peak, kernel = kernel_peak_flops(m, device, dtype, linear, stats.get("quantization"), group_size)
+    peak = max(peak, *earlier_peaks)
     flops = trace_flops(m, trace)
     tokens = trace.num_prompt_tokens + trace.num_output_tokens
-    per_token = flops["total"] / tokens
-    return {"matmul_flops_per_s": peak, "flops_per_token": per_token,
-            "flops_share": {k: v / flops["total"] for k, v in flops.items() if k != "total"},
+    per_token = sum(flops.values()) / tokens
+    return {"kernel": kernel, "kernel_flops_per_s": peak, "flops_per_token": per_token,
+            "flops_share": {k: v / sum(flops.values()) for k, v in flops.items()},
             "roofline_tokens_per_s": peak / per_token,
             "fraction": (tokens / run.wall_s) / (peak / per_token),
             "decode_steps": decode_figures(m, run.steps, device, dtype, linear),
-            "floor": floor_figures(m, run, peak, dtype, stats or {})}
+            "floor": floor_figures(m, run, peak, dtype, stats)}
+
+
+def kernel_peak_flops(m: ModelConfig, device: str, dtype: torch.dtype, linear: str = "reference",
+                      quantized: dict | None = None, group_size: int = 32, rows: int = 256,
+                      repeat: int = 5, tries: int = 3) -> tuple[float, str]:
+    """FLOP/s of the kernel family the run's decoder layers multiply with, and its name, measured through
+    the engine's own layer: one of the MLP's shape (intermediate x hidden), at `rows` rows so arithmetic
+    bounds it and its weight stays in the CPU's cache; best of `tries` timings of `repeat` calls. A
+    quantized run: the layer quantize_linears builds for a weight of the model's bits (4 or 8: its bytes a
+    weight); a kernel of KERNELS: that layer around a bfloat16 nn.Linear; else torch's square matmul."""
+    method = (quantized or {}).get("quantization")
+    if device != "cpu" or (method is None and linear not in KERNELS):
+        return measure_matmul_flops(device, dtype), f"torch matmul {str(dtype).removeprefix('torch.')}"
+    dense = torch.nn.Linear(m.hidden_size, m.intermediate_size, bias=False, dtype=dtype)
+    if method:
+        bits = 4 if 8 * quantized["quantized_bytes"] < 6 * quantized["weights_replaced"] else 8
+        layer, kernel = quantized_linear(f"int{bits}", dense, group_size, None), f"{method} ({quantized['kernel']})"
+    else:
+        layer, kernel = KERNELS[linear](dense), linear
+    x = torch.randn(rows, m.hidden_size, dtype=dtype)
+    with torch.inference_mode():
+        seconds = best_seconds(lambda: [layer(x) for _ in range(repeat)], tries)
+    return repeat * 2 * rows * m.hidden_size * m.intermediate_size / seconds, kernel
 
 
 def floor_figures(m: ModelConfig, run: Run, peak: float, dtype: torch.dtype, stats: dict) -> dict:
     """The trace floor: for each of nanopaged's steps, max(the bytes it must read / copy bandwidth,
-    FLOPs / matmul peak in the run's dtype); their sum is the fastest this machine could run the
-    steps. The bytes: the weights as stored (quantized ones at their packed size) and each request's
-    K/V once, in the cache's dtype. The copy's read rate stands for memory bandwidth (a pure read may
-    run faster: a floor, not a proof)."""
+    FLOPs / the kernel's peak); their sum is the fastest this machine could run the steps, and
+    by_step_kind sums them per kind. The bytes: the weights as stored (quantized ones at their packed
+    size) and each request's K/V once, in the cache's dtype. The copy's read rate stands for memory
+    bandwidth (a pure read may run faster: a floor, not a proof); it stays the copy's so the fractions
+    recorded before stay comparable, and one copy's rate varies less from buffer to buffer than a read's."""
     weight_bytes = stored_weight_bytes(m, dtype, stats.get("quantization"))
     kv_bytes = kv_token_bytes(m, stats.get("kv_cache_dtype"), dtype)
     bandwidth = copy_bytes_per_s(weight_bytes)
-    floors, bound_by_bytes = [], 0
+    steps = []
     for s in run.steps:
-        bytes_s, flops_s = (weight_bytes + kv_bytes * s.context_tokens) / bandwidth, step_flops(m, s) / peak
-        floors.append(max(bytes_s, flops_s))
-        bound_by_bytes += bytes_s >= flops_s
-    model_s = sum(s.model_s for s in run.steps)
+        bytes_s = (weight_bytes + kv_bytes * s.context_tokens) / bandwidth
+        flops_s = sum(step_flops(m, s).values()) / peak
+        steps.append((step_kind(s), s.model_s, max(bytes_s, flops_s), bytes_s >= flops_s))
+    floor = sum(f for _, _, f, _ in steps)
     return {"copy_bytes_per_s": bandwidth, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes,
-            "seconds": sum(floors), "model_s": model_s, "wall_s": run.wall_s,
-            "fraction": sum(floors) / run.wall_s if run.wall_s else 0.0,
-            "weight_bound_steps": bound_by_bytes, "num_steps": len(floors)}
+            "kernel_flops_per_s": peak, "seconds": floor, "model_s": sum(s.model_s for s in run.steps),
+            "wall_s": run.wall_s, "fraction": floor / run.wall_s if run.wall_s else 0.0,
+            "weight_bound_steps": sum(b for *_, b in steps), "num_steps": len(steps), "by_step_kind": by_kind(steps)}
+
+
+def by_kind(steps: list[tuple[str, float, float, bool]]) -> dict:
+    """(kind, model seconds, floor seconds, bound by bytes) per step -> per kind, prompt chunks first then
+    DECODE_KINDS' order: its steps, their seconds, floor / model seconds, and what bounds most of them."""
+    out = {}
+    for name in ("prompt chunk", *dict(DECODE_KINDS)):
+        mine = [x for x in steps if x[0] == name]
+        if mine:
+            model_s, floor_s, by_bytes = (sum(x[i] for x in mine) for i in (1, 2, 3))
+            out[name] = {"num_steps": len(mine), "model_s": model_s, "floor_s": floor_s,
+                         "share": floor_s / model_s if model_s else 0.0, "bytes_bound_steps": by_bytes,
+                         "bound_by": "bytes" if 2 * by_bytes > len(mine) else "arithmetic"}
+    return out
+
+
+def step_kind(s: StepTiming) -> str:
+    """"prompt chunk" for a step with more tokens than rows, else its DECODE_KINDS bucket."""
+    if s.num_tokens > s.num_rows:
+        return "prompt chunk"
+    return next(name for name, most in DECODE_KINDS if s.num_rows <= most)
 
 
 def step_weights(m: ModelConfig) -> int:
@@ -73,12 +125,13 @@ def kv_token_bytes(m: ModelConfig, kv_cache_dtype: str | None, dtype: torch.dtyp
     return m.kv_bytes_per_token(1) + scales
 
 
-def step_flops(m: ModelConfig, s: StepTiming) -> int:
-    """A step's FLOPs: the layers' matmuls for every new token, the logits for every sampled
-    row, attention over every (query, key) pair the step computes (QK^T and PV)."""
+def step_flops(m: ModelConfig, s: StepTiming) -> dict:
+    """A step's FLOPs: the layers' matmuls for every new token, the logits for every sampled row,
+    attention over every (query, key) pair the step computes (QK^T and PV); embeddings and norms: none."""
     q = m.num_attention_heads * m.head_dim
-    return (2 * m.num_hidden_layers * layer_weights(m) * s.num_tokens + 2 * m.vocab_size * m.hidden_size
-            * s.num_sampled + 4 * m.num_hidden_layers * q * s.attention_pairs)
+    return {"linear": 2 * m.num_hidden_layers * layer_weights(m) * s.num_tokens,
+            "logits": 2 * m.vocab_size * m.hidden_size * s.num_sampled,
+            "attention": 4 * m.num_hidden_layers * q * s.attention_pairs}
 
 
 def copy_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
@@ -96,39 +149,33 @@ def read_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
     return num_bytes / min(best_seconds(torch.rand(num_bytes // 4).sum, tries) for _ in range(tries))
 
 
-def measure_matmul_flops(device: str, dtype: torch.dtype) -> float:
-    """Best FLOP/s of square matmuls on this machine: the ceiling the model's matmuls work under."""
-    return max(measure_rows_matmul_flops(n, n, n, device, dtype, repeat=1, tries=4) for n in (1024, 2048))
+def measure_matmul_flops(device: str, dtype: torch.dtype, tries: int = 4) -> float:
+    """Best FLOP/s of square matmuls of 1024 and 2048 (torch's, in the run's dtype): the ceiling of a run
+    whose matmuls are torch's own."""
+    def flops(n: int) -> float:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        return 2 * n ** 3 / best_seconds(lambda: a @ a, tries, device)
+    return max(flops(1024), flops(2048))
 
 
 def best_seconds(run, tries: int, device: str = "cpu") -> float:
     """The fastest of `tries` timings of run() (on a GPU, from an idle device to an idle device)."""
-    best = float("inf")
+    sync, best = torch.cuda.synchronize if device.startswith("cuda") else lambda: None, float("inf")
     for _ in range(tries):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         run()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        sync()
         best = min(best, time.perf_counter() - t)
     return best
 
 
 def trace_flops(m: ModelConfig, trace: Trace) -> dict:
-    """Model FLOPs the trace needs, counting what nanopaged computes.
-
-    Every token: 2 x (weights of the decoder layers). Logits (2 x vocab x hidden) only for
-    the tokens that are sampled, one per output token. Attention, causal: 4 x layers x heads
-    x head_dim x (context length) per token (QK^T and PV). Embedding lookups and norms: none.
-    """
-    q = m.num_attention_heads * m.head_dim
-    linear = 2 * m.num_hidden_layers * layer_weights(m) * (trace.num_prompt_tokens + trace.num_output_tokens)
-    logits = 2 * m.vocab_size * m.hidden_size * trace.num_output_tokens
-    ctx = sum(n * (n + 1) // 2 for n in (len(p) + o for p, o in zip(trace.prompts, trace.output_lens)))
-    attention = 4 * m.num_hidden_layers * q * ctx
-    return {"linear": linear, "logits": logits, "attention": attention,
-            "total": linear + logits + attention}
+    """Model FLOPs the trace needs, counting what nanopaged computes: those of one step that computes
+    every token of it, samples every output token, and attends causally over each request's whole length."""
+    pairs = sum(n * (n + 1) // 2 for n in (len(p) + o for p, o in zip(trace.prompts, trace.output_lens)))
+    tokens = trace.num_prompt_tokens + trace.num_output_tokens
+    return step_flops(m, StepTiming(len(trace.prompts), tokens, 0, 0.0, trace.num_output_tokens, pairs))
 
 
 def layer_weights(m: ModelConfig) -> int:
@@ -139,38 +186,23 @@ def layer_weights(m: ModelConfig) -> int:
 
 def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: torch.dtype,
                    linear: str = "reference") -> dict:
-    """Decode-only steps (one new token per row): the model's FLOP/s in their forward passes,
-    against a plain matmul with the same number of rows (the median step's), the MLP's shape,
-    and against the step's own matmuls at each step's row count. A decode step of few rows
-    streams every weight for little arithmetic, so even the plain matmul is far from the
-    square-matmul peak; what the step adds on top of its own matmuls is the engine's."""
+    """Decode-only steps (one new token per row) against their own matmuls at each step's row count:
+    what a step adds on top of them is the engine's (the floor's by_step_kind has their seconds by rows)."""
     decode = [s for s in steps if s.num_tokens == s.num_rows]
     if not decode:
         return {"num_steps": 0}
-    q = m.num_attention_heads * m.head_dim
-    flops = sum(matmul_flops(m, s.num_rows) + 4 * m.num_hidden_layers * q * s.context_tokens for s in decode)
     seconds = sum(s.model_s for s in decode)
-    rows = sorted(s.num_rows for s in decode)[len(decode) // 2]
-    plain = measure_rows_matmul_flops(rows, m.hidden_size, m.intermediate_size, device, dtype)
     own = own_matmul_seconds(m, sorted({s.num_rows for s in decode}), device, dtype, linear=linear)
     own_s = sum(own[s.num_rows] for s in decode)     # each step's matmuls alone, at its own rows
-    return {"num_steps": len(decode), "share_of_model_time": seconds / sum(s.model_s for s in steps),
-            "median_rows": rows, "flops_per_s": flops / seconds, "plain_matmul_flops_per_s": plain,
-            "fraction_of_plain_matmul": flops / seconds / plain,
-            "model_matmuls_flops_per_s": matmul_flops(m, rows) / own[rows],
-            "seconds": seconds, "model_matmuls_s": own_s, "fraction_of_model_matmuls": own_s / seconds}
-
-
-def matmul_flops(m: ModelConfig, rows: int) -> int:
-    """FLOPs of one pass of the decode step's linears (the layers' and the lm_head) over `rows` rows."""
-    return 2 * rows * (m.num_hidden_layers * layer_weights(m) + m.vocab_size * m.hidden_size)
+    return {"num_steps": len(decode), "seconds": seconds, "model_matmuls_s": own_s,
+            "fraction_of_model_matmuls": own_s / seconds}
 
 
 def own_matmul_seconds(m: ModelConfig, row_counts: list[int], device: str, dtype: torch.dtype,
                        tries: int = 3, linear: str = "reference") -> dict[int, float]:
     """Best time (of `tries`) of one pass of the decode step's own matmuls and nothing else, at
     each row count: every layer's q/k/v, o, gate/up and down weights and the lm_head, each its own
-    tensor as in the model. Unlike the plain matmul above, whose one small weight stays in the
+    tensor as in the model. Unlike kernel_peak_flops' one layer, whose weight stays in the
     CPU's cache, these stream from memory as a real step's do: the ceiling a decode step of that
     many rows works under. `linear`: the engine's cpu_linear, so the layers are the ones it runs
     (packed: oneDNN's bfloat16 kernel; dpbf16: nanopaged's; reference: nn.Linear)."""
@@ -186,12 +218,3 @@ def own_matmul_seconds(m: ModelConfig, row_counts: list[int], device: str, dtype
             inputs = {k: torch.randn(rows, k, device=device, dtype=dtype) for _, k in shapes}
             out[rows] = best_seconds(lambda: [layer(inputs[layer.in_features]) for layer in layers], tries, device)
     return out
-
-
-def measure_rows_matmul_flops(rows: int, k: int, n: int, device: str, dtype: torch.dtype,
-                              repeat: int = 20, tries: int = 5) -> float:
-    """Best FLOP/s of (rows x k) @ (k x n) over `tries` timings of `repeat` matmuls each (a small
-    one is too short to time alone)."""
-    a = torch.randn(rows, k, device=device, dtype=dtype)
-    b = torch.randn(k, n, device=device, dtype=dtype)
-    return repeat * 2 * rows * k * n / best_seconds(lambda: [a @ b for _ in range(repeat)], tries, device)
