@@ -1,7 +1,6 @@
-"""The roofline: the multiply-add rate of the kernel the engine's matmuls run on, the FLOPs the trace
-needs, and the share of the tokens/s that ceiling allows which nanopaged reaches; and the trace floor,
-the fastest this machine could run nanopaged's own steps, each bound by streaming the weights or by
-its arithmetic, whichever takes longer, summed per kind of step."""
+"""The roofline: the multiply-add rate of the kernel the engine's matmuls run on, the FLOPs the trace needs, and
+the share of the tokens/s that ceiling allows which nanopaged reaches; and the trace floor, the fastest this machine
+could run nanopaged's own steps, each bound by its bytes or by its arithmetic, summed per kind of step."""
 from __future__ import annotations
 
 import time
@@ -13,7 +12,6 @@ from nanopaged.models.config import ModelConfig
 from nanopaged.cpu.linear import KERNELS
 from nanopaged.cpu.quantized_linear import quantized_linear
 
-# A decode-only step by its rows (StepTiming.num_rows): the kind is the first whose limit holds
 DECODE_KINDS = (("1 row", 1), ("2-8 rows", 8), ("9-32 rows", 32), (">32 rows", float("inf")))
 
 
@@ -27,20 +25,19 @@ def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype:
     stats = stats or {}
     peak, kernel = kernel_peak_flops(m, device, dtype, linear, stats.get("quantization"), group_size)
     peak = max(peak, *earlier_peaks)
-    flops = trace_flops(m, trace)
-    tokens = trace.num_prompt_tokens + trace.num_output_tokens
+    rows = sorted({s.num_rows for s in run.steps if step_kind(s) != "prompt chunk"})
+    flops, tokens = trace_flops(m, trace), trace.num_prompt_tokens + trace.num_output_tokens
     per_token = sum(flops.values()) / tokens
     return {"kernel": kernel, "kernel_flops_per_s": peak, "flops_per_token": per_token,
             "flops_share": {k: v / sum(flops.values()) for k, v in flops.items()},
             "roofline_tokens_per_s": peak / per_token,
             "fraction": (tokens / run.wall_s) / (peak / per_token),
-            "decode_steps": decode_figures(m, run.steps, device, dtype, linear),
-            "floor": floor_figures(m, run, peak, dtype, stats)}
+            "floor": floor_figures(m, run, peak, dtype, stats, own_matmul_seconds(m, rows, device, dtype, linear=linear))}
 
 
 def kernel_peak_flops(m: ModelConfig, device: str, dtype: torch.dtype, linear: str = "reference",
                       quantized: dict | None = None, group_size: int = 32, rows: int = 256,
-                      repeat: int = 5, tries: int = 3) -> tuple[float, str]:
+                      repeat: int = 5, tries: int = 5) -> tuple[float, str]:
     """FLOP/s of the kernel family the run's decoder layers multiply with, and its name, measured through
     the engine's own layer: one of the MLP's shape (intermediate x hidden), at `rows` rows so arithmetic
     bounds it and its weight stays in the CPU's cache; best of `tries` timings of `repeat` calls. A
@@ -61,13 +58,15 @@ def kernel_peak_flops(m: ModelConfig, device: str, dtype: torch.dtype, linear: s
     return repeat * 2 * rows * m.hidden_size * m.intermediate_size / seconds, kernel
 
 
-def floor_figures(m: ModelConfig, run: Run, peak: float, dtype: torch.dtype, stats: dict) -> dict:
+def floor_figures(m: ModelConfig, run: Run, peak: float, dtype: torch.dtype, stats: dict,
+                  own: dict[int, float] | None = None) -> dict:
     """The trace floor: for each of nanopaged's steps, max(the bytes it must read / copy bandwidth,
     FLOPs / the kernel's peak); their sum is the fastest this machine could run the steps, and
-    by_step_kind sums them per kind. The bytes: the weights as stored (quantized ones at their packed
-    size) and each request's K/V once, in the cache's dtype. The copy's read rate stands for memory
-    bandwidth (a pure read may run faster: a floor, not a proof); it stays the copy's so the fractions
-    recorded before stay comparable, and one copy's rate varies less from buffer to buffer than a read's."""
+    by_step_kind sums them per kind, with a decode step's own matmuls (`own`: seconds by row count,
+    own_matmul_seconds). The bytes: the weights as stored (quantized ones at their packed size) and each
+    request's K/V once, in the cache's dtype. The copy's read rate stands for memory bandwidth (a pure read
+    may run faster: a floor, not a proof); it stays the copy's, as in the floors recorded before, whose
+    bytes side it keeps comparable (a read's rate also varies more from buffer to buffer)."""
     weight_bytes = stored_weight_bytes(m, dtype, stats.get("quantization"))
     kv_bytes = kv_token_bytes(m, stats.get("kv_cache_dtype"), dtype)
     bandwidth = copy_bytes_per_s(weight_bytes)
@@ -75,17 +74,22 @@ def floor_figures(m: ModelConfig, run: Run, peak: float, dtype: torch.dtype, sta
     for s in run.steps:
         bytes_s = (weight_bytes + kv_bytes * s.context_tokens) / bandwidth
         flops_s = sum(step_flops(m, s).values()) / peak
-        steps.append((step_kind(s), s.model_s, max(bytes_s, flops_s), bytes_s >= flops_s))
-    floor = sum(f for _, _, f, _ in steps)
+        own_s = None if step_kind(s) == "prompt chunk" else (own or {}).get(s.num_rows, 0.0)
+        steps.append((step_kind(s), s.model_s, max(bytes_s, flops_s), bytes_s >= flops_s, own_s))
+    floor, kinds = sum(x[2] for x in steps), by_kind(steps)
+    decode = [k for name, k in kinds.items() if name != "prompt chunk"]
+    decode_s = sum(k["model_s"] for k in decode)
     return {"copy_bytes_per_s": bandwidth, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes,
             "kernel_flops_per_s": peak, "seconds": floor, "model_s": sum(s.model_s for s in run.steps),
             "wall_s": run.wall_s, "fraction": floor / run.wall_s if run.wall_s else 0.0,
-            "weight_bound_steps": sum(b for *_, b in steps), "num_steps": len(steps), "by_step_kind": by_kind(steps)}
+            "weight_bound_steps": sum(x[3] for x in steps), "num_steps": len(steps), "by_step_kind": kinds,
+            "decode_vs_own_matmuls": sum(k["own_matmuls_s"] for k in decode) / decode_s if decode_s else None}
 
 
-def by_kind(steps: list[tuple[str, float, float, bool]]) -> dict:
-    """(kind, model seconds, floor seconds, bound by bytes) per step -> per kind, prompt chunks first then
-    DECODE_KINDS' order: its steps, their seconds, floor / model seconds, and what bounds most of them."""
+def by_kind(steps: list[tuple[str, float, float, bool, float | None]]) -> dict:
+    """(kind, model seconds, floor seconds, bound by bytes, own matmuls' seconds or None) per step -> per
+    kind, prompt chunks first then DECODE_KINDS' order: its steps, their seconds, floor / model seconds,
+    and what bounds most of them."""
     out = {}
     for name in ("prompt chunk", *dict(DECODE_KINDS)):
         mine = [x for x in steps if x[0] == name]
@@ -93,12 +97,13 @@ def by_kind(steps: list[tuple[str, float, float, bool]]) -> dict:
             model_s, floor_s, by_bytes = (sum(x[i] for x in mine) for i in (1, 2, 3))
             out[name] = {"num_steps": len(mine), "model_s": model_s, "floor_s": floor_s,
                          "share": floor_s / model_s if model_s else 0.0, "bytes_bound_steps": by_bytes,
-                         "bound_by": "bytes" if 2 * by_bytes > len(mine) else "arithmetic"}
+                         "bound_by": "bytes" if 2 * by_bytes > len(mine) else "arithmetic",
+                         "own_matmuls_s": None if name == "prompt chunk" else sum(x[4] for x in mine)}
     return out
 
 
 def step_kind(s: StepTiming) -> str:
-    """"prompt chunk" for a step with more tokens than rows, else its DECODE_KINDS bucket."""
+    """"prompt chunk" for a step with more tokens than rows, else the first of DECODE_KINDS whose limit holds its rows."""
     if s.num_tokens > s.num_rows:
         return "prompt chunk"
     return next(name for name, most in DECODE_KINDS if s.num_rows <= most)
@@ -143,19 +148,17 @@ def copy_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
 
 def read_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
     """Bytes read per second by a sum over num_bytes (it writes nothing): the rate a decode step that
-    streams its weights once can reach; a copy's (copy_bytes_per_s) also pays for its writes. The best
-    over fresh buffers of random values: on these VMs one buffer reads at 30 GB/s and the next at 50 (how
-    its pages are backed, not measured), and a floor takes the fastest."""
+    streams its weights once can reach; a copy's (copy_bytes_per_s) also pays for its writes. The best over
+    fresh buffers of random values: on a VM one buffer can read far slower than the next (how its pages are
+    backed), and a floor takes the fastest."""
     return num_bytes / min(best_seconds(torch.rand(num_bytes // 4).sum, tries) for _ in range(tries))
 
 
 def measure_matmul_flops(device: str, dtype: torch.dtype, tries: int = 4) -> float:
     """Best FLOP/s of square matmuls of 1024 and 2048 (torch's, in the run's dtype): the ceiling of a run
     whose matmuls are torch's own."""
-    def flops(n: int) -> float:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        return 2 * n ** 3 / best_seconds(lambda: a @ a, tries, device)
-    return max(flops(1024), flops(2048))
+    squares = [torch.randn(n, n, device=device, dtype=dtype) for n in (1024, 2048)]
+    return max(2 * len(a) ** 3 / best_seconds(lambda: a @ a, tries, device) for a in squares)
 
 
 def best_seconds(run, tries: int, device: str = "cpu") -> float:
@@ -184,34 +187,17 @@ def layer_weights(m: ModelConfig) -> int:
     return m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * m.intermediate_size
 
 
-def decode_figures(m: ModelConfig, steps: list[StepTiming], device: str, dtype: torch.dtype,
-                   linear: str = "reference") -> dict:
-    """Decode-only steps (one new token per row) against their own matmuls at each step's row count:
-    what a step adds on top of them is the engine's (the floor's by_step_kind has their seconds by rows)."""
-    decode = [s for s in steps if s.num_tokens == s.num_rows]
-    if not decode:
-        return {"num_steps": 0}
-    seconds = sum(s.model_s for s in decode)
-    own = own_matmul_seconds(m, sorted({s.num_rows for s in decode}), device, dtype, linear=linear)
-    own_s = sum(own[s.num_rows] for s in decode)     # each step's matmuls alone, at its own rows
-    return {"num_steps": len(decode), "seconds": seconds, "model_matmuls_s": own_s,
-            "fraction_of_model_matmuls": own_s / seconds}
-
-
 def own_matmul_seconds(m: ModelConfig, row_counts: list[int], device: str, dtype: torch.dtype,
                        tries: int = 3, linear: str = "reference") -> dict[int, float]:
-    """Best time (of `tries`) of one pass of the decode step's own matmuls and nothing else, at
-    each row count: every layer's q/k/v, o, gate/up and down weights and the lm_head, each its own
-    tensor as in the model. Unlike kernel_peak_flops' one layer, whose weight stays in the
-    CPU's cache, these stream from memory as a real step's do: the ceiling a decode step of that
-    many rows works under. `linear`: the engine's cpu_linear, so the layers are the ones it runs
-    (packed: oneDNN's bfloat16 kernel; dpbf16: nanopaged's; reference: nn.Linear)."""
+    """Best time (of `tries`) of one pass of a decode step's own matmuls and nothing else, at each row
+    count: every layer's q/k/v, o, gate/up and down weights and the lm_head, each its own tensor as in
+    the model. Unlike kernel_peak_flops' one layer, whose weight stays in the CPU's cache, these stream
+    from memory as a real step's do: what a step adds on top of them is the engine's. `linear`: the
+    engine's cpu_linear (a name in KERNELS, or reference: nn.Linear), so the layers are the ones it runs."""
     q, kv, h, i = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.hidden_size, m.intermediate_size
     shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * m.num_hidden_layers + [(m.vocab_size, h)]
-    layers = []
-    for n, k in shapes:
-        layer = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
-        layers.append(KERNELS[linear](layer) if linear in KERNELS else layer)
+    wrap = KERNELS.get(linear, lambda layer: layer)
+    layers = [wrap(torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)) for n, k in shapes]
     out = {}
     with torch.inference_mode():
         for rows in row_counts:

@@ -120,11 +120,14 @@ def test_the_busy_neighbour_is_a_busy_loop_pinned_to_the_last_core_and_is_gone_a
 
 def test_decode_steps_are_compared_with_their_own_matmuls(tiny_run):
     result = tiny_run[0]
-    d = result["roofline"]["decode_steps"]
-    assert 0 < d["num_steps"] < result["overhead"]["num_steps"]       # the first steps prefill
-    assert d["fraction_of_model_matmuls"] == pytest.approx(d["model_matmuls_s"] / d["seconds"])
-    assert d["model_matmuls_s"] > 0
-    assert result["targets"]["decode_vs_own_matmuls"]["value"] == d["fraction_of_model_matmuls"]
+    floor = result["roofline"]["floor"]
+    decode = [k for name, k in floor["by_step_kind"].items() if name != "prompt chunk"]
+    assert 0 < sum(k["num_steps"] for k in decode) < floor["num_steps"]       # the first steps prefill
+    assert all(k["own_matmuls_s"] > 0 for k in decode)
+    assert floor["by_step_kind"]["prompt chunk"]["own_matmuls_s"] is None
+    assert floor["decode_vs_own_matmuls"] == pytest.approx(sum(k["own_matmuls_s"] for k in decode)
+                                                           / sum(k["model_s"] for k in decode))
+    assert result["targets"]["decode_vs_own_matmuls"]["value"] == floor["decode_vs_own_matmuls"]
 
 
 def test_the_floor_by_step_kind_adds_up_to_the_floor_and_is_printed(tiny_run, capsys):

@@ -61,13 +61,24 @@ def test_each_step_falls_in_its_kind_prompt_chunks_apart_and_decode_steps_by_row
         assert k["bound_by"] == "bytes"
 
 
+def test_each_decode_kind_holds_its_steps_own_matmuls_and_the_target_their_share_of_the_decode_seconds(host):
+    steps = [chunk(40), StepTiming(1, 1, 50, 0.4, 1), StepTiming(1, 1, 51, 0.6, 1), StepTiming(4, 4, 200, 1.0, 4)]
+    floor = roofline.floor_figures(DEMO, Run("nanopaged", 10.0, 0, 0, 1, {}, steps=steps), 1e30, torch.bfloat16, {},
+                                   own={1: 0.1, 4: 0.3})
+    kinds = floor["by_step_kind"]
+    assert kinds["prompt chunk"]["own_matmuls_s"] is None
+    assert kinds["1 row"]["own_matmuls_s"] == pytest.approx(0.2) and kinds["2-8 rows"]["own_matmuls_s"] == pytest.approx(0.3)
+    assert floor["decode_vs_own_matmuls"] == pytest.approx(0.5 / 2.0)        # the chunk's second not counted
+
+
 def test_a_kind_is_bound_by_what_bounds_most_of_its_steps():
-    one_in_three = roofline.by_kind([("1 row", 1.0, 0.2, True), ("1 row", 1.0, 0.3, False), ("1 row", 1.0, 0.4, False)])
-    two_in_three = roofline.by_kind([("1 row", 1.0, 0.2, True), ("1 row", 1.0, 0.3, True), ("1 row", 1.0, 0.4, False)])
-    half = roofline.by_kind([("1 row", 1.0, 0.2, True), ("1 row", 1.0, 0.3, False)])
-    assert one_in_three["1 row"]["bound_by"] == "arithmetic" and two_in_three["1 row"]["bound_by"] == "bytes"
-    assert half["1 row"]["bound_by"] == "arithmetic"          # bytes only where they bound more than half
-    assert one_in_three["1 row"]["share"] == pytest.approx(0.9 / 3.0)
+    def kind(*bound_by_bytes):
+        return roofline.by_kind([("1 row", 1.0, 0.1 * (i + 2), b, 0.0) for i, b in enumerate(bound_by_bytes)])["1 row"]
+
+    one_in_three, two_in_three, half = kind(True, False, False), kind(True, True, False), kind(True, False)
+    assert one_in_three["bound_by"] == "arithmetic" and two_in_three["bound_by"] == "bytes"
+    assert half["bound_by"] == "arithmetic"          # bytes only where they bound more than half
+    assert one_in_three["share"] == pytest.approx(0.9 / 3.0)
 
 
 class StandIn(torch.nn.Module):
