@@ -62,8 +62,7 @@ def copies(items: list[SpecPrompt], texts: list[str]) -> dict:
     """How many answers are the passage as the text has it (the typos fixed), by instruction."""
     out = {}
     for it, text in zip(items, texts):
-        out.setdefault(it.kind, 0)
-        out[it.kind] += " ".join(text.split()) == it.passage
+        out[it.kind] = out.get(it.kind, 0) + (" ".join(text.split()) == it.passage)
     return out
 
 
@@ -80,9 +79,8 @@ def target_figures(result: dict) -> dict:
     missing (a failed configuration, a concurrency not run) has no value and is missed."""
     runs = result.get("repeating", {}).get("configs", {})
     ngram1, suffix1 = speedups(runs, "ngram", 1), speedups(runs, "suffix", 1)
-    best_ngram = max(ngram1, key=ngram1.get) if ngram1 else None
-    best_suffix = max(suffix1, key=suffix1.get) if suffix1 else None
-    values = {"ngram_one_at_a_time": (ngram1.get(best_ngram), best_ngram),
+    (_, best_ngram), (_, best_suffix) = best_of(ngram1), best_of(suffix1)
+    values = {"ngram_one_at_a_time": best_of(ngram1),
               "ngram_at_16": best_of(speedups(runs, "ngram", 16)),
               "suffix_vs_ngram_one_at_a_time": (suffix1[best_suffix] / ngram1[best_ngram], best_suffix)
               if best_ngram and best_suffix else (None, None)}
