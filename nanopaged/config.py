@@ -34,13 +34,13 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
                    "int8": "int8"}
 # CPU linear kernels (cpu/linear.py): packed = oneDNN's bfloat16 kernel on weights reordered
-# once at load, dpbf16 = nanopaged's on AVX512-BF16's dot product, reference = F.linear as loaded.
-CPU_LINEARS = ("auto", "packed", "dpbf16", "reference")
+# once at load, dpbf16 / amx = nanopaged's on AVX512-BF16's dot product / AMX's tiles, reference = F.linear.
+CPU_LINEARS = ("auto", "packed", "dpbf16", "amx", "reference")
 # CPU layer kernels: fused = each decoder layer in C++, the layer loop too (cpu/fused.py);
 # reference = the model's torch ops.
 CPU_KERNELS = ("auto", "fused", "reference")
-# weight-only quantization of the decoder layers' linears on CPU (cpu/quantized_linear.py)
-QUANTIZATIONS = (None, "gguf", "int4", "int8")
+# quantization of the decoder layers' linears on CPU (cpu/quantized_linear.py); w8a8: each row too, per token
+QUANTIZATIONS = (None, "gguf", "int4", "int8", "w8a8")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 CPU_KV_CACHE_BYTES = 1 << 30   # default KV budget on CPU (zeroing it takes ~3 s per GiB on a 2-core VM)
 MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}   # default token budget per step
@@ -67,11 +67,11 @@ class EngineConfig:
     seed: int = 0                           # for requests sampled without their own seed
     max_logprobs: int = MAX_LOGPROBS        # the most logprobs / prompt_logprobs a request may ask for
     cpu_threads: str | None = "auto"        # CPU: follow the free cores (cpu/thread_governor.py); None: torch's
-    cpu_linear: str = "auto"                # CPU: packed (oneDNN) | dpbf16 (nanopaged's AVX512-BF16) | reference (F.linear)
+    cpu_linear: str = "auto"                # CPU: packed (oneDNN) | dpbf16 | amx (nanopaged's) | reference (F.linear)
     cpu_kernels: str = "auto"               # CPU: fused (C++ layer kernels) | reference (torch ops); auto: fused with packed linears
     tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
     speculative_config: dict | None = None  # ngram, suffix or draft_model drafts, verified in one pass (spec_decode/)
-    quantization: str | None = None         # CPU weight-only: gguf | int4 | int8 (cpu/quantized_linear.py); None: off
+    quantization: str | None = None         # CPU: gguf | int4 | int8 | w8a8 (cpu/quantized_linear.py); None: off
     quantization_group_size: int = 32       # int4 / int8: input features per scale (gguf: the file's 32)
     batch_invariant: bool | None = None     # a request's tokens never depend on its batch; None: where the kernels hold it
     disable_cascade_attn: bool = False      # cpu attention: rows sharing their first blocks read them once (same result)

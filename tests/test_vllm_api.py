@@ -49,7 +49,7 @@ def test_every_off_value_of_every_vllm_argument_is_accepted(tiny_model_dirs):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"quantization": "awq"}, r"^quantization must be one of \[None, 'gguf', 'int4', 'int8'\], got 'awq'"),
+    ({"quantization": "awq"}, r"^quantization must be one of \[None, 'gguf', 'int4', 'int8', 'w8a8'\], got 'awq'"),
     ({"fully_sharded_loras": True}, r"fully_sharded_loras=True is not supported: nanopaged runs adapters in one process"),
     ({"revision": "main"}, r"revision='main' is not supported: .* never reaches a model hub"),
     ({"tokenizer_mode": "mistral"}, r"tokenizer_mode='mistral' is not supported"),

@@ -41,7 +41,8 @@ HEADERS = sorted(CSRC.glob("*.h"))      # what they include of each other: copie
 OPT_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp"]
 # the CPU's flag (as /proc/cpuinfo spells it) -> gcc's name for the instruction set
 ISA_FLAGS = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f", "avx512bw": "avx512bw",
-             "avx512vl": "avx512vl", "avx512_bf16": "avx512bf16", "avx512_vnni": "avx512vnni"}
+             "avx512vl": "avx512vl", "avx512_bf16": "avx512bf16", "avx512_vnni": "avx512vnni",
+             "amx_tile": "amx-tile", "amx_bf16": "amx-bf16", "amx_int8": "amx-int8"}
 
 
 def missing_tools() -> str | None:

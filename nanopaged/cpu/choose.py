@@ -10,12 +10,12 @@ decided here (under tensor parallelism every rank runs the reference layers, its
 
     batch_invariant  auto (or vLLM's VLLM_BATCH_INVARIANT=1/0 where the setting is not given): on
                  where the chosen path computes each row in an order that depends on that row
-                 alone (dpbf16 linears, the fused layers, the cpu attention: a CPU with AVX512-BF16
-                 where the kernels build), off elsewhere, with the reason in the log
-    cpu_linear   auto, for a bfloat16 model on a CPU with bfloat16 matrix units: dpbf16 (nanopaged's
-                 kernel) where the CPU has AVX512-BF16 and the kernels build; packed (oneDNN) where
-                 batch invariance is off and the CPU has AMX, whose tiles oneDNN drives, or where
-                 dpbf16 cannot run; reference elsewhere
+                 alone (amx or dpbf16 linears, the fused layers, the cpu attention: a CPU with
+                 AMX-BF16 or AVX512-BF16 where the kernels build), off elsewhere, with the reason in the log
+    cpu_linear   auto, for a bfloat16 model on a CPU with bfloat16 matrix units: amx (nanopaged's tile
+                 kernel) where the CPU has AMX-BF16, dpbf16 (nanopaged's dot-product kernel) where it has
+                 AVX512-BF16 only, so long as the kernels build; packed (oneDNN) where neither can run;
+                 reference elsewhere
     cpu_kernels  auto: fused beside a packed linear (packed or dpbf16) when the attention backend is
                  left to choose and the kernels build (the first time on a machine, they are
                  compiled first), a mixture's experts grouped (cpu/moe.py); reference elsewhere,
@@ -40,6 +40,7 @@ from nanopaged.cpu.features import bf16_matrix_units
 from nanopaged.cpu.fused import argmax_rows, fuse_layers
 from nanopaged.cpu.linear import pack_linears
 from nanopaged.cpu.quantized_linear import quantize_linears
+from nanopaged.cpu.rotation import check_w8a8
 from nanopaged.models.pipeline import ModelStage
 
 
@@ -47,10 +48,10 @@ from nanopaged.models.pipeline import ModelStage
 class FastPath:
     """What runs in place of the readable reference. All "reference" (and argmax None: the
     sampler's torch.argmax) is the path a student reads."""
-    linear: str = "reference"           # packed | dpbf16 | reference (cpu/linear.py)
+    linear: str = "reference"           # packed | dpbf16 | amx | reference (cpu/linear.py)
     layers: str = "reference"           # fused | reference (cpu/fused.py)
     attention_backend: str = "torch"    # the name in attention/backends.py: ATTENTION_BACKENDS
-    quantization: str | None = None     # gguf | int4 | int8 (cpu/quantized_linear.py)
+    quantization: str | None = None     # gguf | int4 | int8 | w8a8 (cpu/quantized_linear.py)
     quantization_group_size: int = 32
     gguf_file: str | None = None
     batch_invariant: bool = False       # every row computed alone: the same tokens in any batch
@@ -91,7 +92,9 @@ def choose(config) -> FastPath:
     """The fast path for an EngineConfig (config.py), or a ValueError naming the setting that
     cannot run here and why. Nothing is built unless a fast path is a candidate."""
     asked = asked_batch_invariance(config.batch_invariant)
-    linear = choose_linear(config.cpu_linear, config.device, config.dtype, invariant=asked is not False)
+    if config.quantization == "w8a8":
+        check_w8a8(config)
+    linear = choose_linear(config.cpu_linear, config.device, config.dtype)
     layers = choose_layers(config.cpu_kernels, config.device, linear, config.attention_backend, config.block_size)
     attention = "cpu" if layers == "fused" else config.attention_backend
     if config.tensor_parallel_size > 1:      # the parallel layers keep their own forward: nothing packed or fused
@@ -126,40 +129,43 @@ def not_batch_invariant(device: str, tensor_parallel_size: int, linear: str, lay
     if tensor_parallel_size > 1:
         return ("with tensor_parallel_size > 1 the ranks run the reference layers, through collectives no "
                 "test holds to it")
-    if linear != "dpbf16":
+    if linear not in OWN_KERNEL_FLAGS:
         return (f"the linear kernel is {linear!r}, whose blocking (oneDNN's, or MKL's sgemm in float32) depends on the "
-                "step's row count; nanopaged's dpbf16 kernel, which computes each row alone, needs a bfloat16 model "
-                "on a CPU with AVX512-BF16 (cpu_linear='dpbf16')")
+                "step's row count; nanopaged's amx and dpbf16 kernels, which compute each row alone, need a bfloat16 "
+                "model on a CPU with AMX-BF16 or AVX512-BF16 (cpu_linear='amx' or 'dpbf16')")
     if layers != "fused" or attention != "cpu":
         return ("the torch reference layers and attention (cpu_kernels='reference', attention_backend="
                 f"{attention!r}) are not held to it: the torch backend pads decode rows into groups by length")
     return None
 
 
-def choose_linear(name: str, device: str, dtype: str, invariant: bool = False) -> str:
-    """auto: nanopaged's dpbf16 where it runs, except on AMX without batch invariance, where oneDNN
-    drives the tiles; oneDNN's packed kernel where dpbf16 cannot run; the reference elsewhere."""
+def choose_linear(name: str, device: str, dtype: str) -> str:
+    """auto: nanopaged's kernel for the CPU's best bfloat16 unit (amx, else dpbf16) where it builds,
+    oneDNN's packed kernel where neither does, the reference elsewhere."""
     units = bf16_matrix_units()
     can_pack = device == "cpu" and dtype == "bfloat16" and bool(units)
     if name == "auto":
         if not can_pack:
             return "reference"
-        if ("amx_bf16" not in units or invariant) and dpbf16_builds():
-            return "dpbf16"
-        return "packed"
-    if name in ("packed", "dpbf16") and not can_pack:
+        return next((k for k in ("amx", "dpbf16") if OWN_KERNEL_FLAGS[k] in units and own_kernel_builds(k)), "packed")
+    if name in ("packed", "dpbf16", "amx") and not can_pack:
         raise ValueError(f"cpu_linear={name!r} needs device='cpu', dtype='bfloat16' and a CPU with bfloat16 "
                          f"matrix units (amx_bf16 or avx512_bf16); got device={device!r}, dtype={dtype!r}, "
                          f"units {units or 'none'}")
-    if name == "dpbf16" and "avx512_bf16" not in units:
-        raise ValueError(f"cpu_linear='dpbf16' needs AVX512-BF16 (the CPU's flag avx512_bf16); this CPU has {units}")
-    if name == "dpbf16" and not dpbf16_builds():
-        raise ValueError(f"cpu_linear='dpbf16': {build.available() or 'the kernels were built without AVX512-BF16'}")
+    if name in OWN_KERNEL_FLAGS and OWN_KERNEL_FLAGS[name] not in units:
+        raise ValueError(f"cpu_linear={name!r} needs the CPU's flag {OWN_KERNEL_FLAGS[name]}; this CPU has {units}")
+    if name in OWN_KERNEL_FLAGS and not own_kernel_builds(name):
+        raise ValueError(f"cpu_linear={name!r}: {build.available() or 'the kernels were built without its instructions'}")
     return name
 
 
-def dpbf16_builds() -> bool:
-    return build.available() is None and bool(build.cpu_ops().has_avx512_bf16)
+# nanopaged's own bfloat16 kernels and the CPU flag each needs (cpu/linear.py: KERNELS)
+OWN_KERNEL_FLAGS = {"amx": "amx_bf16", "dpbf16": "avx512_bf16"}
+
+
+def own_kernel_builds(name: str) -> bool:
+    """Whether the kernels built here with `name`'s instructions (the build's has_amx_bf16, has_avx512_bf16)."""
+    return build.available() is None and bool(getattr(build.cpu_ops(), "has_" + OWN_KERNEL_FLAGS[name]))
 
 
 def choose_layers(name: str, device: str, linear: str, attention_backend: str, block_size: int = 16) -> str:

@@ -4,7 +4,7 @@
 fastest in a layout of its own; laying it out for every call would cost more than it saves, so
 it happens once, after loading, and the packed weight replaces the plain one. The layers are
 swapped in place, as tensor parallelism swaps its own, so models/llama.py has no branch for it.
-Two kernels, chosen by the CPU's flags as measured (docs/05, "bfloat16 on the matrix units"):
+Three kernels, chosen by the CPU's flags as measured (docs/05, "bfloat16 on the matrix units"):
 
     packed   oneDNN's kernel (AMX tiles where the CPU has them): `torch.ops.mkldnn.
              _reorder_linear_weight` packs a weight and `_linear_pointwise` multiplies by it (what
@@ -13,6 +13,9 @@ Two kernels, chosen by the CPU's flags as measured (docs/05, "bfloat16 on the ma
     dpbf16   nanopaged's own (nanopaged/cpu/csrc/linear_bf16.cpp: linear_bf16), on AVX512-BF16's
              dot-product instruction: on a CPU with it and without AMX (AMD Zen 4) it ran a decode
              step's matmuls faster than oneDNN's at every row count measured.
+    amx      nanopaged's own (nanopaged/cpu/csrc/linear_amx.cpp: linear_amx), on AMX's bfloat16 tiles:
+             as fast as oneDNN's where measured, and each row's sums in an order of its own, which
+             oneDNN's blocking does not promise (its lm_head's rows changed with the step's size).
 """
 from __future__ import annotations
 
@@ -75,7 +78,28 @@ class Dpbf16Linear(CppLinear):
         return lin
 
 
-KERNELS = {"packed": PackedLinear, "dpbf16": Dpbf16Linear}
+class AmxLinear(CppLinear):
+    """y = x W^T + b on AMX's bfloat16 tiles, W packed once for them, each row's sums in an order of
+    its own (nanopaged/cpu/csrc/linear_amx.cpp; inference only)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.ops = cpu_ops()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = self.ops.pack_amx_weight(linear.weight.detach())
+        self.bias = torch.empty(0) if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # x: (tokens, in_features)
+        return self.ops.linear_amx(x, self.packed_weight, self.bias, self.out_features)
+
+    def describe_cpp(self, describe):
+        lin = self.ops.Linear()
+        lin.out_features, lin.kind = self.out_features, self.ops.LinearKind.AMX
+        lin.packed, lin.bias = self.packed_weight, self.bias
+        return lin
+
+
+KERNELS = {"packed": PackedLinear, "dpbf16": Dpbf16Linear, "amx": AmxLinear}
 
 
 def pack_linears(model: nn.Module, kernel: str = "packed") -> int:
@@ -90,5 +114,13 @@ def pack_linears(model: nn.Module, kernel: str = "packed") -> int:
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, KERNELS[kernel](getattr(parent, child)))
+        setattr(parent, child, layer_for(kernel, getattr(parent, child)))
     return len(targets)
+
+
+def layer_for(kernel: str, linear: nn.Linear) -> nn.Module:
+    """`kernel`'s layer for `linear`. amx reads whole steps of 32 inputs: a weight of another width
+    runs on dpbf16 (every AMX-BF16 CPU has AVX512-BF16; it computes each row alone too)."""
+    if kernel == "amx" and linear.in_features % 32:
+        kernel = "dpbf16"
+    return KERNELS[kernel](linear)

@@ -27,6 +27,9 @@ costs", has the bytes and what they cost in quality.
     int4   the checkpoint quantized at load: min/max per group of `quantization_group_size`
     int8   the checkpoint quantized at load: absmax per group of `quantization_group_size` (torch's
            kernel: per output feature)
+    w8a8   the checkpoint quantized at load: absmax per output feature, and each row at run time
+           per token (W8A8Linear): one integer sum over the whole row, no scale inside it; the hidden
+           states rotated first (cpu/rotation.py), so that a row's few large features do not set its scale
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from torch import nn
 
 from nanopaged.cpu.linear import CppLinear
 from nanopaged.cpu.build import available, cpu_ops
+from nanopaged.cpu.rotation import rotate_hidden_states
 from nanopaged.models.gguf import BLOCK, load_gguf_linears
 
 logger = logging.getLogger(__name__)
@@ -57,7 +61,11 @@ def nanopaged_kernels():
     return cpu_ops() if available() is None and cpu_ops().has_avx512_vnni else None
 
 
-def kernel_name() -> str:
+def kernel_name(method: str | None = None) -> str:
+    if method == "w8a8":
+        ops = nanopaged_kernels()
+        return ("torch's integer matmul" if ops is None else "nanopaged's on AMX-INT8" if ops.has_amx_int8
+                else "nanopaged's on AVX512-VNNI") + ", rows quantized to 8 bits per token"
     return ("nanopaged's, rows quantized to 8 bits per block (AVX512-VNNI)" if nanopaged_kernels() is not None
             else "torch's weight-only")
 
@@ -133,6 +141,57 @@ class Q8Linear(QuantizedLinear):
         return self.packed.nbytes
 
 
+class W8A8Linear(QuantizedLinear):
+    """W8A8 (vLLM's CPU int8 scheme): 8-bit weights with one scale per output feature, each row
+    quantized to 8 bits at run time with one scale of its own, and one integer sum over the whole row
+    (no scale inside it): y = (sum_i q_i xq_i) d dx, a single float multiply at the end. On AMX's int8
+    tiles (csrc/linear_amx.cpp) where the CPU has them and a row is whole steps of 64, else on
+    nanopaged's VNNI kernel (G = in_features: one block the row's length), else torch's integer matmul
+    (_int_mm). Each sums integers exactly, so any order gives the same sum, and the three the same bits:
+    a row's bits depend neither on its batch nor on the kernel."""
+    bits = 8
+
+    def __init__(self, dense: nn.Linear) -> None:
+        super().__init__(dense)
+        self.group_size = dense.in_features
+        codes, scale = int8_codes(dense.weight.detach(), self.group_size)
+        self.scale = scale.half().float().reshape(-1)      # the VNNI kernel keeps float16 scales: every path does
+        self.ops = nanopaged_kernels()
+        self.amx = self.ops is not None and self.ops.has_amx_int8 and self.in_features % 64 == 0
+        self.codes_t = torch.empty(0, dtype=torch.int8)
+        if self.amx:
+            self.packed = self.ops.pack_amx_int8(codes, self.scale)
+        elif self.ops is not None:
+            self.packed = self.ops.pack_quantized(codes, self.scale[:, None], torch.empty(0), self.group_size, 8)
+        else:
+            self.packed, self.codes_t = torch.empty(0, dtype=torch.uint8), codes.to(torch.int8).t().contiguous()
+
+    def quantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx:
+            return self.ops.linear_amx_int8(x, self.packed, self.out_features)
+        if self.ops is not None:
+            return self.ops.linear_quantized(x, self.packed, self.out_features, self.group_size, 8)
+        return w8a8_reference(x, self.codes_t, self.scale)
+
+    def describe_cpp(self, describe):
+        lin = super().describe_cpp(describe)
+        if lin is not None and self.amx:
+            lin.kind = self.ops.LinearKind.AMX_INT8
+        return lin
+
+    @property
+    def quantized_bytes(self) -> int:
+        return self.packed.nbytes + self.codes_t.nbytes + (0 if self.ops is not None else self.scale.nbytes)
+
+
+def w8a8_reference(x: torch.Tensor, codes_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = (xq codes^T) (dx d) in torch: each row quantized alone (quantize_activations, one block the
+    row's length), the integer matmul exact, the scales' product in float32 as the kernel forms it."""
+    xq, dx = quantize_activations(x, x.shape[1])
+    sums = torch._int_mm(xq.to(torch.int8), codes_t).float()
+    return (sums * (scale[None, :] * dx)).to(x.dtype)
+
+
 class Int8Linear(QuantizedLinear):
     """torch's weight-only int8 kernel, where nanopaged's did not build with VNNI."""
 
@@ -192,6 +251,8 @@ def quantized_linear(method: str, dense: nn.Linear, group_size: int, shipped: tu
         q8 = len(shipped) == 2                           # Q8_0: (codes, scale); Q4: (codes, scale, zero)
         return (Q8Linear if q8 else Int4Linear)(dense, *shipped, group_size)
     weight = dense.weight.detach()
+    if method == "w8a8":
+        return W8A8Linear(dense)
     if method == "int4":
         return Int4Linear(dense, *int4_codes(weight, group_size), group_size)
     if nanopaged_kernels() is not None:
@@ -218,6 +279,8 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
         return {"quantization": None, "quantized_linears": 0, "quantized_bytes": 0, "left_dense": [],
                 "weights_replaced": 0}
     found, left_dense = {}, []
+    if method == "w8a8":
+        rotate_hidden_states(model)
     if method == "gguf":
         found, left_dense = load_gguf_linears(gguf_path, model.config)
         group_size = BLOCK
@@ -244,6 +307,6 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
             owner, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(owner), attr, new)
             swapped.append(new)
-    return {"quantization": method, "kernel": kernel_name(), "quantized_linears": len(swapped),
+    return {"quantization": method, "kernel": kernel_name(method), "quantized_linears": len(swapped),
             "quantized_bytes": sum(m.quantized_bytes for m in swapped), "left_dense": left_dense,
             "weights_replaced": sum(m.in_features * m.out_features for m in swapped)}

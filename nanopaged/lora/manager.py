@@ -30,7 +30,7 @@ import torch
 from nanopaged.core.request import Request
 from nanopaged.cpu.build import cpu_ops
 from nanopaged.cpu.fused import FusedLlamaModel
-from nanopaged.cpu.choose import choose
+from nanopaged.cpu.choose import OWN_KERNEL_FLAGS, choose
 from nanopaged.lora.adapter import LoRAAdapter, load_adapter
 from nanopaged.lora.layers import StepAdapters, wrap_linears
 from nanopaged.lora.request import LoRARequest
@@ -79,8 +79,9 @@ class LoRAManager:
         self.step = StepAdapters([])
         self.layers: list = []
         self.fused = None                     # the fused layer loop, where it runs the updates in C++
-        # the updates run on nanopaged's bfloat16 kernel where the linears do (each row alone: batch invariance)
-        self.ops = cpu_ops() if choose(cfg).linear == "dpbf16" else None
+        # the updates run on nanopaged's dpbf16 kernel where the linears run on one of nanopaged's (each row
+        # alone: batch invariance); every CPU with AMX-BF16 has AVX512-BF16 too
+        self.ops = cpu_ops() if choose(cfg).linear in OWN_KERNEL_FLAGS else None
 
     def wrap(self, model):
         """The model pipeline's `adapters` stage: every decoder projection in a LoRA linear."""

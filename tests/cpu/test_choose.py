@@ -14,7 +14,7 @@ def zen4(monkeypatch):
     """A CPU with AVX512-BF16 where the kernels build."""
     monkeypatch.setattr(build_module, "available", lambda: None)
     monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["avx512_bf16"])
-    monkeypatch.setattr(choose_module, "dpbf16_builds", lambda: True)
+    monkeypatch.setattr(choose_module, "own_kernel_builds", lambda name: True)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
 
 
@@ -29,11 +29,12 @@ def test_on_by_default_where_the_fast_path_holds_it(zen4, tiny_model_dirs):
     assert chosen(model, dtype="bfloat16", batch_invariant=False)[0] is False
 
 
-def test_on_an_amx_host_the_invariant_path_takes_dpbf16_over_onednn(monkeypatch, zen4, tiny_model_dirs):
+def test_on_an_amx_host_the_path_takes_nanopageds_amx_kernel(monkeypatch, zen4, tiny_model_dirs):
     monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["amx_bf16", "avx512_bf16"])
     model = tiny_model_dirs["llama"]
-    assert chosen(model, dtype="bfloat16") == (True, "dpbf16", "fused", "cpu")
-    assert chosen(model, dtype="bfloat16", batch_invariant=False) == (False, "packed", "fused", "cpu")
+    assert chosen(model, dtype="bfloat16") == (True, "amx", "fused", "cpu")
+    assert chosen(model, dtype="bfloat16", batch_invariant=False) == (False, "amx", "fused", "cpu")
+    assert chosen(model, dtype="bfloat16", cpu_linear="dpbf16") == (True, "dpbf16", "fused", "cpu")
 
 
 @pytest.mark.parametrize("settings, why", [

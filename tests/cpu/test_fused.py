@@ -122,9 +122,9 @@ def test_auto_fuses_only_beside_packed_linears(monkeypatch, tiny_model_dirs):
     model = tiny_model_dirs["llama"]
     monkeypatch.setattr(cpu_ops_module, "available", lambda: None)
     monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["amx_bf16"])
-    monkeypatch.setattr(choose_module, "dpbf16_builds", lambda: False)
+    monkeypatch.setattr(choose_module, "own_kernel_builds", lambda name: False)
     assert chosen(model, device="cpu", dtype="bfloat16") == ("packed", "fused", "cpu")
-    monkeypatch.setattr(choose_module, "dpbf16_builds", lambda: True)
+    monkeypatch.setattr(choose_module, "own_kernel_builds", lambda name: True)
     monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["avx512_bf16"])
     assert chosen(model, device="cpu", dtype="bfloat16") == ("dpbf16", "fused", "cpu")
     assert chosen(model, device="cpu", dtype="float32") == ("reference", "reference", "torch")

@@ -15,7 +15,7 @@ from nanopaged import LLM, EngineConfig
 from nanopaged.cpu.build import available, cpu_ops
 from nanopaged.cpu.choose import choose
 from nanopaged.cpu.features import auto_cpu_dtype
-from nanopaged.cpu.linear import Dpbf16Linear, PackedLinear, pack_linears, packed_ops_available
+from nanopaged.cpu.linear import AmxLinear, Dpbf16Linear, PackedLinear, pack_linears, packed_ops_available
 
 needs_dpbf16 = pytest.mark.skipif(available() is not None or not cpu_ops().has_avx512_bf16,
                                   reason="nanopaged's kernels did not build with AVX512-BF16 here")
@@ -80,6 +80,35 @@ def test_the_gate_up_projection_with_silu_equals_the_two_ops(rows, inter, hidden
         ops.linear_bf16_silu_mul(x, layer.packed_weight, bias_t, inter - 32)
 
 
+needs_amx = pytest.mark.skipif(available() is not None or not cpu_ops().has_amx_bf16,
+                               reason="nanopaged's kernels did not build with AMX-BF16 here (no amx_bf16, amx_tile)")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 300])
+@pytest.mark.parametrize("out_features, in_features, bias", [(1536, 576, False), (960, 576, True), (100, 64, True),
+                                                             (3, 32, False)])
+def test_the_amx_linear_rounds_the_float32_product_once(rows, out_features, in_features, bias):
+    """AMX's TDPBF16PS sums in float32 too, in steps of 32 inputs: the float32 matmul of the same numbers
+    rounded once, but for sums whose order tips them over a rounding boundary. Row counts around the
+    16-row tiles and 32-row groups, widths that are not whole 32-feature blocks, a bias, strided rows."""
+    torch.manual_seed(rows + out_features)
+    linear = nn.Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
+    x = torch.randn(rows, in_features + 32, dtype=torch.bfloat16)[:, :in_features]
+    with torch.inference_mode():
+        exact = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
+        got = AmxLinear(linear)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert (got == exact.bfloat16()).float().mean() > 0.99
+    assert torch.allclose(got.float(), exact, rtol=2 ** -7, atol=1e-6)
+
+
+@needs_amx
+def test_the_amx_weight_needs_whole_steps_of_32_inputs():
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        AmxLinear(nn.Linear(48, 4, dtype=torch.bfloat16))
+
+
 @needs_dpbf16
 def test_the_dpbf16_weight_needs_an_even_width():
     with pytest.raises(RuntimeError, match="in_features even"):
@@ -87,33 +116,40 @@ def test_the_dpbf16_weight_needs_an_even_width():
 
 
 @pytest.mark.parametrize("kernel, cls", [("packed", PackedLinear),
-                                         pytest.param("dpbf16", Dpbf16Linear, marks=needs_dpbf16)])
+                                         pytest.param("dpbf16", Dpbf16Linear, marks=needs_dpbf16),
+                                         pytest.param("amx", AmxLinear, marks=needs_amx)])
 def test_pack_linears_swaps_plain_linears_only(kernel, cls):
     class Subclass(nn.Linear):            # tensor parallelism's layers subclass nn.Linear
         pass
 
-    model = nn.Sequential(nn.Linear(8, 8, dtype=torch.bfloat16), Subclass(8, 8, dtype=torch.bfloat16))
+    model = nn.Sequential(nn.Linear(32, 32, dtype=torch.bfloat16), Subclass(32, 32, dtype=torch.bfloat16))
     assert pack_linears(model, kernel) == 1
     assert isinstance(model[0], cls)
     assert type(model[1]) is Subclass
 
 
 def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch, tiny_model_dirs):
-    """AVX512-BF16 (AMD Zen 4, and the AMX Xeons too): nanopaged's dpbf16, which computes each row
-    alone, where it builds (else oneDNN's); AMX without batch invariance: oneDNN's kernel, which
-    drives its tiles; neither: float32 and F.linear."""
+    """AMX (Intel Xeons): nanopaged's amx kernel; AVX512-BF16 only (AMD Zen 4): nanopaged's dpbf16;
+    both compute each row alone, with or without batch invariance; where neither builds, oneDNN's
+    packed kernel; no bfloat16 units: float32 and F.linear."""
     def dtype_and_linear(**settings):
         cfg = EngineConfig(tiny_model_dirs["llama"], device="cpu", **settings)
         return cfg.dtype, choose(cfg).linear
-    monkeypatch.setattr(choose_module, "dpbf16_builds", lambda: True)
+    builds = {"amx": True, "dpbf16": True}
+    monkeypatch.setattr(choose_module, "own_kernel_builds", lambda name: builds[name])
     monkeypatch.setattr(config_module, "auto_cpu_dtype", lambda: "bfloat16")
     monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["amx_bf16", "avx512_bf16"])
+    assert dtype_and_linear() == ("bfloat16", "amx")
+    assert dtype_and_linear(batch_invariant=False) == ("bfloat16", "amx")
+    builds["amx"] = False
     assert dtype_and_linear() == ("bfloat16", "dpbf16")
-    assert dtype_and_linear(batch_invariant=False) == ("bfloat16", "packed")
     monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["avx512_bf16"])
+    builds["amx"] = True
     assert dtype_and_linear() == ("bfloat16", "dpbf16")
     assert dtype_and_linear(batch_invariant=False) == ("bfloat16", "dpbf16")
-    monkeypatch.setattr(choose_module, "dpbf16_builds", lambda: False)
+    with pytest.raises(ValueError, match="cpu_linear='amx' needs the CPU's flag amx_bf16"):
+        dtype_and_linear(cpu_linear="amx")
+    builds["dpbf16"] = False
     assert dtype_and_linear() == ("bfloat16", "packed")
     monkeypatch.setattr(config_module, "auto_cpu_dtype", lambda: "float32")
     monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: [])
@@ -134,7 +170,7 @@ def test_packed_where_it_cannot_run_is_refused_by_name(tiny_model_dirs):
     """Refused when the runner chooses its kernels, before a weight loads."""
     with pytest.raises(ValueError, match="cpu_linear='packed' needs device='cpu', dtype='bfloat16'"):
         LLM(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_linear="packed")
-    with pytest.raises(ValueError, match=r"cpu_linear must be one of \['auto', 'packed', 'dpbf16', 'reference'\]"):
+    with pytest.raises(ValueError, match=r"cpu_linear must be one of \['auto', 'packed', 'dpbf16', 'amx', 'reference'\]"):
         EngineConfig(tiny_model_dirs["llama"], cpu_linear="fast")
     with pytest.raises(ValueError, match="cpu_linear='dpbf16' needs device='cpu', dtype='bfloat16'"):
         LLM(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_linear="dpbf16")
@@ -142,7 +178,7 @@ def test_packed_where_it_cannot_run_is_refused_by_name(tiny_model_dirs):
 
 def test_dpbf16_without_avx512_bf16_is_refused_by_name(monkeypatch, tiny_model_dirs):
     monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["amx_bf16"])
-    with pytest.raises(ValueError, match=r"cpu_linear='dpbf16' needs AVX512-BF16 \(the CPU's flag avx512_bf16\)"):
+    with pytest.raises(ValueError, match=r"cpu_linear='dpbf16' needs the CPU's flag avx512_bf16"):
         choose(EngineConfig(tiny_model_dirs["llama"], device="cpu", dtype="bfloat16", cpu_linear="dpbf16"))
 
 
@@ -151,7 +187,8 @@ def test_the_packed_model_answers_as_the_reference_does(tiny_model_dirs):
     """Same bf16 weights, two kernels: greedy tokens agree under vLLM's check_logprobs_close rule."""
     prompts = make_prompts(512, n=6, seed=5, min_len=4, max_len=40)
     reference = nanopaged_greedy(LLM(tiny_model_dirs["qwen2"], dtype="bfloat16", cpu_linear="reference"), prompts, 16)
-    kernels = ["packed"] + (["dpbf16"] if available() is None and cpu_ops().has_avx512_bf16 else [])
+    kernels = ["packed"] + [k for k in ("dpbf16", "amx") if choose_module.own_kernel_builds(k)
+                            and choose_module.OWN_KERNEL_FLAGS[k] in choose_module.bf16_matrix_units()]
     for kernel in kernels:
         check_logprobs_close(nanopaged_greedy(LLM(tiny_model_dirs["qwen2"], dtype="bfloat16", cpu_linear=kernel),
                                               prompts, 16), reference)

@@ -49,8 +49,8 @@ def both(block, x):
 
 
 def needs_bf16_kernel():
-    from nanopaged.cpu.choose import dpbf16_builds
-    if not dpbf16_builds():
+    from nanopaged.cpu.choose import own_kernel_builds
+    if not own_kernel_builds("dpbf16"):
         pytest.skip("no AVX512-BF16 here: nanopaged's bfloat16 kernel does not run")
 
 

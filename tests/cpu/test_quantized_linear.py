@@ -196,7 +196,7 @@ def test_quantizing_at_load_keeps_the_answers_close(tiny_model_dirs, method):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"quantization": "awq"}, r"quantization must be one of \[None, 'gguf', 'int4', 'int8'\], got 'awq'"),
+    ({"quantization": "awq"}, r"quantization must be one of \[None, 'gguf', 'int4', 'int8', 'w8a8'\], got 'awq'"),
     ({"quantization": "int4", "quantization_group_size": 48}, r"quantization_group_size must be one of \[32, 64"),
     ({"quantization": "int4", "quantization_group_size": 256}, r"quantization_group_size=256 must divide the "
                                                                r"model's hidden_size=64"),

@@ -57,6 +57,31 @@ def test_the_bfloat16_linear_computes_each_row_alone(in_features, out_features):
     assert_each_row_computed_alone(lambda t: ops.linear_bf16(t, packed, bias, out_features), x)
 
 
+@pytest.mark.parametrize("in_features, out_features", [s for s in SHAPES if s[0] % 32 == 0])
+def test_the_amx_linear_computes_each_row_alone(in_features, out_features):
+    """nanopaged's AMX kernel: whole 16-row tiles, a tail tile, two tiles of rows; 1 to 257 rows."""
+    if not cpu_ops().has_amx_bf16:
+        pytest.skip("nanopaged's kernels were built without AMX-BF16 here (a CPU without the flags amx_bf16, amx_tile)")
+    torch.manual_seed(out_features)
+    ops = cpu_ops()
+    packed = ops.pack_amx_weight(torch.randn(out_features, in_features).bfloat16())
+    bias = torch.randn(out_features).bfloat16()
+    x = torch.randn(ROWS, in_features).bfloat16()
+    assert_each_row_computed_alone(lambda t: ops.linear_amx(t, packed, bias, out_features), x)
+
+
+@pytest.mark.parametrize("in_features, out_features", [s for s in SHAPES if s[0] % 64 == 0])
+def test_the_amx_int8_linear_computes_each_row_alone(in_features, out_features):
+    """W8A8 on AMX's int8 tiles: each row quantized per token, one integer sum; 1 to 257 rows."""
+    if not cpu_ops().has_amx_int8:
+        pytest.skip("nanopaged's kernels were built without AMX-INT8 here (a CPU without amx_int8, amx_tile)")
+    torch.manual_seed(out_features)
+    ops = cpu_ops()
+    packed = ops.pack_amx_int8(torch.randint(-127, 128, (out_features, in_features)), torch.rand(out_features) / 50)
+    x = torch.randn(ROWS, in_features).bfloat16()
+    assert_each_row_computed_alone(lambda t: ops.linear_amx_int8(t, packed, out_features), x)
+
+
 @pytest.mark.parametrize("intermediate", [1536, 128])
 def test_the_gate_up_projection_with_silu_computes_each_row_alone(intermediate):
     needs_dpbf16()

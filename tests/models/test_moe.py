@@ -140,8 +140,8 @@ def test_grouped_experts_on_the_fused_path_keep_the_reference_answer_and_batch_i
     reference layers by vLLM's rule, and a request's tokens and logprobs alone equal to those it gets in
     a batch of others (tests/cpu/test_moe_experts.py holds the experts' values to the reference loop)."""
     from conftest import check_logprobs_close, nanopaged_greedy
-    from nanopaged.cpu.choose import dpbf16_builds
-    if not dpbf16_builds():
+    from nanopaged.cpu.choose import own_kernel_builds
+    if not own_kernel_builds("dpbf16"):
         pytest.skip("no AVX512-BF16 here: the fused path runs nanopaged's bfloat16 kernel")
     prompts = make_prompts(512, n=6, seed=12, min_len=3, max_len=40)
     fused = LLM(moe_dirs[name], dtype="bfloat16", max_num_batched_tokens=32)

@@ -1,5 +1,5 @@
 // The Python module: every kernel of ops.h by its own name, the decoder's description (decoder.h)
-// as classes Python fills in, and what the build has (has_avx512, has_avx512_bf16, has_avx512_vnni), which
+// as classes Python fills in, and what the build has (has_avx512, has_avx512_bf16, has_amx_bf16, has_amx_int8, has_avx512_vnni), which
 // nanopaged/cpu/choose.py and quantized_linear.py read to decide what runs.
 #include <pybind11/stl.h>
 #include "decoder.h"
@@ -25,6 +25,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_silu_mul", &linear_bf16_silu_mul, nogil, "SiLU(gate) * up of a packed gate_up projection, in one pass");
   m.def("linear_bf16", &linear_bf16, nogil, "x W^T + b on AVX512-BF16's dot-product instruction");
   m.attr("has_avx512_bf16") = bool(NP_HAS_AVX512_BF16);
+  m.def("pack_amx_weight", &pack_amx_weight, nogil, "a bfloat16 weight in the layout linear_amx's tiles read");
+  m.def("linear_amx", &linear_amx, nogil, "x W^T + b on AMX's bfloat16 tiles, each row alone");
+  m.def("pack_amx_int8", &pack_amx_int8, nogil, "8-bit codes and a scale per output feature, for linear_amx_int8");
+  m.def("linear_amx_int8", &linear_amx_int8, nogil, "W8A8 on AMX's int8 tiles: rows quantized per token, one integer sum");
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+  m.attr("has_amx_bf16") = true;
+#else
+  m.attr("has_amx_bf16") = false;
+#endif
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+  m.attr("has_amx_int8") = true;
+#else
+  m.attr("has_amx_int8") = false;
+#endif
   m.def("pack_quantized", &pack_quantized, nogil, "4- or 8-bit codes with their block scales, in linear_quantized's layout");
   m.def("linear_quantized", &linear_quantized, nogil, "x W^T for W in 4 or 8 bits, x quantized to 8 bits per block");
 #if defined(__AVX512VNNI__)
@@ -41,7 +55,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: the tests load a second build of these files (without AVX-512) beside the first
   py::enum_<LinearKind>(m, "LinearKind", py::module_local())
       .value("DPBF16", LinearKind::DPBF16, "nanopaged's bfloat16 kernel (linear_bf16)")
+      .value("AMX", LinearKind::AMX, "nanopaged's AMX kernel (linear_amx)")
       .value("QUANTIZED", LinearKind::QUANTIZED, "linear_quantized, at every row count")
+      .value("AMX_INT8", LinearKind::AMX_INT8, "linear_amx_int8 (W8A8), at every row count")
       .value("CALLBACK", LinearKind::CALLBACK, "`fn`, a Python callable, called back");
   py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear", py::module_local())
       .def(py::init<>())

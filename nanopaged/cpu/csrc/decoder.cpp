@@ -28,8 +28,13 @@ torch::Tensor Linear::operator()(const torch::Tensor& x, const LoraGroups& group
   torch::Tensor y;
   if (kind == LinearKind::DPBF16) {
     y = linear_bf16(x, packed, bias, out_features);
+  } else if (kind == LinearKind::AMX) {
+    y = linear_amx(x, packed, bias, out_features);
   } else if (kind == LinearKind::QUANTIZED) {
     y = linear_quantized(x, packed, out_features, group, bits);
+    if (bias.defined() && bias.numel()) y.add_(bias);
+  } else if (kind == LinearKind::AMX_INT8) {
+    y = linear_amx_int8(x, packed, out_features);
     if (bias.defined() && bias.numel()) y.add_(bias);
   } else {
     y = call_python(fn, x);

@@ -8,11 +8,11 @@
 #include <tuple>
 #include <vector>
 
-// A linear is one of: nanopaged's bfloat16 kernel (DPBF16); a quantized weight, at every row count
-// (QUANTIZED); anything else, a Python callable
+// A linear is one of: nanopaged's bfloat16 kernels (DPBF16, AMX); a quantized weight, at every row count
+// (QUANTIZED; W8A8 on AMX's int8 tiles: AMX_INT8); anything else, a Python callable
 // (CALLBACK: oneDNN's packed linear, nn.Linear, torch's int4 kernel), called back with the GIL the
 // caller holds.
-enum class LinearKind { DPBF16, QUANTIZED, CALLBACK };
+enum class LinearKind { DPBF16, AMX, QUANTIZED, AMX_INT8, CALLBACK };
 
 // LoRA (lora/layers.py): each slot's y[rows] += B (A x[rows]) * scaling, for linear_bf16: the parts' A stacked,
 // a B per part the adapter has, into its columns (start, width) of y. No A: the projection left alone.
@@ -33,7 +33,7 @@ struct LoraSlots {
 struct Linear {
   LinearKind kind = LinearKind::CALLBACK;
   int64_t out_features = 0;
-  torch::Tensor packed, bias;                        // DPBF16: pack_bf16_weight's; QUANTIZED: pack_quantized's
+  torch::Tensor packed, bias;                        // DPBF16, AMX, QUANTIZED: pack_bf16_weight's, pack_amx_weight's, pack_quantized's
   int64_t group = 0, bits = 0;                       // QUANTIZED
   pybind11::object fn;                               // CALLBACK
   std::shared_ptr<LoraSlots> lora;                   // with enable_lora: the adapters' updates, else none

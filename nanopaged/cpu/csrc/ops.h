@@ -18,6 +18,8 @@
 //   attention_jobs.h     a step's attention cut into jobs: rows that share blocks read them once
 //   attention.cpp        paged_attention
 //   linear_bf16.cpp      pack_bf16_weight, linear_bf16, linear_bf16_silu_mul (AVX512-BF16)
+//   quantized_rows.h     rows quantized to 8 bits per block (or per token), for the integer kernels
+//   linear_amx.cpp       pack_amx_weight, linear_amx (AMX-BF16 tiles); pack_amx_int8, linear_amx_int8 (W8A8)
 //   linear_quantized.cpp pack_quantized, linear_quantized (4- and 8-bit weights)
 //   activations.cpp      silu_and_mul
 //   argmax.cpp           argmax_rows (the sampler's)
@@ -55,6 +57,12 @@ RowGroups shared_prefix_groups(torch::Tensor block_tables, torch::Tensor seq_len
 torch::Tensor pack_bf16_weight(torch::Tensor w);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t N);
 torch::Tensor linear_bf16_silu_mul(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t I);
+
+// linear_amx.cpp (without AMX-BF16 or AMX-INT8, the kernels that need it raise)
+torch::Tensor pack_amx_weight(torch::Tensor w);
+torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t N);
+torch::Tensor pack_amx_int8(torch::Tensor codes, torch::Tensor scale);
+torch::Tensor linear_amx_int8(torch::Tensor x, torch::Tensor packed, int64_t N);
 
 // linear_quantized.cpp
 torch::Tensor pack_quantized(torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t G, int64_t bits);
