@@ -48,6 +48,7 @@ from benchmarks.structured import run_structured
 from benchmarks.trace import make_trace
 from benchmarks.workloads import run_cascade, run_shared_prefix, run_sharing
 from nanopaged import EngineConfig
+from nanopaged.config import CPU_LINEARS, QUANTIZATIONS
 from nanopaged.engine.input_processor import load_tokenizer
 
 # ==== settings ===========================================================================
@@ -139,10 +140,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--block-size",
                  "--max-model-len", "--tensor-parallel-size"):
         p.add_argument(name, type=int, help="nanopaged engine setting (docs/settings.md); default: the engine's")
-    p.add_argument("--cpu-linear", choices=["auto", "packed", "dpbf16", "reference"],
+    p.add_argument("--cpu-linear", choices=CPU_LINEARS,
                    help="nanopaged's CPU linear kernel: packed (oneDNN bfloat16 on packed weights), dpbf16 "
-                        "(nanopaged's, on AVX512-BF16), reference (F.linear); auto (the engine's default): by the "
-                        "CPU's flags")
+                        "(nanopaged's, on AVX512-BF16), amx (nanopaged's, on AMX's tiles), reference (F.linear); "
+                        "auto (the engine's default): by the CPU's flags")
     p.add_argument("--cpu-kernels", choices=["auto", "fused", "reference"],
                    help="nanopaged's CPU layer kernels: fused (C++ norms, rotary + K/V store, SiLU, decode "
                         "attention), reference (torch ops); auto (the engine's default): fused with packed linears")
@@ -153,9 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="nanopaged: rows that share their first blocks read them row by row (default: once)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
                    help="nanopaged's kv_cache_dtype: auto (the model's dtype, the engine's default) or a byte per value")
-    p.add_argument("--quantization", choices=["gguf", "int4", "int8"],
-                   help="nanopaged's weight-only quantization of the decoder layers (default: none); gguf runs "
-                        "the GGUF file's own 4-bit blocks (the demo model's Q4_1)")
+    p.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q],
+                   help="nanopaged's quantization of the decoder layers (default: none); gguf runs the GGUF file's "
+                        "own 4-bit blocks (the demo model's Q4_1); w8a8 quantizes each row too, per token")
     p.add_argument("--llamacpp-python", metavar="PATH",
                    help="the python of llama.cpp's side environment (default: $NANOPAGED_LLAMACPP_PYTHON, else "
                         "the one scripts/setup_llamacpp_peer.sh builds)")

@@ -106,7 +106,7 @@ def print_table(r: dict) -> None:
     fl = rf["floor"]
     print(f"trace floor: {fl['seconds']:.2f} s for nanopaged's {fl['num_steps']} steps ({fl['weight_bound_steps']} bound by "
           f"streaming {fl['weight_bytes'] / 1e6:.0f} MB of weights as stored and {fl['kv_bytes_per_token']:,} bytes of "
-          f"K/V per token of context at the copy's {fl['copy_bytes_per_s'] / 1e9:.1f} GB/s, the rest by arithmetic at "
+          f"K/V per token of context at a read's {fl['read_bytes_per_s'] / 1e9:.1f} GB/s, the rest by arithmetic at "
           f"{rf['kernel']}'s measured {fl['kernel_flops_per_s'] / 1e9:.1f} GFLOP/s); nanopaged's wall "
           f"{fl['wall_s']:.2f} s reaches {fl['fraction']:.1%} of it")
     table(("step kind", 14), [("steps", 7, ""), ("model s", 9, ".2f"), ("floor s", 9, ".2f"), ("floor/model", 13, ".1%"),

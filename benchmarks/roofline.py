@@ -49,7 +49,8 @@ def kernel_peak_flops(m: ModelConfig, device: str, dtype: torch.dtype, linear: s
     dense = torch.nn.Linear(m.hidden_size, m.intermediate_size, bias=False, dtype=dtype)
     if method:
         bits = 4 if 8 * quantized["quantized_bytes"] < 6 * quantized["weights_replaced"] else 8
-        layer, kernel = quantized_linear(f"int{bits}", dense, group_size, None), f"{method} ({quantized['kernel']})"
+        built = method if method in ("int4", "int8", "w8a8") else f"int{bits}"     # gguf: blocks of its bits
+        layer, kernel = quantized_linear(built, dense, group_size, None), f"{method} ({quantized['kernel']})"
     else:
         layer, kernel = KERNELS[linear](dense), linear
     x = torch.randn(rows, m.hidden_size, dtype=dtype)
@@ -64,12 +65,11 @@ def floor_figures(m: ModelConfig, run: Run, peak: float, dtype: torch.dtype, sta
     FLOPs / the kernel's peak); their sum is the fastest this machine could run the steps, and
     by_step_kind sums them per kind, with a decode step's own matmuls (`own`: seconds by row count,
     own_matmul_seconds). The bytes: the weights as stored (quantized ones at their packed size) and each
-    request's K/V once, in the cache's dtype. The copy's read rate stands for memory bandwidth (a pure read
-    may run faster: a floor, not a proof); it stays the copy's, as in the floors recorded before, whose
-    bytes side it keeps comparable (a read's rate also varies more from buffer to buffer)."""
+    request's K/V once, in the cache's dtype, at the rate a pure read of as many bytes reaches (a copy also
+    pays for its writes: decode steps ran faster than a floor set by a copy's rate, which is no floor)."""
     weight_bytes = stored_weight_bytes(m, dtype, stats.get("quantization"))
     kv_bytes = kv_token_bytes(m, stats.get("kv_cache_dtype"), dtype)
-    bandwidth = copy_bytes_per_s(weight_bytes)
+    bandwidth = read_bytes_per_s(weight_bytes)
     steps = []
     for s in run.steps:
         bytes_s = (weight_bytes + kv_bytes * s.context_tokens) / bandwidth
@@ -79,7 +79,7 @@ def floor_figures(m: ModelConfig, run: Run, peak: float, dtype: torch.dtype, sta
     floor, kinds = sum(x[2] for x in steps), by_kind(steps)
     decode = [k for name, k in kinds.items() if name != "prompt chunk"]
     decode_s = sum(k["model_s"] for k in decode)
-    return {"copy_bytes_per_s": bandwidth, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes,
+    return {"read_bytes_per_s": bandwidth, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes,
             "kernel_flops_per_s": peak, "seconds": floor, "model_s": sum(s.model_s for s in run.steps),
             "wall_s": run.wall_s, "fraction": floor / run.wall_s if run.wall_s else 0.0,
             "weight_bound_steps": sum(x[3] for x in steps), "num_steps": len(steps), "by_step_kind": kinds,

@@ -239,7 +239,7 @@ def test_the_floor_streams_the_weights_as_stored_and_each_requests_kv_once(tiny_
     quantized = {"weights_replaced": 1000, "quantized_bytes": 700}
     assert roofline.stored_weight_bytes(m, torch.bfloat16, quantized) == (roofline.step_weights(m) - 1000) * 2 + 700
     assert roofline.stored_weight_bytes(m, torch.float32, None) == roofline.step_weights(m) * 4
-    monkeypatch.setattr(roofline, "copy_bytes_per_s", lambda num_bytes: 1e9)
+    monkeypatch.setattr(roofline, "read_bytes_per_s", lambda num_bytes: 1e9)
     run = Run("nanopaged", 1.0, 2, 10, 2, {}, steps=[StepTiming(2, 2, 300, 0.1, 2, 300)])
     stats = {"quantization": quantized, "kv_cache_dtype": "int8"}
     floor = roofline.floor_figures(m, run, 1e30, torch.bfloat16, stats)

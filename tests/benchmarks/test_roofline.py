@@ -12,7 +12,7 @@ import benchmarks.roofline as roofline  # noqa: E402
 from benchmarks.trace import Run, StepTiming  # noqa: E402
 from nanopaged.models.config import ModelConfig  # noqa: E402
 
-COPY_RATE = 1e10          # bytes a second, the stand-in host's
+READ_RATE = 1e10          # bytes a second, the stand-in host's
 
 # the demo model's shape (SmolLM2-135M)
 DEMO = ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -23,7 +23,7 @@ DEMO = ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576, interm
 
 @pytest.fixture
 def host(monkeypatch):
-    monkeypatch.setattr(roofline, "copy_bytes_per_s", lambda num_bytes: COPY_RATE)
+    monkeypatch.setattr(roofline, "read_bytes_per_s", lambda num_bytes: READ_RATE)
 
 
 def floor_of(steps: list[StepTiming], peak: float) -> dict:
@@ -36,7 +36,7 @@ def chunk(tokens: int) -> StepTiming:
 
 
 def test_a_step_is_bound_by_bytes_below_a_token_count_and_by_arithmetic_above(host):
-    weight_s = roofline.stored_weight_bytes(DEMO, torch.bfloat16, None) / COPY_RATE
+    weight_s = roofline.stored_weight_bytes(DEMO, torch.bfloat16, None) / READ_RATE
     peak = sum(roofline.step_flops(DEMO, chunk(64)).values()) / weight_s        # 64 tokens: bytes and arithmetic take as long
     below, above = floor_of([chunk(16)], peak), floor_of([chunk(256)], peak)
     assert below["weight_bound_steps"] == 1 and below["seconds"] == pytest.approx(weight_s)
@@ -54,7 +54,7 @@ def test_each_step_falls_in_its_kind_prompt_chunks_apart_and_decode_steps_by_row
     assert list(kinds) == ["prompt chunk", "1 row", "2-8 rows", "9-32 rows", ">32 rows"]
     assert [k["num_steps"] for k in kinds.values()] == [1, 2, 2, 2, 2]
     assert [k["model_s"] for k in kinds.values()] == pytest.approx([0.5, 0.3, 0.7, 1.1, 1.5])
-    weight_s = roofline.stored_weight_bytes(DEMO, torch.bfloat16, None) / COPY_RATE
+    weight_s = roofline.stored_weight_bytes(DEMO, torch.bfloat16, None) / READ_RATE
     for k in kinds.values():
         assert k["floor_s"] == pytest.approx(k["num_steps"] * weight_s)
         assert k["share"] == pytest.approx(k["floor_s"] / k["model_s"])
