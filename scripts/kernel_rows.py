@@ -10,15 +10,18 @@ of the four and GFLOP/s, with the CPU's flags, for the tables in docs/01 and doc
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from nanopaged.cpu.build import available, cpu_ops
-from nanopaged.cpu.features import cpu_flags
-from nanopaged.cpu.linear import KERNELS
-from nanopaged.cpu.quantized_linear import int8_codes, nanopaged_kernels, quantized_linear
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))    # the checkout's nanopaged, installed or not
+from nanopaged.cpu.build import available, cpu_ops  # noqa: E402
+from nanopaged.cpu.features import cpu_flags  # noqa: E402
+from nanopaged.cpu.linear import KERNELS  # noqa: E402
+from nanopaged.cpu.quantized_linear import int8_codes, nanopaged_kernels, quantized_linear  # noqa: E402
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]       # (in_features, out_features)
 

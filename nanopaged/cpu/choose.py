@@ -95,7 +95,8 @@ def choose(config) -> FastPath:
     if config.quantization == "w8a8":
         check_w8a8(config)
     linear = choose_linear(config.cpu_linear, config.device, config.dtype)
-    layers = choose_layers(config.cpu_kernels, config.device, linear, config.attention_backend, config.block_size)
+    layers = choose_layers(config.cpu_kernels, config.device, linear if config.dtype == "bfloat16" else "reference",
+                           config.attention_backend, config.block_size)    # float32: fused ran slower (docs/05)
     attention = "cpu" if layers == "fused" else config.attention_backend
     if config.tensor_parallel_size > 1:      # the parallel layers keep their own forward: nothing packed or fused
         linear = layers = "reference"        # (the attention stays as chosen)
@@ -148,10 +149,12 @@ def choose_linear(name: str, device: str, dtype: str) -> str:
         if not can_pack:
             return "reference"
         return next((k for k in ("amx", "dpbf16") if OWN_KERNEL_FLAGS[k] in units and own_kernel_builds(k)), "packed")
+    if name == "packed" and device == "cpu" and dtype == "float32":
+        return name         # oneDNN's float32 kernel, as vLLM's CPU build runs float32: asked for, never auto
     if name in ("packed", "dpbf16", "amx") and not can_pack:
-        raise ValueError(f"cpu_linear={name!r} needs device='cpu', dtype='bfloat16' and a CPU with bfloat16 "
-                         f"matrix units (amx_bf16 or avx512_bf16); got device={device!r}, dtype={dtype!r}, "
-                         f"units {units or 'none'}")
+        raise ValueError(f"cpu_linear={name!r} needs device='cpu', dtype='bfloat16' (packed: or 'float32') and a "
+                         f"CPU with bfloat16 matrix units (amx_bf16 or avx512_bf16); got device={device!r}, "
+                         f"dtype={dtype!r}, units {units or 'none'}")
     if name in OWN_KERNEL_FLAGS and OWN_KERNEL_FLAGS[name] not in units:
         raise ValueError(f"cpu_linear={name!r} needs the CPU's flag {OWN_KERNEL_FLAGS[name]}; this CPU has {units}")
     if name in OWN_KERNEL_FLAGS and not own_kernel_builds(name):

@@ -168,8 +168,8 @@ def test_auto_cpu_dtype_reads_the_flags(monkeypatch):
 
 def test_packed_where_it_cannot_run_is_refused_by_name(tiny_model_dirs):
     """Refused when the runner chooses its kernels, before a weight loads."""
-    with pytest.raises(ValueError, match="cpu_linear='packed' needs device='cpu', dtype='bfloat16'"):
-        LLM(tiny_model_dirs["llama"], device="cpu", dtype="float32", cpu_linear="packed")
+    with pytest.raises(ValueError, match="cpu_linear='packed' needs device='cpu', dtype='bfloat16' \\(packed: or"):
+        LLM(tiny_model_dirs["llama"], device="cpu", dtype="float16", cpu_linear="packed")
     with pytest.raises(ValueError, match=r"cpu_linear must be one of \['auto', 'packed', 'dpbf16', 'amx', 'reference'\]"):
         EngineConfig(tiny_model_dirs["llama"], cpu_linear="fast")
     with pytest.raises(ValueError, match="cpu_linear='dpbf16' needs device='cpu', dtype='bfloat16'"):
@@ -192,3 +192,17 @@ def test_the_packed_model_answers_as_the_reference_does(tiny_model_dirs):
     for kernel in kernels:
         check_logprobs_close(nanopaged_greedy(LLM(tiny_model_dirs["qwen2"], dtype="bfloat16", cpu_linear=kernel),
                                               prompts, 16), reference)
+
+
+def test_oneDNNs_float32_kernel_runs_where_asked_beside_the_reference_layers(tiny_model_dirs):
+    """cpu_linear="packed" in float32 (vLLM's CPU float32 GEMM): never chosen by auto, the layers and attention stay
+    the reference's (the fused layers ran slower in float32), and the answers stay close to F.linear's."""
+    cfg = EngineConfig(tiny_model_dirs["qwen2"], device="cpu", dtype="float32", cpu_linear="packed")
+    path = choose(cfg)
+    assert (path.linear, path.layers, path.attention_backend) == ("packed", "reference", "torch")
+    assert choose(EngineConfig(tiny_model_dirs["qwen2"], device="cpu", dtype="float32")).linear == "reference"
+    prompts = make_prompts(512, n=4, seed=6, min_len=4, max_len=30)
+    reference = nanopaged_greedy(LLM(tiny_model_dirs["qwen2"], dtype="float32"), prompts, 12)
+    packed = LLM(tiny_model_dirs["qwen2"], dtype="float32", cpu_linear="packed")
+    assert isinstance(packed.llm_engine.runner.model.lm_head, PackedLinear)
+    check_logprobs_close(nanopaged_greedy(packed, prompts, 12), reference)
