@@ -16,7 +16,7 @@ decided here (under tensor parallelism every rank runs the reference layers, its
                  kernel) where the CPU has AMX-BF16, dpbf16 (nanopaged's dot-product kernel) where it has
                  AVX512-BF16 only, so long as the kernels build; packed (oneDNN) where neither can run;
                  reference elsewhere
-    cpu_kernels  auto: fused beside a packed linear (packed or dpbf16) when the attention backend is
+    cpu_kernels  auto: fused beside a bfloat16 packed linear (amx, dpbf16, packed) when the attention backend is
                  left to choose and the kernels build (the first time on a machine, they are
                  compiled first), a mixture's experts grouped (cpu/moe.py); reference elsewhere,
                  float32 included
@@ -158,7 +158,8 @@ def choose_linear(name: str, device: str, dtype: str) -> str:
     if name in OWN_KERNEL_FLAGS and OWN_KERNEL_FLAGS[name] not in units:
         raise ValueError(f"cpu_linear={name!r} needs the CPU's flag {OWN_KERNEL_FLAGS[name]}; this CPU has {units}")
     if name in OWN_KERNEL_FLAGS and not own_kernel_builds(name):
-        raise ValueError(f"cpu_linear={name!r}: {build.available() or 'the kernels were built without its instructions'}")
+        why = build.available() or "the kernels were built without its instructions"
+        raise ValueError(f"cpu_linear={name!r}: {why}")
     return name
 
 
@@ -172,8 +173,8 @@ def own_kernel_builds(name: str) -> bool:
 
 
 def choose_layers(name: str, device: str, linear: str, attention_backend: str, block_size: int = 16) -> str:
-    """auto: fused where the linears are packed (the path that is not held to Hugging Face token
-    for token anyway), the attention backend is left to choose and the kernels build; a mixture of
+    """auto: fused where the linears are packed in bfloat16 (the path that is not held to Hugging Face
+    token for token anyway), the attention backend is left to choose and the kernels build; a mixture of
     experts' experts then run grouped (cpu/moe.py)."""
     candidate = device == "cpu" and linear != "reference" and attention_backend in ("auto", "cpu") and block_size >= 2
     if name == "reference" or (name == "auto" and not candidate):

@@ -101,9 +101,10 @@ def test_alone_equals_with_drafts_verified_in_the_batch(case):
     assert llm.llm_engine.find(SpeculativeDecoding).counts.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("method", ["int4", "int8", "w8a8"])
 def test_quantized_weights_answer_alone_as_in_a_batch(tiny_model_dirs, method):
-    """A quantized layer runs its quantized weight at every row count (no dense twin for big steps)."""
+    """A quantized layer runs its quantized weight at every row count (no dense twin for big steps); W8A8's
+    scale per token depends on its row alone."""
     model, batch = tiny_model_dirs["llama"], prompts()
     want = alone(LLM(model, quantization=method, quantization_group_size=32, enable_prefix_caching=False), batch)
     llm = LLM(model, quantization=method, quantization_group_size=32)
