@@ -185,6 +185,11 @@ def check_model_folder(model: str, tokenizer: str | None = None) -> str:
 def check_quantization(cfg: "EngineConfig") -> str | None:
     """Weight-only quantization runs on CPU, in one process, on layers whose inputs divide into
     groups; "gguf" needs the model's GGUF file, whose path this returns."""
+    if cfg.model_config.shipped_int8 and cfg.quantization not in (None, "w8a8"):
+        raise ValueError(f"the checkpoint ships int8 W8A8 weights (config.json's quantization_config): "
+                         f"quantization must be None or 'w8a8', got {cfg.quantization!r}")
+    if cfg.model_config.shipped_int8:
+        cfg.quantization = "w8a8"          # the checkpoint's own scheme, as vLLM reads it from config.json
     if cfg.quantization is None:
         return None
     if cfg.device != "cpu" or cfg.tensor_parallel_size > 1:

@@ -154,7 +154,9 @@ class W8A8Linear(QuantizedLinear):
     def __init__(self, dense: nn.Linear) -> None:
         super().__init__(dense)
         self.group_size = dense.in_features
-        codes, scale = int8_codes(dense.weight.detach(), self.group_size)
+        shipped = getattr(dense, "weight_scale", None)   # a checkpoint's own: its codes in the weight (models/loader.py)
+        codes, scale = ((dense.weight.detach().round(), shipped) if shipped is not None
+                        else int8_codes(dense.weight.detach(), self.group_size))
         self.scale = scale.half().float().reshape(-1)      # the VNNI kernel keeps float16 scales: every path does
         self.ops = nanopaged_kernels()
         self.amx = self.ops is not None and self.ops.has_amx_int8 and self.in_features % 64 == 0
@@ -279,7 +281,7 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
         return {"quantization": None, "quantized_linears": 0, "quantized_bytes": 0, "left_dense": [],
                 "weights_replaced": 0}
     found, left_dense = {}, []
-    if method == "w8a8":
+    if method == "w8a8" and not model.config.shipped_int8:       # shipped codes run as they ship
         rotate_hidden_states(model)
     if method == "gguf":
         found, left_dense = load_gguf_linears(gguf_path, model.config)

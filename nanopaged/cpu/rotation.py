@@ -26,16 +26,20 @@ from torch import nn
 
 def check_w8a8(config) -> None:
     """A ValueError, before any weight loads, where W8A8's kernel cannot take the model's widths (whole
-    registers of 16), or where the rotated model would not be the model asked for: hidden states handed
-    out (runner="pooling"), adapters trained on the unrotated weights, experts."""
+    registers of 16) or a mixture's experts, or where the rotated model would not be the model asked for:
+    hidden states handed out (runner="pooling"), adapters trained on the unrotated weights. A checkpoint
+    that ships its int8 codes (models/shipped_int8.py) is not rotated."""
     m = config.model_config
     for name, width in (("hidden_size", m.hidden_size), ("intermediate_size", m.intermediate_size),
                         ("heads x head_dim", m.num_attention_heads * m.head_dim)):
         if width % 16:
             raise ValueError(f"quantization='w8a8' needs the model's {name}={width} to be a multiple of 16")
+    if m.moe is not None:
+        raise ValueError("quantization='w8a8' does not quantize a mixture of experts' experts (nor rotate its router)")
+    if m.shipped_int8:
+        return                              # the checkpoint's codes run as they ship: nothing is rotated
     why = ("runner='pooling' hands out hidden states, which the rotation changes" if config.runner == "pooling" else
-           "LoRA adapters were trained on the unrotated weights" if config.enable_lora else
-           "a mixture of experts' router and experts are not rotated here" if m.moe is not None else None)
+           "LoRA adapters were trained on the unrotated weights" if config.enable_lora else None)
     if why:
         raise ValueError(f"quantization='w8a8' rotates the model's hidden states (nanopaged/cpu/rotation.py): {why}")
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nanopaged.models.shipped_int8 import shipped_int8
+
 if TYPE_CHECKING:
     from nanopaged.models.moe import MoEConfig
 
@@ -53,6 +55,7 @@ class ModelConfig:
     qk_norm: bool | str                 # False, "head" or "projection"
     eos_token_ids: tuple[int, ...]
     moe: MoEConfig | None = None        # the experts of a mixture-of-experts model (models/moe.py)
+    shipped_int8: bool = False          # its linears ship as int8 W8A8 (models/shipped_int8.py)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -106,6 +109,7 @@ class ModelConfig:
             qk_norm=qk_norm,
             eos_token_ids=eos_token_ids,
             moe=_moe(cfg, arch),
+            shipped_int8=shipped_int8(cfg),
         )
 
     def kv_bytes_per_token(self, bytes_per_value: int) -> int:

@@ -37,13 +37,16 @@ def load_weights(model: nn.Module, folder: str | Path, read=None) -> None:
         raise ValueError(f"no *.safetensors weights in {folder}")
     params = dict(model.named_parameters())   # a tied lm_head appears once, as embed_tokens
     loaded: set[tuple[str, int | None]] = set()
+    scales: dict[str, torch.Tensor] = {}      # int8 weights' scales per output row (models/shipped_int8.py)
     for file in files:
         try:
-            _load_file(file, params, loaded, model, read)
+            _load_file(file, params, loaded, model, read, scales)
         except ValueError as e:
             raise ValueError(f"{file}: {e}") from e
         except Exception as e:   # a truncated or foreign file fails in safetensors' own way
             raise ValueError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}") from e
+    for name, scale in scales.items():      # after every file: a weight and its scale may lie in two
+        _load_one(params, name, scale, set(), model, scale=True)
     missing = sorted(f"{n}[shard {s}]" if s is not None else n
                      for n, s in _expected(model, params) - loaded)
     if missing:
@@ -63,17 +66,22 @@ def weight_bytes(folder: str | Path, dtype: torch.dtype) -> int:
     return total * dtype.itemsize
 
 
-def _load_file(file: Path, params, loaded, model, read) -> None:
+def _load_file(file: Path, params, loaded, model, read, scales) -> None:
     with safe_open(str(file), framework="pt") as f:
         for name in f.keys():
             if name.endswith("rotary_emb.inv_freq"):
                 continue                   # recomputed, never a real weight
+            if name.endswith(".weight_scale"):
+                scales[name.removesuffix("_scale")] = read(f, name)
+                continue
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 continue                   # tied embeddings: the checkpoint may still carry it
             _load_one(params, name, read(f, name), loaded, model)
 
 
-def _load_one(params, name, tensor, loaded, model) -> None:
+def _load_one(params, name, tensor, loaded, model, scale: bool = False) -> None:
+    """Copy `tensor` into its parameter (its slice of a fused one); `scale`: it is the scale of those rows,
+    kept beside them (_keep_scale)."""
     parts = [RENAMED.get(part, part) for part in name.split(".")]
     name = ".".join(parts)
     if parts[-2:-1] == ["experts"] and parts[-1] in STACKED_EXPERTS:
@@ -89,11 +97,24 @@ def _load_one(params, name, tensor, loaded, model) -> None:
             module = model.get_submodule(".".join(parts[:i]))
             sizes = getattr(module, fused).shard_sizes
             start = sum(sizes[:shard])
-            _copy(params, target, tensor, slice(start, start + sizes[shard]))
+            rows = slice(start, start + sizes[shard])
+            _keep_scale(model, target, rows, tensor) if scale else _copy(params, target, tensor, rows)
             loaded.add((target, shard))
             return
-    _copy(params, name, tensor, slice(None))
+    _keep_scale(model, name, slice(None), tensor) if scale else _copy(params, name, tensor, slice(None))
     loaded.add((name, None))
+
+
+def _keep_scale(model, weight_name: str, rows: slice, scale: torch.Tensor) -> None:
+    """An int8 weight's scale per output row (models/shipped_int8.py), kept where its layer keeps its
+    weight: a float32 buffer `weight_scale` of the layer, which the quantize stage reads beside the codes."""
+    layer = model.get_submodule(weight_name.rpartition(".")[0])
+    if not hasattr(layer, "weight_scale"):
+        layer.register_buffer("weight_scale", torch.zeros(layer.weight.shape[0], dtype=torch.float32))
+    if layer.weight_scale[rows].numel() != scale.numel():
+        raise ValueError(f"shape of {weight_name + '_scale'!r}: checkpoint {tuple(scale.shape)}, model "
+                         f"{layer.weight_scale[rows].numel()} rows")
+    layer.weight_scale[rows] = scale.reshape(-1).float()
 
 
 def _expected(model, params) -> set:

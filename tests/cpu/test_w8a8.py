@@ -3,13 +3,18 @@ to 8 bits per token at run time, one integer sum over the whole row; the hidden 
 (nanopaged/cpu/rotation.py) so a row's few large features do not set its scale. The kernel equals the
 torch reference bit for bit at every row count, the rotation leaves the model's answers as they were,
 and on the demo model the perplexity stays within 1% of bfloat16's."""
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 import nanopaged.cpu.quantized_linear as ql
 from conftest import make_prompts, nanopaged_greedy
-from nanopaged import LLM, EngineConfig
+from nanopaged import LLM, EngineConfig, SamplingParams
 from nanopaged.cpu.rotation import orthogonal, rotate_hidden_states
 
 needs_vnni = pytest.mark.skipif(ql.nanopaged_kernels() is None,
@@ -118,6 +123,68 @@ def test_the_rotated_model_answers_as_the_model_did(tiny_model_dirs, name):
 def test_what_the_rotation_would_change_is_refused_before_loading(tiny_model_dirs, kwargs, match):
     with pytest.raises(ValueError, match=f"quantization='w8a8' rotates the model's hidden states.*{match}"):
         LLM(tiny_model_dirs["llama"], quantization="w8a8", **kwargs)
+
+
+SCHEME = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+          "config_groups": {"group_0": {"targets": ["Linear"],
+                                        "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                    "strategy": "channel", "dynamic": False},
+                                        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                              "strategy": "token", "dynamic": True}}}}
+LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def shipped_checkpoint(src: str, dst, scheme: dict = SCHEME) -> dict:
+    """The tiny model as llm-compressor writes int8 W8A8: each decoder linear's weight as int8 codes (absmax
+    per output row) and a float32 weight_scale, the scheme in config.json; returns the codes and scales."""
+    dst.mkdir()
+    for f in Path(src).iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": scheme}))
+    tensors, shipped = {}, {}
+    for name, w in load_file(Path(src) / "model.safetensors").items():
+        if name.endswith(".weight") and name.split(".")[-2] in LAYER_WEIGHTS:
+            codes, scale = ql.int8_codes(w, w.shape[1])
+            tensors[name], tensors[name + "_scale"] = codes.to(torch.int8), scale.float()
+            shipped[name] = (codes.to(torch.int8), scale.reshape(-1))
+        else:
+            tensors[name] = w
+    save_file(tensors, str(dst / "model.safetensors"))
+    return shipped
+
+
+def test_a_shipped_int8_checkpoint_runs_its_own_codes(tiny_model_dirs, tmp_path):
+    """compressed-tensors' int8 W8A8, as vLLM loads it: quantization "w8a8" from config.json, each layer the
+    codes and scales as they ship (the scales in float16, as every W8A8 layer keeps them), no rotation."""
+    shipped = shipped_checkpoint(tiny_model_dirs["llama"], tmp_path / "w8a8")
+    llm = LLM(str(tmp_path / "w8a8"), dtype="bfloat16")
+    assert llm.get_stats()["quantization"]["quantization"] == "w8a8"
+    model = llm.llm_engine.runner.model
+    assert not torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))   # not rotated
+    layer = model.model.layers[1].self_attn.o_proj
+    codes, scale = shipped["model.layers.1.self_attn.o_proj.weight"]
+    x = torch.randn(5, layer.in_features).bfloat16()
+    assert torch.equal(layer(x), ql.w8a8_reference(x, codes.t().contiguous(), scale.half().float()))
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+    with pytest.raises(ValueError, match="quantization must be None or 'w8a8', got 'int4'"):
+        EngineConfig(str(tmp_path / "w8a8"), quantization="int4")
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"format": "float-quantized"}, "format 'float-quantized'"),
+    ({"config_groups": {"g": {**SCHEME["config_groups"]["group_0"], "weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}}}}, "nanopaged loads compressed-tensors' int8"),
+    ({"config_groups": {"g": {**SCHEME["config_groups"]["group_0"], "input_activations": {
+        "num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}}}}, "input activations"),
+    ({"quant_method": "awq"}, "quantization_config 'awq'"),
+])
+def test_any_other_shipped_quantization_is_refused_by_name(tiny_model_dirs, tmp_path, change, match):
+    shipped_checkpoint(tiny_model_dirs["llama"], tmp_path / "other", {**SCHEME, **change})
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(str(tmp_path / "other"))
 
 
 @needs_vnni
