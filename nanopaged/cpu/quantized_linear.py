@@ -262,6 +262,14 @@ def quantized_linear(method: str, dense: nn.Linear, group_size: int, shipped: tu
     return Int8Linear(dense, *int8_codes(weight, weight.shape[1]))
 
 
+def check_scales_shipped(model: nn.Module) -> None:
+    """A checkpoint that ships int8 W8A8 holds codes in every decoder linear's weight: each needs its scales."""
+    for i, layer in enumerate(model.model.layers):
+        for name in LAYER_LINEARS:
+            if not hasattr(layer.get_submodule(name), "weight_scale"):
+                raise ValueError(f"the checkpoint ships int8 W8A8, but model.layers.{i}.{name} has no weight_scale")
+
+
 def layer_linears(layer: nn.Module) -> list[str]:
     """A decoder layer's linears to quantize: LAYER_LINEARS, and in a mixture of experts each expert's
     gate_up and down (models/moe.py; its router stays dense: one row per expert)."""
@@ -283,6 +291,8 @@ def quantize_linears(model: nn.Module, method: str, group_size: int, gguf_path: 
     found, left_dense = {}, []
     if method == "w8a8" and not model.config.shipped_int8:       # shipped codes run as they ship
         rotate_hidden_states(model)
+    if method == "w8a8" and model.config.shipped_int8:
+        check_scales_shipped(model)
     if method == "gguf":
         found, left_dense = load_gguf_linears(gguf_path, model.config)
         group_size = BLOCK

@@ -45,6 +45,9 @@ def load_weights(model: nn.Module, folder: str | Path, read=None) -> None:
             raise ValueError(f"{file}: {e}") from e
         except Exception as e:   # a truncated or foreign file fails in safetensors' own way
             raise ValueError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}") from e
+    if scales and not getattr(getattr(model, "config", None), "shipped_int8", False):
+        raise ValueError(f"{folder} holds int8 weight scales ({next(iter(scales))}_scale) but its config.json "
+                         "declares no int8 W8A8 quantization_config")
     for name, scale in scales.items():      # after every file: a weight and its scale may lie in two
         _load_one(params, name, scale, set(), model, scale=True)
     missing = sorted(f"{n}[shard {s}]" if s is not None else n

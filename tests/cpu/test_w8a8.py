@@ -173,6 +173,21 @@ def test_a_shipped_int8_checkpoint_runs_its_own_codes(tiny_model_dirs, tmp_path)
         EngineConfig(str(tmp_path / "w8a8"), quantization="int4")
 
 
+def test_scales_without_the_scheme_or_the_scheme_without_scales_are_refused(tiny_model_dirs, tmp_path):
+    shipped_checkpoint(tiny_model_dirs["llama"], tmp_path / "bare")
+    config = json.loads((tmp_path / "bare" / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "bare" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="holds int8 weight scales .* declares no int8 W8A8 quantization_config"):
+        LLM(str(tmp_path / "bare"))
+    shipped_checkpoint(tiny_model_dirs["llama"], tmp_path / "unscaled")
+    tensors = load_file(tmp_path / "unscaled" / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight_scale"]
+    save_file(tensors, str(tmp_path / "unscaled" / "model.safetensors"))
+    with pytest.raises(ValueError, match="ships int8 W8A8, but model.layers.1.mlp.down_proj has no weight_scale"):
+        LLM(str(tmp_path / "unscaled"))
+
+
 @pytest.mark.parametrize("change, match", [
     ({"format": "float-quantized"}, "format 'float-quantized'"),
     ({"config_groups": {"g": {**SCHEME["config_groups"]["group_0"], "weights": {
