@@ -49,6 +49,57 @@ static void configure(int64_t top, int64_t bottom) {
   asm volatile("ldtilecfg %0" : : "m"(c));
 }
 
+// Up to 32 rows of x (x_stride bytes apart) times one block of 32 features, 64 bytes of each row a step
+// (32 bfloat16 inputs, or 64 int8 ones) against two 1 KB weight tiles, each step's products added by
+// Dot's instruction (rows in tiles 4-5, weights in 6-7, sums in 0-3): the 32 x 32 sums (float32 or
+// int32), 128 bytes a row, into c.
+template <typename Dot, bool TWO_ROW_TILES>
+static inline void amx_tiles(const uint8_t* x, int64_t x_stride, int64_t row_bytes, const uint8_t* w, uint8_t* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (TWO_ROW_TILES) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < row_bytes; k += 64, w += 2 * kTileBytes) {
+    _tile_loadd(4, x + k, x_stride);
+    if constexpr (TWO_ROW_TILES) _tile_loadd(5, x + 16 * x_stride + k, x_stride);
+    _tile_loadd(6, w, 64);
+    _tile_loadd(7, w + kTileBytes, 64);
+    Dot::template add<TWO_ROW_TILES>();
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 64, 128);
+  if constexpr (TWO_ROW_TILES) {
+    _tile_stored(2, c + 16 * 128, 128);
+    _tile_stored(3, c + 16 * 128 + 64, 128);
+  }
+}
+
+template <typename Dot>
+static inline void amx_block(const uint8_t* x, int64_t x_stride, int64_t row_bytes, const uint8_t* w, int64_t rows,
+                             uint8_t* c) {
+  if (rows > 16)
+    amx_tiles<Dot, true>(x, x_stride, row_bytes, w, c);
+  else
+    amx_tiles<Dot, false>(x, x_stride, row_bytes, w, c);
+}
+
+// Threads split the `blocks` of 32 features; each runs every group of 32 rows over its blocks, so its
+// share of the weight is read from memory once and from its cache for the groups after the first:
+// body(first row, rows, block), the tiles configured for the group's rows.
+template <typename Body>
+static void over_row_groups(int64_t M, int64_t blocks, const Body& body) {
+  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t m = 0; m < M; m += 32) {
+      const int64_t rows = std::min<int64_t>(32, M - m);
+      configure(std::min<int64_t>(16, rows), std::max<int64_t>(0, rows - 16));
+      for (int64_t nb = b; nb < e; ++nb) body(m, rows, nb);
+    }
+    _tile_release();
+  });
+}
+
 #endif
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
@@ -75,35 +126,17 @@ torch::Tensor pack_amx_weight(torch::Tensor w) {
   return out;
 }
 
-// Up to 32 rows of x (x_row apart) times one block of 32 features: the float32 sums into c (32 x 32).
-template <bool TWO_ROW_TILES>
-static inline void amx_block(const bf16* x, int64_t x_row, int64_t K, const bf16* w, float* c) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (TWO_ROW_TILES) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  const int64_t stride = x_row * int64_t(sizeof(bf16));
-  for (int64_t k = 0; k < K; k += kStepK, w += 2 * kTileBytes / sizeof(bf16)) {
-    _tile_loadd(4, x + k, stride);
-    _tile_loadd(6, w, 64);
-    _tile_loadd(7, w + kTileBytes / sizeof(bf16), 64);
+struct DotBf16 {                  // TDPBF16PS: 16 pairs of bfloat16 products into each float32 sum
+  template <bool TWO_ROW_TILES>    // the tile numbers are literals: GCC's tile intrinsics spell them in asm
+  static void add() {
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (TWO_ROW_TILES) {
-      _tile_loadd(5, x + 16 * x_row + k, stride);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, c, kBlockN * sizeof(float));
-  _tile_stored(1, c + 16, kBlockN * sizeof(float));
-  if constexpr (TWO_ROW_TILES) {
-    _tile_stored(2, c + 16 * kBlockN, kBlockN * sizeof(float));
-    _tile_stored(3, c + 16 * kBlockN + 16, kBlockN * sizeof(float));
-  }
-}
+};
 
 // The sums (+ bias), rounded once to bfloat16 (nearest even), into y's `width` columns of `rows` rows.
 static inline void store_rows(const float* c, int64_t rows, const float* bias, bf16* y, int64_t y_row, int64_t width) {
@@ -131,27 +164,16 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, torch::Tensor bi
     auto b = bias.to(at::kFloat).contiguous();
     std::copy(b.data_ptr<float>(), b.data_ptr<float>() + N, bias_f.begin());
   }
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = packed.data_ptr<bf16>();
+  const uint8_t* xp = reinterpret_cast<const uint8_t*>(x.data_ptr<bf16>());
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr<bf16>());
   bf16* yp = y.data_ptr<bf16>();
-  const int64_t block_elems = K / kStepK * 2 * kTileBytes / int64_t(sizeof(bf16));
-  // Threads split the blocks of features; each runs every group of 32 rows over its blocks, so its
-  // share of the weight is read from memory once and from its cache for the groups after the first.
-  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+  const int64_t x_stride = x_row * int64_t(sizeof(bf16)), block_bytes = K / kStepK * 2 * kTileBytes;
+  over_row_groups(M, blocks, [&](int64_t m, int64_t rows, int64_t nb) {
     alignas(64) float c[kBlockN * kBlockN];
-    for (int64_t m = 0; m < M; m += 32) {
-      const int64_t rows = std::min<int64_t>(32, M - m);
-      configure(std::min<int64_t>(16, rows), std::max<int64_t>(0, rows - 16));
-      for (int64_t nb = b; nb < e; ++nb) {
-        if (rows > 16)
-          amx_block<true>(xp + m * x_row, x_row, K, wp + nb * block_elems, c);
-        else
-          amx_block<false>(xp + m * x_row, x_row, K, wp + nb * block_elems, c);
-        store_rows(c, rows, bias_f.empty() ? nullptr : bias_f.data() + nb * kBlockN, yp + m * N + nb * kBlockN, N,
-                   std::min(kBlockN, N - nb * kBlockN));
-      }
-    }
-    _tile_release();
+    amx_block<DotBf16>(xp + m * x_stride, x_stride, K * int64_t(sizeof(bf16)), wp + nb * block_bytes, rows,
+                       reinterpret_cast<uint8_t*>(c));
+    store_rows(c, rows, bias_f.empty() ? nullptr : bias_f.data() + nb * kBlockN, yp + m * N + nb * kBlockN, N,
+               std::min(kBlockN, N - nb * kBlockN));
   });
   return y;
 }
@@ -194,33 +216,17 @@ torch::Tensor pack_amx_int8(torch::Tensor codes, torch::Tensor scale) {
   return out;
 }
 
-template <bool TWO_ROW_TILES>
-static inline void amx_int8_block(const int8_t* x, int64_t K, const int8_t* w, int32_t* c) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (TWO_ROW_TILES) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int64_t k = 0; k < K; k += kStepK8, w += 2 * kTileBytes) {
-    _tile_loadd(4, x + k, K);
-    _tile_loadd(6, w, 64);
-    _tile_loadd(7, w + kTileBytes, 64);
+struct DotInt8 {                  // TDPBSSD: 64 products of signed bytes into each int32 sum
+  template <bool TWO_ROW_TILES>
+  static void add() {
     _tile_dpbssd(0, 4, 6);
     _tile_dpbssd(1, 4, 7);
     if constexpr (TWO_ROW_TILES) {
-      _tile_loadd(5, x + 16 * K + k, K);
       _tile_dpbssd(2, 5, 6);
       _tile_dpbssd(3, 5, 7);
     }
   }
-  _tile_stored(0, c, kBlockN * sizeof(int32_t));
-  _tile_stored(1, c + 16, kBlockN * sizeof(int32_t));
-  if constexpr (TWO_ROW_TILES) {
-    _tile_stored(2, c + 16 * kBlockN, kBlockN * sizeof(int32_t));
-    _tile_stored(3, c + 16 * kBlockN + 16, kBlockN * sizeof(int32_t));
-  }
-}
+};
 
 // y = sum (d dx), in linear_quantized's instructions (a multiply, then a fused multiply-add onto zero),
 // so the compiler cannot reorder the product (-fassociative-math) and the bits are its kernel's.
@@ -239,25 +245,16 @@ static inline void store_scaled(const int32_t* c, int64_t rows, const float* dx,
 }
 
 template <typename T>
-static void amx_int8_rows(const T* x, int64_t x_row, int64_t M, int64_t K, const int8_t* wp, const float* d, int64_t N,
+static void amx_int8_rows(const T* x, int64_t x_row, int64_t M, int64_t K, const uint8_t* wp, const float* d, int64_t N,
                           T* y) {
   const QuantizedRows q = quantize_rows(x, x_row, M, K, K);
   const int64_t blocks = (N + kBlockN - 1) / kBlockN, block_bytes = K / kStepK8 * 2 * kTileBytes;
-  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+  const uint8_t* xq = reinterpret_cast<const uint8_t*>(q.xq.data());
+  over_row_groups(M, blocks, [&](int64_t m, int64_t rows, int64_t nb) {
     alignas(64) int32_t c[kBlockN * kBlockN];
-    for (int64_t m = 0; m < M; m += 32) {
-      const int64_t rows = std::min<int64_t>(32, M - m);
-      configure(std::min<int64_t>(16, rows), std::max<int64_t>(0, rows - 16));
-      for (int64_t nb = b; nb < e; ++nb) {
-        if (rows > 16)
-          amx_int8_block<true>(q.xq.data() + m * K, K, wp + nb * block_bytes, c);
-        else
-          amx_int8_block<false>(q.xq.data() + m * K, K, wp + nb * block_bytes, c);
-        store_scaled(c, rows, q.dx.data() + m, d + nb * kBlockN, y + m * N + nb * kBlockN, N,
-                     std::min(kBlockN, N - nb * kBlockN));
-      }
-    }
-    _tile_release();
+    amx_block<DotInt8>(xq + m * K, K, K, wp + nb * block_bytes, rows, reinterpret_cast<uint8_t*>(c));
+    store_scaled(c, rows, q.dx.data() + m, d + nb * kBlockN, y + m * N + nb * kBlockN, N,
+                 std::min(kBlockN, N - nb * kBlockN));
   });
 }
 
@@ -270,7 +267,7 @@ torch::Tensor linear_amx_int8(torch::Tensor x, torch::Tensor packed, int64_t N) 
               "linear_amx_int8: x's in_features do not match the packed weight");
   TORCH_CHECK(amx_permitted(), "linear_amx_int8: Linux did not grant this process AMX's tile state (arch_prctl)");
   auto y = torch::empty({M, N}, x.options());
-  const int8_t* wp = reinterpret_cast<const int8_t*>(packed.data_ptr<uint8_t>());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* d = reinterpret_cast<const float*>(packed.data_ptr<uint8_t>() + code_bytes);
   DISPATCH_MODEL_DTYPES(x.scalar_type(), "linear_amx_int8", [&] {
     amx_int8_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), M, K, wp, d, N, y.data_ptr<scalar_t>());
