@@ -203,6 +203,8 @@ def check_quantization(cfg: "EngineConfig") -> str | None:
     for name, width in widths.items():
         if cfg.quantization == "int4" and width % group:
             raise ValueError(f"quantization_group_size={group} must divide the model's {name}={width}")
+        if cfg.quantization == "w8a8" and width % 16:         # its kernels read whole registers of 16
+            raise ValueError(f"quantization='w8a8' needs the model's {name}={width} to be a multiple of 16")
     if cfg.quantization != "gguf":
         return None
     return find_gguf(cfg.model)

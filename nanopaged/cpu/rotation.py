@@ -25,15 +25,11 @@ from torch import nn
 
 
 def check_w8a8(config) -> None:
-    """A ValueError, before any weight loads, where W8A8's kernel cannot take the model's widths (whole
-    registers of 16) or a mixture's experts, or where the rotated model would not be the model asked for:
-    hidden states handed out (runner="pooling"), adapters trained on the unrotated weights. A checkpoint
-    that ships its int8 codes (models/shipped_int8.py) is not rotated."""
+    """A ValueError, before any weight loads, where W8A8 cannot take a mixture's experts, or where the
+    rotated model would not be the model asked for: hidden states handed out (runner="pooling"), adapters
+    trained on the unrotated weights. A checkpoint that ships its int8 codes (models/shipped_int8.py) is not
+    rotated. (The widths its kernels take: config.py, check_quantization.)"""
     m = config.model_config
-    for name, width in (("hidden_size", m.hidden_size), ("intermediate_size", m.intermediate_size),
-                        ("heads x head_dim", m.num_attention_heads * m.head_dim)):
-        if width % 16:
-            raise ValueError(f"quantization='w8a8' needs the model's {name}={width} to be a multiple of 16")
     if m.moe is not None:
         raise ValueError("quantization='w8a8' does not quantize a mixture of experts' experts (nor rotate its router)")
     if m.shipped_int8:
