@@ -3,4 +3,5 @@
     block_pool.py   the KV cache in fixed-size blocks: the free deque, ref counts, the prefix cache
     request.py      one sequence: the two counters and its block table
     scheduler.py    one token budget per step, chunked prefill, preemption by recompute, fork
+    state_pages.py  a hybrid model's state: pages beside the block table, kept at block boundaries
 """

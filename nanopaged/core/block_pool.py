@@ -59,11 +59,12 @@ class Block:
     block_id: int
     ref_count: int = 0                    # block tables that hold this block; 0 = free
     block_hash: bytes | None = None       # set once the block is full and cached
+    state_snapshot: tuple[int, ...] = ()  # a hybrid's state at this block's end: pages it keeps (core/state_pages.py)
 
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 prefix_hash: str = "sha256") -> None:
+                 prefix_hash: str = "sha256", state_pages_per_request: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -74,10 +75,14 @@ class BlockPool:
         self.hash_fn = HASH_FUNCTIONS[prefix_hash]
         self.cached_block_hash_to_block: dict[bytes, list[int]] = {}   # hash -> the blocks holding it
         self.num_evicted_blocks = 0       # cached blocks handed out again, their prefix lost
+        self.state_pages_per_request = state_pages_per_request   # a hybrid's state: pages beside the block table
+        self.num_kept_free = 0            # pages of snapshots kept by free blocks: taken back when needed
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_queue)
+        """The free queue, and the pages of a hybrid's snapshots that free blocks keep (core/state_pages.py):
+        a cache like the blocks' K/V, given up when the pages are needed."""
+        return len(self.free_block_queue) + self.num_kept_free
 
     def usage(self) -> float:
         """Fraction of blocks in use (vLLM's kv_cache_usage = 1 - free / total)."""
@@ -93,8 +98,9 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Take n blocks from the head of the free queue, each with ref_count 1."""
-        if n > len(self.free_block_queue):
-            raise RuntimeError(f"asked for {n} blocks, only {len(self.free_block_queue)} free")
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} blocks, only {self.num_free_blocks} free")
+        self._give_up_snapshots(n)
         ids = [self.free_block_queue.popleft() for _ in range(n)]
         for i in ids:
             block = self.blocks[i]
@@ -113,6 +119,7 @@ class BlockPool:
             block = self.blocks[i]
             if block.ref_count == 0:
                 self.free_block_queue.remove(i)
+                self.num_kept_free -= len(block.state_snapshot)
             block.ref_count += 1
 
     def free(self, block_ids: list[int]) -> None:
@@ -128,6 +135,7 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_queue.append(i)
+                self.num_kept_free += len(block.state_snapshot)
 
     # ---- the prefix cache -----------------------------------------------------------------
     def block_hashes(self, request: Request) -> list[bytes]:
@@ -191,11 +199,33 @@ class BlockPool:
             del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
         self.num_evicted_blocks += 1
+        self._drop_snapshot(block)        # a snapshot lives no longer than its block's prefix
+
+    # ---- a hybrid's state snapshots (core/state_pages.py) --------------------------------------
+    def keep_snapshot(self, block_id: int, pages: list[int]) -> None:
+        """The block keeps the state at its end in these pages, as long as it stays cached."""
+        block = self.blocks[block_id]
+        block.state_snapshot = tuple(pages)
+        self.num_kept_free += len(pages) if block.ref_count == 0 else 0
+
+    def _drop_snapshot(self, block: Block) -> None:
+        if block.state_snapshot:
+            self.num_kept_free -= len(block.state_snapshot) if block.ref_count == 0 else 0
+            pages, block.state_snapshot = list(block.state_snapshot), ()
+            self.free(pages)
+
+    def _give_up_snapshots(self, n: int) -> None:
+        """Until the free queue holds n pages, free blocks give up their snapshots, least recently used first."""
+        for i in list(self.free_block_queue) if len(self.free_block_queue) < n else ():
+            if len(self.free_block_queue) >= n:
+                break
+            self._drop_snapshot(self.blocks[i])
 
     def check_invariants(self) -> None:
         """Every block is either free (ref 0, in the queue once) or held (ref > 0, not queued)."""
         queued = set(self.free_block_queue)
         assert len(queued) == len(self.free_block_queue), "a block is in the free queue twice"
+        assert self.num_kept_free == sum(len(self.blocks[i].state_snapshot) for i in queued), "kept pages miscounted"
         for block in self.blocks:
             if block.block_id in queued:
                 assert block.ref_count == 0, f"free block {block.block_id} has ref_count {block.ref_count}"

@@ -58,6 +58,9 @@ class Request:
     num_output_placeholders: int = 0     # tokens sampled by a step still computing, ids not known yet
     extension_fields: dict = field(default_factory=dict)   # by name (vLLM's lora_request): Extension.prepare
     extra_keys: tuple = ()                # what else its K/V depend on (from extensions): prefix-cache keys
+    state_pages: list[int] = field(default_factory=list)   # a hybrid's state: one page per linear group
+    pending_snapshots: list[tuple[int, list[int]]] = field(default_factory=list)  # (block index, pages): the step
+                                          # now running writes the state at those blocks' ends there
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,8 +16,9 @@ the drafts guessed ahead (vLLM's spec_token_ids); `update` rolls rejected drafts
 Admission first looks the request's prefix up in the prefix cache, so its prefill starts where
 the cache ends; after every step the blocks that became full are named in it. `fork` lets a
 request share every block of another (n > 1 samples); a write into a shared block first copies
-it (copy-on-write, `_allocate_slots`). docs/04_scheduler.md explains it; docs/03 and docs/06 the
-prefix cache and sharing. No torch.
+it (copy-on-write, `_allocate_slots`). A hybrid model's state pages ride along with the blocks
+(core/state_pages.py). docs/04_scheduler.md explains it; docs/03 and docs/06 the prefix cache and
+sharing. No torch.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 from nanopaged.core.block_pool import BlockPool, cdiv
 from nanopaged.core.request import Request, RequestStatus, SampledToken
+from nanopaged.core.state_pages import StatePages
 
 
 @dataclass
@@ -34,7 +36,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)   # (request, num_new_tokens)
     admitted: list[tuple[Request, int]] = field(default_factory=list)    # (request, tokens it found cached)
     preempted: list[Request] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # pages copied before the forward (src, dst)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -49,6 +51,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # in admission order: the last is the newest
         self.admission_rules: list = []    # rule(request, running) -> bool: may it join them now?
+        self.states = StatePages(block_pool)
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -60,6 +63,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         token_budget = self.max_num_batched_tokens
+        self.states.copies_for_step(out.blocks_to_copy)
 
         # 1. Running requests, oldest first. Preemption takes the newest, so a request that
         #    is no longer RUNNING here was preempted in this pass, and so are all after it.
@@ -68,7 +72,8 @@ class Scheduler:
                 break
             if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
                 continue      # a step computing now samples its last token (async scheduling)
-            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, token_budget)
+            num_new = self.states.align(request, min(request.num_tokens_with_spec - request.num_computed_tokens,
+                                                     token_budget))
             # drafts past the budget are dropped, not chunked: they are guesses (vLLM does the same)
             del request.spec_token_ids[max(0, request.num_computed_tokens + num_new - request.num_tokens):]
             if num_new == 0:      # a request that computed its last token got the next one, or was finished
@@ -95,6 +100,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append((request, num_new))
             token_budget -= num_new
+        self.states.plan_snapshots(out.scheduled)
         return out
 
     def _make_room(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -111,21 +117,24 @@ class Scheduler:
     def _admit(self, request: Request, token_budget: int, out: SchedulerOutput) -> int:
         """Give a waiting request its cached prefix and new blocks; its num_new_tokens, or 0."""
         pool = self.block_pool
-        hits = pool.find_cached_prefix(request)
+        hits = self.states.usable_hits(pool.find_cached_prefix(request))
         if self._next_block_in_flight(request, len(hits)):
             return 0          # a running request is computing that very block: wait, then hit it
         num_cached = len(hits) * pool.block_size
-        num_new = min(request.num_tokens - num_cached, token_budget)
-        # Cached blocks that sit in the free queue leave it, so they are not free for others.
-        num_free = pool.num_free_blocks - sum(1 for b in hits if pool.blocks[b].ref_count == 0)
-        if pool.blocks_needed(len(hits), num_cached + num_new) > num_free:
+        request.num_computed_tokens = num_cached
+        num_new = self.states.align(request, min(request.num_tokens - num_cached, token_budget))
+        # Cached blocks that sit in the free queue leave it (with a hybrid's snapshots): not free for others.
+        num_free = pool.num_free_blocks - sum(1 + len(pool.blocks[b].state_snapshot) for b in hits
+                                              if pool.blocks[b].ref_count == 0)
+        if pool.blocks_needed(len(hits), num_cached + num_new) + self.states.per_request > num_free:
+            request.num_computed_tokens = 0
             return 0
         pool.touch(hits)
-        request.block_ids = hits
+        request.block_ids = list(hits)
         request.num_cached_blocks = len(hits)
-        request.num_computed_tokens = num_cached
         allocated = self._allocate_slots(request, num_new, [])
         assert allocated, "checked above: the free blocks suffice"
+        self.states.take(request, hits, out.blocks_to_copy)
         if request.status == RequestStatus.WAITING:   # first admission, not a re-admission
             request.num_cached_tokens = num_cached
         request.status = RequestStatus.RUNNING
@@ -174,6 +183,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the K/V, keep the tokens, go to the front of the queue."""
         self.block_pool.free(request.block_ids)
+        self.states.give_back(request)
         request.block_ids = []
         request.num_cached_blocks = 0
         request.num_computed_tokens = 0
@@ -190,7 +200,7 @@ class Scheduler:
         one is copied by `_allocate_slots` when one of its holders writes into it. A parent
         that holds no blocks (preempted) cannot share: the child then waits to be computed.
         """
-        if parent.status != RequestStatus.RUNNING:
+        if parent.status != RequestStatus.RUNNING or not self.states.fork(parent, child):
             child.status = RequestStatus.WAITING
             self.waiting.append(child)
             return
@@ -234,6 +244,7 @@ class Scheduler:
         for request in [r for r, _ in out.scheduled] + forked:
             if request.status == RequestStatus.RUNNING:     # not preempted while its step ran (async)
                 self.block_pool.cache_full_blocks(request)   # before a finish frees them
+                self.states.keep_snapshots(request)
 
     def _append(self, request: Request, tokens: list[SampledToken]) -> None:
         """Append the step's tokens. With k drafts the step computed k + 1 positions and the
@@ -254,5 +265,6 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_pool.free(request.block_ids)
+        self.states.give_back(request)
         request.block_ids = []
         request.status = status
