@@ -22,6 +22,7 @@ from nanopaged.core.block_pool import HASH_FUNCTIONS
 from nanopaged.cpu.features import auto_cpu_dtype
 from nanopaged.models.config import ModelConfig
 from nanopaged.models.demo_model import find_gguf
+from nanopaged.models.hybrid import check_hybrid
 from nanopaged.sampling_params import MAX_LOGPROBS
 from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_range
 from nanopaged.vllm_compat import engine_settings
@@ -121,6 +122,8 @@ class EngineConfig:
                                  "runner has not been tested on the model thread; leave async_scheduling unset")
             self.async_scheduling = False
         self.gguf_file = check_quantization(self)
+        if self.model_config.hybrid:       # what it does not run with yet; its block size (models/hybrid.py)
+            check_hybrid(self, DTYPES[self.dtype][1])
         # The extensions' settings (speculative_config, enable_lora and its three, runner and pooler_config)
         # are each extension's to check: the engine asks every registered one before any weight loads
         # (engine/extension.py: Extension.check_config).

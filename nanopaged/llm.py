@@ -40,6 +40,7 @@ from nanopaged.pooling.embed import embed
 from nanopaged.sampling_params import RequestOutputKind, SamplingParams
 from nanopaged.validation import per_prompt
 from nanopaged.vllm_compat import check_priority
+from nanopaged.worker.hybrid_runner import HybridModelRunner
 from nanopaged.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class LLM:
         it (each rank has cores // N threads, so no governor); the workers stop when this LLM is deleted.
         No extension that rewrites the model runs across ranks (each refuses tensor parallelism)."""
         if config.tensor_parallel_size == 1:
-            return ModelRunner(config, stages)
+            return (HybridModelRunner if config.model_config.hybrid else ModelRunner)(config, stages)
         assert not stages, f"model stages {[s.name for s in stages]} under tensor parallelism"
         from nanopaged.extras.tensor_parallel import TensorParallelRunner   # torch.distributed only when used
         runner = TensorParallelRunner(config)

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # they use, in the order a request meets it, then the packages' __init__ files (their indexes).
 READING_PATH = [
     "nanopaged/core/block_pool.py", "nanopaged/core/request.py", "nanopaged/core/scheduler.py",
-    "nanopaged/worker/model_runner.py", "nanopaged/attention/metadata.py", "nanopaged/attention/torch_backend.py",
+    "nanopaged/core/state_pages.py", "nanopaged/worker/model_runner.py", "nanopaged/attention/metadata.py", "nanopaged/attention/torch_backend.py",
     "nanopaged/models/llama.py", "nanopaged/engine/llm_engine.py", "nanopaged/engine/extension.py",
     "nanopaged/extensions.py", "nanopaged/llm.py",
     "nanopaged/config.py", "nanopaged/validation.py", "nanopaged/cpu/features.py", "nanopaged/cpu/choose.py",
@@ -82,6 +82,9 @@ LOADED = [
     # the model kinds and fast paths a given model or setting chooses: mixtures of experts, GGUF and int4/int8 weights
     "nanopaged/models/moe.py", "nanopaged/cpu/moe.py", "nanopaged/cpu/quantized_linear.py", "nanopaged/models/gguf.py",
     "nanopaged/cpu/rotation.py", "nanopaged/models/shipped_int8.py",
+    # a hybrid (linear-attention layers beside attention): its config, layers, reference rule and runner
+    "nanopaged/models/hybrid.py", "nanopaged/models/qwen3_5.py", "nanopaged/models/gated_delta_rule.py",
+    "nanopaged/worker/hybrid_runner.py",
 ]
 CHOOSE_IMPORTS = [p for p in FAST_PATH if p != "nanopaged/cpu/attention.py"]
 TABLES = READING_PATH + FAST_PATH + CPP_SOURCES + LOADED   # the three tables the documents print, in order
@@ -106,10 +109,14 @@ TABLES = READING_PATH + FAST_PATH + CPP_SOURCES + LOADED   # the three tables th
 # by the kernels; engine/overlap.py loaded by every call, run where the setting chooses it); 4,450, 7,075 and
 # 5,000 until the CPU's arithmetic (56: nanopaged's AMX kernels, bfloat16 and W8A8's int8, compiled on every
 # host and run on an AMX host's default path, and their choice; the W8A8 layer and the rotation it loads; a
-# checkpoint's own int8 W8A8, read from config.json, its scales kept by the loader beside the codes)
-LINE_BUDGET = 4450
-DEFAULT_LINE_BUDGET = 7075
-LOADED_BUDGET = 5000
+# checkpoint's own int8 W8A8, read from config.json, its scales kept by the loader beside the codes); 4,675,
+# 7,275 and 5,550 until hybrid models (57: the block manager pages a linear layer's state beside K/V, from one
+# free queue, and keeps it at block boundaries for the prefix cache, given up when pages run short:
+# core/state_pages.py, run for every model; the hybrid's config, layers, reference rule and runner loaded by
+# every call, run only for a hybrid)
+LINE_BUDGET = 4675
+DEFAULT_LINE_BUDGET = 7275
+LOADED_BUDGET = 5550
 # The design card's three parts: the block manager, the scheduler, the model runner with the
 # torch attention it calls (the metadata it builds, the reference backend).
 THREE_PARTS = {
@@ -118,8 +125,11 @@ THREE_PARTS = {
     "model runner + torch attention": ["nanopaged/worker/model_runner.py", "nanopaged/attention/metadata.py",
                                        "nanopaged/attention/torch_backend.py"],
 }
-THREE_PARTS_BUDGET = 1025     # 1,000 until async scheduling's placeholder token (54): the request counts one, and
-                              # the scheduler's update in two halves, so a step can be scheduled between them
+THREE_PARTS_BUDGET = 1080     # 1,000 until async scheduling's placeholder token (54): the request counts one, and
+                              # the scheduler's update in two halves, so a step can be scheduled between them; 1,025
+                              # until a hybrid's state pages (57): the request's pages, a block's snapshot and
+                              # the pool's count of snapshot pages it can take back, the scheduler's calls into
+                              # core/state_pages.py, the metadata's pages per request
 # Words of every extension: a name holding one in the block pool, the scheduler, the runner or the
 # engine step means an extension's logic lives there instead of behind a hook.
 EXTENSION_WORDS = ("beam", "graph", "stats", "statistic", "bench", "triton", "flash", "demo", "fuse", "quant",

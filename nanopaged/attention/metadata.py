@@ -22,6 +22,10 @@ class AttentionMetadata:
     block_size: int
     share_prefixes: bool = True    # cpu backend: rows whose tables begin alike read those blocks once (same result)
     plan: object | None = None     # the torch backend's StepPlan, made at the step's first layer
+    state_pages: list[list[int]] | None = None   # a hybrid model: each request's state page per linear group
+    has_state: list[bool] | None = None          # ... whether that state holds earlier tokens (else it starts at 0)
+    snapshots: list[list[tuple[int, list[int]]]] | None = None   # ... (rows, pages): keep the state after that
+                                                  # many of its rows in those pages (prefix caching)
 
     @property
     def num_reqs(self) -> int:

@@ -88,9 +88,11 @@ def _decode_group(meta: AttentionMetadata, requests: list[int], dtype: torch.dty
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """k, v: (num_tokens, kv_heads, head_dim); caches: (num_blocks, block_size, kv_heads, head_dim)."""
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = to_cache_dtype(k, k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = to_cache_dtype(v, v_cache.dtype)
+    """k, v: (num_tokens, kv_heads, head_dim); caches: (num_blocks, block_size, kv_heads, head_dim), each
+    block's slots contiguous (a hybrid's pages put K and V of a block side by side: not one run of slots)."""
+    block, offset = slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1]
+    k_cache[block, offset] = to_cache_dtype(k, k_cache.dtype)
+    v_cache[block, offset] = to_cache_dtype(v, v_cache.dtype)
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

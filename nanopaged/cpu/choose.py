@@ -100,6 +100,8 @@ def choose(config) -> FastPath:
     attention = "cpu" if layers == "fused" else config.attention_backend
     if config.tensor_parallel_size > 1:      # the parallel layers keep their own forward: nothing packed or fused
         linear = layers = "reference"        # (the attention stays as chosen)
+    if config.model_config.hybrid:           # the fused loop knows attention layers only; K/V sits in shared pages
+        layers, attention = "reference", "torch"
     attention = resolve_attention_backend(attention, config.device, config.dtype)
     if attention == "cpu":
         check_cpu_attention(config.block_size)

@@ -57,10 +57,12 @@ class LLMEngine:
         wanted = [kind(config) for kind in self.extension_kinds if kind.wanted(config)]
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.runner = make_runner(config, [stage for ext in wanted for stage in ext.model_stages()])
+        hybrid = config.model_config.hybrid       # a state-space model's state: pages beside the blocks
+        state_pages = hybrid.num_state_groups if hybrid else 0
         block_pool = BlockPool(self.runner.num_kv_blocks, config.block_size,
-                               config.enable_prefix_caching, config.prefix_hash)
+                               config.enable_prefix_caching, config.prefix_hash, state_pages)
         self.scheduler = Scheduler(block_pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.input_processor = InputProcessor(config, self.tokenizer, self.runner.num_kv_blocks)
+        self.input_processor = InputProcessor(config, self.tokenizer, self.runner.num_kv_blocks - state_pages)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sampler = Sampler(self.runner.device, config.seed, self.runner.fast_path.argmax)
         self.token_selection: TokenSelection = ParallelSampler(self.sampler)

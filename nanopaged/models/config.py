@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nanopaged.models.hybrid import HybridConfig, qwen3_5_hybrid
 from nanopaged.models.shipped_int8 import shipped_int8
 
 if TYPE_CHECKING:
@@ -26,13 +27,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": (False, "head"),          # mixtures of experts: models/moe.py
     "MixtralForCausalLM": (False, False),
     "OlmoeForCausalLM": (False, "projection"),
+    "Qwen3_5ForCausalLM": (False, "head"),          # a hybrid: DeltaNet beside gated attention (models/qwen3_5.py)
 }
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # config.json's model_type -> its architecture, for configs that leave out "architectures"
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-               "olmoe": "OlmoeForCausalLM"}
+               "olmoe": "OlmoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM": qwen3_5_hybrid}      # config.json -> HybridConfig (models/hybrid.py)
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -56,6 +59,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     moe: MoEConfig | None = None        # the experts of a mixture-of-experts model (models/moe.py)
     shipped_int8: bool = False          # its linears ship as int8 W8A8 (models/shipped_int8.py)
+    hybrid: HybridConfig | None = None  # linear-attention layers beside attention ones (models/hybrid.py)
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates (the rest pass)
+    attn_output_gate: bool = False      # q_proj also yields a gate: attention's output x sigmoid(gate) (Qwen3.5)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -110,11 +116,19 @@ class ModelConfig:
             eos_token_ids=eos_token_ids,
             moe=_moe(cfg, arch),
             shipped_int8=shipped_int8(cfg),
+            hybrid=HYBRID_ARCHITECTURES[arch](cfg) if arch in HYBRID_ARCHITECTURES else None,
+            partial_rotary_factor=float((cfg.get("rope_parameters") or {}).get(
+                "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
+            attn_output_gate=arch in HYBRID_ARCHITECTURES,
         )
 
     def kv_bytes_per_token(self, bytes_per_value: int) -> int:
-        """K and V, every layer: 2 x layers x kv heads x head dim x bytes per value."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * bytes_per_value
+        """K and V, every attention layer: 2 x layers x kv heads x head dim x bytes per value."""
+        return 2 * self.num_attention_layers * self.num_key_value_heads * self.head_dim * bytes_per_value
+
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.hybrid.attention_layers) if self.hybrid else self.num_hidden_layers
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:
