@@ -1,0 +1,271 @@
+"""The Mamba-2 mixer of a hybrid model (Granite 4.0-H, transformers' `granitemoehybrid`), over paged state.
+
+A state-space layer replaces attention's growing K/V with a fixed-size state per request: the last
+kernel-1 inputs of a short causal convolution, and an SSM state h of (heads, head_dim, state) that every
+token updates:
+
+    h_t = exp(dt_t * A) * h_{t-1} + dt_t * x_t B_t^T        y_t = h_t C_t + D * x_t
+
+The engine hands a step as one flat list of rows (request i owns rows sum(query_lens[:i]) up to
+sum(query_lens[:i+1])); request i's state lives in page pages[i] of two preallocated float32 tensors,
+read at the start of the step and written back in place at its end. Prefill rows run the chunked scan
+(`ssd_chunked`, Mamba-2's state-space duality) per request; decode rows (one new token) run the
+one-token recurrence (`ssd_step`) batched across requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+# ---------------------------------------------------------------- the numbers
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int                         # d_state: N, the width of B, C and the state
+    n_groups: int                           # heads in a group share one B and one C (like GQA's K/V)
+    conv_kernel: int                        # d_conv: the causal convolution's width
+    chunk_size: int                         # the scan's chunk length (ssd_chunked)
+    use_conv_bias: bool
+    use_bias: bool                          # in_proj's and out_proj's
+    time_step_limit: tuple[float, float]    # dt is clamped into it after the softplus
+    rms_norm_eps: float
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        # the convolution runs over x, B and C together
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    def conv_state_shape(self) -> tuple[int, int]:
+        """One request's conv state (float32): the last conv_kernel - 1 inputs of each channel."""
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        """One request's SSM state h (float32)."""
+        return (self.num_heads, self.head_dim, self.state_size)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> Mamba2Shape:
+        """The mixer's numbers from a granitemoehybrid config.json (its mamba_* keys), checked."""
+        hidden, heads = cfg["hidden_size"], cfg.get("mamba_n_heads", 128)
+        inner = cfg.get("mamba_expand", 2) * hidden
+        head_dim = cfg.get("mamba_d_head", "auto")
+        if head_dim == "auto":
+            head_dim = inner // heads
+        groups = cfg.get("mamba_n_groups", 1)
+        if heads * head_dim != inner:
+            raise ValueError(f"mamba_n_heads={heads} x mamba_d_head={head_dim} must equal "
+                             f"mamba_expand x hidden_size = {inner}")
+        if heads % groups:
+            raise ValueError(f"mamba_n_groups={groups} must divide mamba_n_heads={heads}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg['hidden_act']!r}: the Mamba-2 mixer computes only 'silu'")
+        limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+        return cls(hidden_size=hidden, num_heads=heads, head_dim=head_dim,
+                   state_size=cfg.get("mamba_d_state", 256), n_groups=groups,
+                   conv_kernel=cfg.get("mamba_d_conv", 4), chunk_size=cfg.get("mamba_chunk_size", 256),
+                   use_conv_bias=cfg.get("mamba_conv_bias", True), use_bias=cfg.get("mamba_proj_bias", False),
+                   time_step_limit=(float(limit[0]), float(limit[1])), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6))
+
+
+# ---------------------------------------------------------------- the reference functions
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A depthwise causal convolution continuing from the last kernel-1 inputs; no activation.
+
+    x (..., T, C), weight (C, K), conv_state (..., C, K-1) -> y (..., T, C), new conv state (..., C, K-1).
+    y[t, c] = bias[c] + sum_j weight[c, j] * window[t + j, c], where window = the state's inputs, then x.
+    """
+    window = torch.cat([conv_state.transpose(-1, -2), x], dim=-2)     # (..., K-1+T, C)
+    taps = window.unfold(-2, weight.shape[-1], 1)                     # (..., T, C, K): row t sees window[t:t+K]
+    y = (taps * weight).sum(-1)
+    if bias is not None:
+        y = y + bias
+    # the last K-1 inputs are the next call's left context (window[T:], right even when K-1 == 0)
+    return y, window[..., x.shape[-2]:, :].transpose(-1, -2)
+
+
+def segment_sums(a: torch.Tensor) -> torch.Tensor:
+    """(..., L) -> (..., L, L): out[l, s] = a[s+1] + ... + a[l] for s <= l (0 on the diagonal), -inf above.
+
+    exp(out) is the decay from position s to position l. Summing the masked terms directly, rather
+    than subtracting two cumulative sums, keeps a long chunk's small differences exact.
+    """
+    L = a.shape[-1]
+    below = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device), diagonal=-1)
+    terms = a[..., :, None].expand(*a.shape, L).masked_fill(~below, 0.0)   # terms[j, s] = a[j] if j > s
+    sums = terms.cumsum(dim=-2)                                            # sums[l, s] = sum of a[j], s < j <= l
+    return sums.masked_fill(~torch.tril(torch.ones_like(below)), -torch.inf)
+
+
+def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                D: torch.Tensor, chunk_size: int, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's scan, chunk by chunk (Mamba-2's state-space duality). All float32.
+
+    x (T, H, P), dt (T, H) after softplus, A (H,) negative, B and C (T, H, N) one per head, D (H,),
+    initial_state (H, P, N) -> y (T, H, P), final state (H, P, N).
+    Within a chunk the recurrence unrolls into a masked quadratic form, like causal attention:
+        y_l = sum_{s<=l} exp(a_{s+1} + ... + a_l) (C_l . B_s) dt_s x_s   (a = dt * A, the log-decay)
+    plus the state carried in from the chunks before, decayed to position l and read by C_l.
+    """
+    T, H, P = x.shape
+    skip = D[:, None] * x                                              # (T, H, P): D x_t, outside the state
+    # pad to whole chunks with dt = 0: a padded step decays by exp(0) = 1 and adds nothing,
+    # so the state after the last chunk is the state after token T
+    pad = (-T) % chunk_size
+    xdt, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (x * dt[..., None], dt, B, C))
+    chunks = (T + pad) // chunk_size
+    # (K, L, ...): K chunks of L steps; xdt (K, L, H, P) is the input dt_s x_s
+    xdt, dt, B, C = (t.reshape(chunks, chunk_size, *t.shape[1:]) for t in (xdt, dt, B, C))
+    a = (dt * A).transpose(1, 2)                                       # (K, H, L) log-decay of each step
+    a_cum = a.cumsum(dim=-1)                                           # (K, H, L) from the chunk's start
+
+    # 1. inside each chunk: scores C_l . B_s, masked by the causal decay, applied to the inputs
+    decay = torch.exp(segment_sums(a))                                 # (K, H, L, L), 0 above the diagonal
+    scores = torch.einsum("klhn,kshn->khls", C, B) * decay
+    y = torch.einsum("khls,kshp->klhp", scores, xdt)
+
+    # 2. what each chunk adds to the state by its end: its inputs, each decayed to the chunk's last step
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)                        # (K, H, L)
+    added = torch.einsum("khs,kshp,kshn->khpn", to_end, xdt, B)        # (K, H, P, N)
+
+    # 3. across chunks: carry the state, one chunk at a time (few chunks, so a plain loop)
+    state, starts = initial_state, []
+    for k in range(chunks):
+        starts.append(state)
+        state = torch.exp(a_cum[k, :, -1])[:, None, None] * state + added[k]
+
+    # 4. the carried state's part of each output: decayed from the chunk's start to l, read by C_l
+    from_start = torch.exp(a_cum).transpose(1, 2)                      # (K, L, H)
+    y = y + torch.einsum("klhn,khpn->klhp", C, torch.stack(starts)) * from_start[..., None]
+    return y.reshape(chunks * chunk_size, H, P)[:T] + skip, state
+
+
+def ssd_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             D: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per request, R requests at once: the recurrence itself. All float32.
+
+    x (R, H, P), dt (R, H), A (H,), B and C (R, H, N), D (H,), state (R, H, P, N) -> y (R, H, P), new state.
+    """
+    decay = torch.exp(dt * A)[..., None, None]                         # (R, H, 1, 1)
+    state = decay * state + (dt[..., None] * x)[..., None] * B[:, :, None, :]
+    y = torch.einsum("rhpn,rhn->rhp", state, C)
+    return y + D[:, None] * x, state
+
+
+# ---------------------------------------------------------------- the mixer
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of y * silu(gate), each group of channels normalised on its own (Mamba-2's norm_before_gate=False)."""
+
+    def __init__(self, size: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = y.float() * F.silu(gate.float())
+        groups = y.reshape(*y.shape[:-1], -1, self.group_size)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.float() * groups.reshape(y.shape)
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba-2 over a step's flat rows, each request's conv and SSM state in its page.
+
+    Parameter names are transformers' GraniteMoeHybridMambaLayer's, so its state_dict loads as is.
+    """
+
+    def __init__(self, shape: Mamba2Shape) -> None:
+        super().__init__()
+        self.shape = s = shape
+        # in_proj makes, per token: the gate z, the convolution's input (x, B, C), and dt per head
+        self.in_proj = nn.Linear(s.hidden_size, s.intermediate_size + s.conv_dim + s.num_heads, bias=s.use_bias)
+        self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim,
+                                padding=s.conv_kernel - 1, bias=s.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(s.num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, s.num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(s.num_heads))
+        self.norm = GatedRMSNorm(s.intermediate_size, s.intermediate_size // s.n_groups, s.rms_norm_eps)
+        self.out_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.use_bias)
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                query_lens: list[int], pages: list[int]) -> torch.Tensor:
+        """x (tokens, hidden) -> (tokens, hidden) in x's dtype; request i's state read from and written to pages[i].
+
+        conv_state (num_pages, conv_dim, K-1) and ssm_state (num_pages, H, P, N) are float32 and may be
+        strided views into a larger tensor: they are only ever indexed, never reshaped.
+        """
+        self._check_step(x, conv_state, query_lens, pages)
+        s = self.shape
+        gate, xBC, dt = self.in_proj(x).split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
+        # the scan in float32 whatever the model's dtype: the state is a product of decays carried over
+        # every token the request has seen, and bfloat16's short mantissa would round it at every step
+        xBC, weight = xBC.float(), self.conv1d.weight.float()[:, 0, :]    # weight (conv_dim, K)
+        bias = self.conv1d.bias.float() if self.conv1d.bias is not None else None
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*s.time_step_limit)
+        y = torch.empty(x.shape[0], s.num_heads, s.head_dim, dtype=torch.float32, device=x.device)
+
+        starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+        decode = [i for i, n in enumerate(query_lens) if n == 1]
+        if decode:
+            rows = torch.tensor([starts[i] for i in decode], device=x.device)
+            page_ids = torch.tensor([pages[i] for i in decode], device=x.device)
+            y[rows] = self._decode(xBC[rows], dt[rows], weight, bias, conv_state, ssm_state, page_ids)
+        for i, n in enumerate(query_lens):
+            if n > 1:
+                rows = slice(starts[i], starts[i] + n)
+                y[rows] = self._prefill(xBC[rows], dt[rows], weight, bias, conv_state, ssm_state, pages[i])
+
+        y = self.norm(y.reshape(x.shape[0], -1), gate)
+        return self.out_proj(y.to(x.dtype))
+
+    def _prefill(self, xBC, dt, weight, bias, conv_state, ssm_state, page: int) -> torch.Tensor:
+        """One request's T > 1 rows through the convolution and the chunked scan; its page updated."""
+        out, conv_state[page] = causal_conv1d(xBC, weight, bias, conv_state[page])    # written in place
+        x, B, C = self._split(F.silu(out))
+        y, ssm_state[page] = ssd_chunked(x, dt, -torch.exp(self.A_log.float()), B, C, self.D.float(),
+                                         self.shape.chunk_size, ssm_state[page])
+        return y
+
+    def _decode(self, xBC, dt, weight, bias, conv_state, ssm_state, page_ids: torch.Tensor) -> torch.Tensor:
+        """R requests' single rows at once through the convolution and the recurrence; their pages updated."""
+        # indexing by a list of pages reads copies; assigning to it writes the pages in place
+        out, conv_state[page_ids] = causal_conv1d(xBC[:, None, :], weight, bias, conv_state[page_ids])
+        x, B, C = self._split(F.silu(out[:, 0, :]))
+        y, ssm_state[page_ids] = ssd_step(x, dt, -torch.exp(self.A_log.float()), B, C, self.D.float(),
+                                          ssm_state[page_ids])
+        return y
+
+    def _split(self, xBC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, conv_dim) -> x (rows, H, P) and B, C (rows, H, N), each group's B and C given to its heads."""
+        s = self.shape
+        x, B, C = xBC.split([s.intermediate_size, s.n_groups * s.state_size, s.n_groups * s.state_size], dim=-1)
+        per_group = s.num_heads // s.n_groups
+        B, C = (t.reshape(-1, s.n_groups, s.state_size).repeat_interleave(per_group, dim=1) for t in (B, C))
+        return x.reshape(-1, s.num_heads, s.head_dim), B, C
+
+    def _check_step(self, x, conv_state, query_lens, pages) -> None:
+        """The step's layout, checked before any work: one page per request, distinct, rows adding up."""
+        if len(query_lens) != len(pages):
+            raise ValueError(f"{len(query_lens)} query_lens but {len(pages)} pages: one page per request")
+        if any(n < 1 for n in query_lens):
+            raise ValueError(f"query_lens={query_lens}: every request in a step needs at least 1 row")
+        if sum(query_lens) != x.shape[0]:
+            raise ValueError(f"query_lens add up to {sum(query_lens)} rows but x has {x.shape[0]}")
+        if len(set(pages)) != len(pages) or any(not 0 <= p < conv_state.shape[0] for p in pages):
+            raise ValueError(f"pages={pages} must be distinct and in [0, {conv_state.shape[0]})")
