@@ -3,6 +3,7 @@
     config.py       ModelConfig: the numbers of config.json the engine needs (no torch)
     llama.py        the transformer, reading and writing the paged KV cache through its attention backend
     moe.py          a mixture of experts' MLP: the router and the experts (Qwen3-MoE, Mixtral, OLMoE)
+    mamba2.py       the Mamba-2 mixer of hybrid models (Granite 4.0-H), each request's state in a page
     loader.py       safetensors weights into the fused q/k/v and gate/up projections
     pipeline.py     the model pipeline: every rewrite of a loaded model, as stages in one fixed order
     gguf.py         a GGUF file's 4- and 8-bit weights as they ship, for quantization="gguf"
