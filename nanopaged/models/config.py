@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nanopaged.models.hybrid import HybridConfig, qwen3_5_hybrid
+from nanopaged.models.hybrid import HybridConfig, granite_hybrid, qwen3_5_hybrid
 from nanopaged.models.shipped_int8 import shipped_int8
 
 if TYPE_CHECKING:
@@ -28,14 +28,17 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": (False, False),
     "OlmoeForCausalLM": (False, "projection"),
     "Qwen3_5ForCausalLM": (False, "head"),          # a hybrid: DeltaNet beside gated attention (models/qwen3_5.py)
+    "GraniteMoeHybridForCausalLM": (False, False),  # a hybrid: Mamba-2 beside attention (models/granite_hybrid.py)
 }
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # config.json's model_type -> its architecture, for configs that leave out "architectures"
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-               "olmoe": "OlmoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
-HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM": qwen3_5_hybrid}      # config.json -> HybridConfig (models/hybrid.py)
+               "olmoe": "OlmoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+               "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
+HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM": qwen3_5_hybrid,       # config.json -> HybridConfig (models/hybrid.py)
+                        "GraniteMoeHybridForCausalLM": granite_hybrid}
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -119,7 +122,7 @@ class ModelConfig:
             hybrid=HYBRID_ARCHITECTURES[arch](cfg) if arch in HYBRID_ARCHITECTURES else None,
             partial_rotary_factor=float((cfg.get("rope_parameters") or {}).get(
                 "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
-            attn_output_gate=arch in HYBRID_ARCHITECTURES,
+            attn_output_gate=arch == "Qwen3_5ForCausalLM",
         )
 
     def kv_bytes_per_token(self, bytes_per_value: int) -> int:

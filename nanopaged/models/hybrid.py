@@ -34,7 +34,7 @@ def cdiv(a: int, b: int) -> int:
 class HybridConfig:
     layer_types: tuple[str, ...]                   # "attention" or "linear", one per decoder layer
     state_shapes: tuple[tuple[int, ...], ...]      # one linear layer's state per request (float32 tensors)
-    linear: dict                                   # the family's numbers for its linear layers (heads, dims, kernel)
+    family: dict                                   # the family's own numbers (heads, dims, kernel, multipliers)
     chunk: int = 64                                # the linear layers' prompt chunk: blocks are a multiple of it
 
     @property
@@ -145,3 +145,89 @@ def memory_figures(h: HybridConfig, kv_heads: int, head_dim: int, bytes_per_valu
         "state_pages_per_request": h.num_state_groups,
         f"requests_at_{context}_tokens": num_pages // per_request,
     }
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int                         # d_state: N, the width of B, C and the state
+    n_groups: int                           # heads in a group share one B and one C (like GQA's K/V)
+    conv_kernel: int                        # d_conv: the causal convolution's width
+    chunk_size: int                         # the scan's chunk length (ssd_chunked)
+    use_conv_bias: bool
+    use_bias: bool                          # in_proj's and out_proj's
+    time_step_limit: tuple[float, float]    # dt is clamped into it after the softplus
+    rms_norm_eps: float
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        # the convolution runs over x, B and C together
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    def conv_state_shape(self) -> tuple[int, int]:
+        """One request's conv state (float32): the last conv_kernel - 1 inputs of each channel."""
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        """One request's SSM state h (float32)."""
+        return (self.num_heads, self.head_dim, self.state_size)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> Mamba2Shape:
+        """The mixer's numbers from a granitemoehybrid config.json (its mamba_* keys), checked."""
+        hidden, heads = cfg["hidden_size"], cfg.get("mamba_n_heads", 128)
+        inner = cfg.get("mamba_expand", 2) * hidden
+        head_dim = cfg.get("mamba_d_head", "auto")
+        if head_dim == "auto":
+            head_dim = inner // heads
+        groups = cfg.get("mamba_n_groups", 1)
+        if heads * head_dim != inner:
+            raise ValueError(f"mamba_n_heads={heads} x mamba_d_head={head_dim} must equal "
+                             f"mamba_expand x hidden_size = {inner}")
+        if heads % groups:
+            raise ValueError(f"mamba_n_groups={groups} must divide mamba_n_heads={heads}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg['hidden_act']!r}: the Mamba-2 mixer computes only 'silu'")
+        limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+        return cls(hidden_size=hidden, num_heads=heads, head_dim=head_dim,
+                   state_size=cfg.get("mamba_d_state", 256), n_groups=groups,
+                   conv_kernel=cfg.get("mamba_d_conv", 4), chunk_size=cfg.get("mamba_chunk_size", 256),
+                   use_conv_bias=cfg.get("mamba_conv_bias", True), use_bias=cfg.get("mamba_proj_bias", False),
+                   time_step_limit=(json_float(limit[0]), json_float(limit[1])), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6))
+
+
+def json_float(value) -> float:
+    """A float from config.json; transformers writes infinity as {"__float__": "Infinity"}."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
+
+
+# Granite's scalings (muP): the embeddings, each layer's residual branch, attention's scores, the logits
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+
+
+def granite_hybrid(cfg: dict) -> HybridConfig:
+    """Granite 4.0-H's Mamba-2 layers (transformers' granitemoehybrid), from its config.json."""
+    n = cfg["num_hidden_layers"]
+    names = {"mamba": "linear", "linear_attention": "linear", "attention": "attention", "full_attention": "attention"}
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n
+    if len(types) != n or set(types) - set(names):
+        raise ValueError(f"'layer_types' must name {n} layers, each 'mamba' or 'attention', got {types!r}")
+    if "attention" not in {names[t] for t in types}:
+        raise ValueError("a hybrid with no attention layer is not supported: its pages are sized by one")
+    if cfg.get("num_local_experts", 0):
+        raise ValueError(f"num_local_experts={cfg['num_local_experts']}: Granite 4.0-H's mixtures of experts "
+                         "(Tiny, Small) are not supported yet; its dense hybrids (H-Micro, H-1B, H-350M) are")
+    if cfg.get("position_embedding_type") not in (None, "nope", "rope"):
+        raise ValueError(f"position_embedding_type={cfg['position_embedding_type']!r}: only 'rope' or none")
+    shape = Mamba2Shape.from_hf(cfg)
+    family = {"mamba": shape, "rope": cfg.get("position_embedding_type") == "rope",
+              "shared_intermediate_size": cfg.get("shared_intermediate_size", 1024),
+              **{name: float(cfg.get(name) or 1.0) for name in GRANITE_MULTIPLIERS}}
+    return HybridConfig(tuple(names[t] for t in types), (shape.conv_state_shape(), shape.ssm_state_shape()),
+                        family, chunk=shape.chunk_size)

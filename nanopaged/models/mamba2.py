@@ -14,69 +14,11 @@ one-token recurrence (`ssd_step`) batched across requests.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-# ---------------------------------------------------------------- the numbers
-
-
-@dataclass(frozen=True)
-class Mamba2Shape:
-    hidden_size: int
-    num_heads: int
-    head_dim: int
-    state_size: int                         # d_state: N, the width of B, C and the state
-    n_groups: int                           # heads in a group share one B and one C (like GQA's K/V)
-    conv_kernel: int                        # d_conv: the causal convolution's width
-    chunk_size: int                         # the scan's chunk length (ssd_chunked)
-    use_conv_bias: bool
-    use_bias: bool                          # in_proj's and out_proj's
-    time_step_limit: tuple[float, float]    # dt is clamped into it after the softplus
-    rms_norm_eps: float
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        # the convolution runs over x, B and C together
-        return self.intermediate_size + 2 * self.n_groups * self.state_size
-
-    def conv_state_shape(self) -> tuple[int, int]:
-        """One request's conv state (float32): the last conv_kernel - 1 inputs of each channel."""
-        return (self.conv_dim, self.conv_kernel - 1)
-
-    def ssm_state_shape(self) -> tuple[int, int, int]:
-        """One request's SSM state h (float32)."""
-        return (self.num_heads, self.head_dim, self.state_size)
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> Mamba2Shape:
-        """The mixer's numbers from a granitemoehybrid config.json (its mamba_* keys), checked."""
-        hidden, heads = cfg["hidden_size"], cfg.get("mamba_n_heads", 128)
-        inner = cfg.get("mamba_expand", 2) * hidden
-        head_dim = cfg.get("mamba_d_head", "auto")
-        if head_dim == "auto":
-            head_dim = inner // heads
-        groups = cfg.get("mamba_n_groups", 1)
-        if heads * head_dim != inner:
-            raise ValueError(f"mamba_n_heads={heads} x mamba_d_head={head_dim} must equal "
-                             f"mamba_expand x hidden_size = {inner}")
-        if heads % groups:
-            raise ValueError(f"mamba_n_groups={groups} must divide mamba_n_heads={heads}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={cfg['hidden_act']!r}: the Mamba-2 mixer computes only 'silu'")
-        limit = cfg.get("time_step_limit") or (0.0, float("inf"))
-        return cls(hidden_size=hidden, num_heads=heads, head_dim=head_dim,
-                   state_size=cfg.get("mamba_d_state", 256), n_groups=groups,
-                   conv_kernel=cfg.get("mamba_d_conv", 4), chunk_size=cfg.get("mamba_chunk_size", 256),
-                   use_conv_bias=cfg.get("mamba_conv_bias", True), use_bias=cfg.get("mamba_proj_bias", False),
-                   time_step_limit=(float(limit[0]), float(limit[1])), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6))
+from nanopaged.models.hybrid import Mamba2Shape
 
 
 # ---------------------------------------------------------------- the reference functions
@@ -112,11 +54,12 @@ def segment_sums(a: torch.Tensor) -> torch.Tensor:
 
 
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                D: torch.Tensor, chunk_size: int, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                D: torch.Tensor, chunk_size: int, initial_state: torch.Tensor, keep: tuple[int, ...] = ()):
     """One request's scan, chunk by chunk (Mamba-2's state-space duality). All float32.
 
     x (T, H, P), dt (T, H) after softplus, A (H,) negative, B and C (T, H, N) one per head, D (H,),
-    initial_state (H, P, N) -> y (T, H, P), final state (H, P, N).
+    initial_state (H, P, N) -> y (T, H, P), final state (H, P, N), and {t: the state after t tokens} for each
+    t in `keep` (multiples of chunk_size, or T: a chunk's end; a block boundary's snapshot).
     Within a chunk the recurrence unrolls into a masked quadratic form, like causal attention:
         y_l = sum_{s<=l} exp(a_{s+1} + ... + a_l) (C_l . B_s) dt_s x_s   (a = dt * A, the log-decay)
     plus the state carried in from the chunks before, decayed to position l and read by C_l.
@@ -151,7 +94,8 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     # 4. the carried state's part of each output: decayed from the chunk's start to l, read by C_l
     from_start = torch.exp(a_cum).transpose(1, 2)                      # (K, L, H)
     y = y + torch.einsum("klhn,khpn->klhp", C, torch.stack(starts)) * from_start[..., None]
-    return y.reshape(chunks * chunk_size, H, P)[:T] + skip, state
+    kept = {t: (starts[t // chunk_size] if t < T else state) for t in keep}
+    return y.reshape(chunks * chunk_size, H, P)[:T] + skip, state, kept
 
 
 def ssd_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -204,12 +148,17 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.use_bias)
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                query_lens: list[int], pages: list[int]) -> torch.Tensor:
+                query_lens: list[int], pages: list[int], has_state: list[bool] | None = None,
+                snapshots: list[dict[int, int]] | None = None) -> torch.Tensor:
         """x (tokens, hidden) -> (tokens, hidden) in x's dtype; request i's state read from and written to pages[i].
 
         conv_state (num_pages, conv_dim, K-1) and ssm_state (num_pages, H, P, N) are float32 and may be
-        strided views into a larger tensor: they are only ever indexed, never reshaped.
+        strided views into a larger tensor: they are only ever indexed, never reshaped. `has_state[i]` False:
+        request i starts from zero whatever its page holds (None: every page is read). `snapshots[i]`:
+        {rows: page}, the state after that many of request i's rows kept in that page too (prefix caching).
         """
+        has_state = has_state or [True] * len(query_lens)
+        snapshots = snapshots or [{}] * len(query_lens)
         self._check_step(x, conv_state, query_lens, pages)
         s = self.shape
         gate, xBC, dt = self.in_proj(x).split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
@@ -225,30 +174,45 @@ class Mamba2Mixer(nn.Module):
         if decode:
             rows = torch.tensor([starts[i] for i in decode], device=x.device)
             page_ids = torch.tensor([pages[i] for i in decode], device=x.device)
-            y[rows] = self._decode(xBC[rows], dt[rows], weight, bias, conv_state, ssm_state, page_ids)
+            fresh = torch.tensor([not has_state[i] for i in decode], device=x.device)
+            y[rows] = self._decode(xBC[rows], dt[rows], weight, bias, conv_state, ssm_state, page_ids, fresh)
+            for i in decode:                              # a prompt's last token on a block boundary
+                for page in snapshots[i].values():
+                    conv_state[page], ssm_state[page] = conv_state[pages[i]], ssm_state[pages[i]]
         for i, n in enumerate(query_lens):
             if n > 1:
                 rows = slice(starts[i], starts[i] + n)
-                y[rows] = self._prefill(xBC[rows], dt[rows], weight, bias, conv_state, ssm_state, pages[i])
+                y[rows] = self._prefill(xBC[rows], dt[rows], weight, bias, conv_state, ssm_state, pages[i],
+                                        has_state[i], snapshots[i])
 
         y = self.norm(y.reshape(x.shape[0], -1), gate)
         return self.out_proj(y.to(x.dtype))
 
-    def _prefill(self, xBC, dt, weight, bias, conv_state, ssm_state, page: int) -> torch.Tensor:
-        """One request's T > 1 rows through the convolution and the chunked scan; its page updated."""
-        out, conv_state[page] = causal_conv1d(xBC, weight, bias, conv_state[page])    # written in place
+    def _prefill(self, xBC, dt, weight, bias, conv_state, ssm_state, page: int, has_state: bool,
+                 snapshots: dict[int, int]) -> torch.Tensor:
+        """One request's T > 1 rows through the convolution and the chunked scan; its page (and its snapshot
+        pages) updated."""
+        conv0 = conv_state[page] if has_state else torch.zeros_like(conv_state[page])
+        ssm0 = ssm_state[page] if has_state else torch.zeros_like(ssm_state[page])
+        out, conv_state[page] = causal_conv1d(xBC, weight, bias, conv0)    # written in place
         x, B, C = self._split(F.silu(out))
-        y, ssm_state[page] = ssd_chunked(x, dt, -torch.exp(self.A_log.float()), B, C, self.D.float(),
-                                         self.shape.chunk_size, ssm_state[page])
+        y, ssm_state[page], kept = ssd_chunked(x, dt, -torch.exp(self.A_log.float()), B, C, self.D.float(),
+                                               self.shape.chunk_size, ssm0, tuple(snapshots))
+        window = torch.cat([conv0.t(), xBC])                           # the conv state after t rows: window[t:t+K-1]
+        for rows, snapshot in snapshots.items():
+            conv_state[snapshot], ssm_state[snapshot] = window[rows:rows + conv0.shape[1]].t(), kept[rows]
         return y
 
-    def _decode(self, xBC, dt, weight, bias, conv_state, ssm_state, page_ids: torch.Tensor) -> torch.Tensor:
-        """R requests' single rows at once through the convolution and the recurrence; their pages updated."""
+    def _decode(self, xBC, dt, weight, bias, conv_state, ssm_state, page_ids: torch.Tensor,
+                fresh: torch.Tensor) -> torch.Tensor:
+        """R requests' single rows at once through the convolution and the recurrence; their pages updated
+        (`fresh` rows start from zero: a one-token prompt)."""
         # indexing by a list of pages reads copies; assigning to it writes the pages in place
-        out, conv_state[page_ids] = causal_conv1d(xBC[:, None, :], weight, bias, conv_state[page_ids])
+        conv0 = conv_state[page_ids].masked_fill(fresh[:, None, None], 0)
+        ssm0 = ssm_state[page_ids].masked_fill(fresh[:, None, None, None], 0)
+        out, conv_state[page_ids] = causal_conv1d(xBC[:, None, :], weight, bias, conv0)
         x, B, C = self._split(F.silu(out[:, 0, :]))
-        y, ssm_state[page_ids] = ssd_step(x, dt, -torch.exp(self.A_log.float()), B, C, self.D.float(),
-                                          ssm_state[page_ids])
+        y, ssm_state[page_ids] = ssd_step(x, dt, -torch.exp(self.A_log.float()), B, C, self.D.float(), ssm0)
         return y
 
     def _split(self, xBC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

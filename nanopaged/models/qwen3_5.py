@@ -11,7 +11,7 @@ It reads as models/llama.py with two new layers:
   yields a gate (the output is multiplied by its sigmoid), RoPE turns only the first quarter of each
   head's dims, and the norms are zero-centred (x * (1 + weight)).
 
-Greedy float32 tokens equal transformers' (tests/models/test_qwen3_5.py). docs/15_hybrid_models.md.
+Greedy float32 tokens equal transformers' (tests/models/test_hybrid_models.py). docs/15_hybrid_models.md.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, group: int) -> None:
         super().__init__()
-        lin = cfg.hybrid.linear
+        lin = cfg.hybrid.family
         self.k_heads, self.v_heads = lin["linear_num_key_heads"], lin["linear_num_value_heads"]
         self.dk, self.dv = lin["linear_key_head_dim"], lin["linear_value_head_dim"]
         key_dim, value_dim = self.k_heads * self.dk, self.v_heads * self.dv

@@ -15,14 +15,19 @@ from torch import nn
 
 from nanopaged.config import check_memory_fits
 from nanopaged.core.scheduler import SchedulerOutput
+from nanopaged.models.granite_hybrid import GraniteHybridForCausalLM
 from nanopaged.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanopaged.worker.model_runner import ModelInput, ModelRunner
 
 
+# architecture -> the hybrid's model class
+HYBRID_MODELS = {"Qwen3_5ForCausalLM": Qwen3_5ForCausalLM, "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM}
+
+
 class HybridModelRunner(ModelRunner):
     def build_model(self) -> nn.Module:
-        return Qwen3_5ForCausalLM.build(self.model_config, self.backend, self.config.max_model_len, self.device,
-                                        self.dtype)
+        model_class = HYBRID_MODELS[self.model_config.architecture]
+        return model_class.build(self.model_config, self.backend, self.config.max_model_len, self.device, self.dtype)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """One attention layer's pages per position in a group: the memory is sized by them."""

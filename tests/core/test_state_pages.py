@@ -1,6 +1,6 @@
 """A hybrid's state pages in the scheduler: taken with the blocks, freed with them, copied on a fork, kept at
 block boundaries for the prefix cache. Plain Python with a fake model, like test_scheduler.py; the tokens a
-real hybrid computes this way are held to transformers in tests/models/test_qwen3_5.py."""
+real hybrid computes this way are held to transformers in tests/models/test_hybrid_models.py."""
 from nanopaged.core.block_pool import BlockPool
 from nanopaged.core.request import Request, SampledToken
 from nanopaged.core.scheduler import Scheduler

@@ -210,7 +210,7 @@ def scan_inputs(T, H=3, P=4, N=5, seed=0):
 @pytest.mark.parametrize("length", [1, 5, CHUNK, 4 * CHUNK + 3])
 def test_chunked_scan_equals_per_token_recurrence(length):
     x, dt, A, B, C, D, h0 = scan_inputs(length)
-    y, final = ssd_chunked(x, dt, A, B, C, D, CHUNK, h0)
+    y, final, _ = ssd_chunked(x, dt, A, B, C, D, CHUNK, h0)
     y_ref, final_ref = recurrence(x, dt, A, B, C, D, h0)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final, final_ref, atol=1e-5, rtol=1e-5)
