@@ -11,7 +11,7 @@ import json
 
 import nanopaged.spec_decode.extension as spec_extension
 from benchmarks.spec_prompts import SYSTEM, TOOL_CALL_SCHEMA, answer_tokens, build_agent_workload
-from benchmarks.spec_run import (compare, configurations, drop_outputs, forced_drafts_switch, ngram_config,
+from benchmarks.spec_run import (configurations, drop_outputs, forced_drafts_switch, ngram_config,
                                  run_configs, run_levels, suffix_config)
 from nanopaged import SamplingParams, StructuredOutputsParams
 
@@ -26,7 +26,6 @@ def run_agent(args, model_dir: str, settings: dict, tokenizer) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=it.max_tokens) for it in items]
     runs = run_configs(configurations(args),
                        lambda _, spec: run_levels(model_dir, settings, spec, prompts, params, [1], prefix_caching=True))
-    compare(runs)
     for r in runs.values():
         if "error" not in r:
             r["first_and_rest"] = first_and_rest(r["concurrency"]["1"])
@@ -108,7 +107,6 @@ def run_json(args, model_dir: str, settings: dict, tokenizer) -> dict:
                    for x in r.get("concurrency", {}).values()]
         # what the counters say where the engine counts forced drafts, else what the configuration expects
         r["forced_drafts"] = any(counted) if any(n is not None for n in counted) else configs[name][2]
-    compare(runs)
     result = {"settings": {"num_prompts": len(items), "max_tokens": JSON_MAX_TOKENS, "schema": TOOL_CALL_SCHEMA,
                            "disable_any_whitespace": True, "concurrency": levels, "forced_drafts": forced_drafts_how()},
               "configs": runs, "forced_vs_without": forced_vs_without(runs, 1),

@@ -47,6 +47,13 @@ def configurations(args, draft_dir: str | None = None) -> dict:
     return configs
 
 
+def trace_configurations(args) -> dict:
+    """name -> speculative_config of the random-token trace and of vLLM's runs: off, n-gram at the first
+    --ngram-k, suffix at the first --suffix-k."""
+    k, ks = args.ngram_k[0], args.suffix_k[0]
+    return {"off": None, f"ngram_k{k}": ngram_config(k, args), f"suffix_k{ks}": suffix_config(ks)}
+
+
 def concurrency_levels(asked: list[int], num_prompts: int) -> list[int]:
     """The concurrencies run: 1 always (one at a time), none above the prompts there are."""
     return sorted({1, *(min(c, num_prompts) for c in asked)})
@@ -105,8 +112,8 @@ def timed(llm: LLM, groups: list[list[int]], prompts: list, params: list) -> dic
 
 
 def run_configs(configs: dict, run_one) -> dict:
-    """name -> {"label", figures...} for each configuration (label, speculative_config): run_one(name, spec);
-    one failing is a result (its error), the others still run."""
+    """name -> {"label", figures...} for each configuration (label, speculative_config): run_one(name, spec),
+    compared with off's; one failing is a result (its error), the others still run."""
     runs = {}
     for name, (label, spec) in configs.items():
         print(f"bench: spec workload, {label}", file=sys.stderr)
@@ -115,6 +122,7 @@ def run_configs(configs: dict, run_one) -> dict:
         except Exception as e:
             traceback.print_exc()
             runs[name] = {"label": label, "error": f"{type(e).__name__}: {e}"}
+    compare(runs)
     return runs
 
 
