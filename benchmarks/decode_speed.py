@@ -1,6 +1,4 @@
-"""Decode tokens/s of one request, the rule every engine's single-stream figure is timed by.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""Decode tokens/s of one request, the rule every engine's single-stream figure is timed by."""
 from __future__ import annotations
 
 import time

@@ -1,6 +1,4 @@
-"""bench.py --workload lora: many LoRA adapters mixed in one batch, against the base model alone.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""bench.py --workload lora: many LoRA adapters mixed in one batch, against the base model alone."""
 from __future__ import annotations
 
 import json

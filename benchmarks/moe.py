@@ -1,6 +1,4 @@
-"""bench.py --workload moe: a mixture of experts at a real model's shape, against what its active weights allow.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""bench.py --workload moe: a mixture of experts at a real model's shape, against what its active weights allow."""
 from __future__ import annotations
 
 import ctypes

@@ -1,7 +1,5 @@
 """--workload spec: speculative decoding where the answer repeats its input or earlier answers, and what
-it costs where it does not; and vLLM's CPU engine on the same prompts.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+it costs where it does not; and vLLM's CPU engine on the same prompts."""
 from __future__ import annotations
 
 import gc

@@ -1,9 +1,7 @@
 """The spec workload's runs of the agent-like prompts (benchmarks/spec_prompts.py): the tool call asked
 again and again, one request at a time in order on one engine per configuration (agent); and the same
 call under its JSON schema (TOOL_CALL_SCHEMA: fixed keys, two enums, a date pattern), no whitespace
-between tokens, greedy, ending where the grammar ends, one at a time and all the prompts at once (json).
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+between tokens, greedy, ending where the grammar ends, one at a time and all the prompts at once (json)."""
 from __future__ import annotations
 
 import contextlib
@@ -121,9 +119,8 @@ def run_json(args, model_dir: str, settings: dict, tokenizer) -> dict:
 
 
 def forced_vs_without(runs: dict, c: int) -> tuple:
-    """(forced drafts alone / no drafts at all, "forced") at concurrency c: what the grammar's drafts
-    give by themselves. n-gram and suffix with forced drafts are reported beside it, not counted here:
-    their own drafts would be credited to the grammar's."""
+    """(forced drafts alone / no drafts at all, "forced") at concurrency c: the grammar's drafts by
+    themselves (n-gram's or suffix's own drafts would be credited to them)."""
     tok_s = {name: r["concurrency"][str(c)]["output_tokens_per_s"] for name, r in runs.items()
              if "error" not in r and str(c) in r["concurrency"]}
     if "forced" not in tok_s or "off" not in tok_s:

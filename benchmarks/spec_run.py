@@ -1,7 +1,5 @@
 """The spec workloads' timed runs (benchmarks/spec.py, spec_agent.py): an engine per
-configuration and concurrency, the prompts in groups of that many, each run against speculation off's.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+configuration and concurrency, the prompts in groups of that many, each run against speculation off's."""
 from __future__ import annotations
 
 import gc
@@ -84,9 +82,8 @@ def run_levels(model_dir: str, settings: dict, spec: dict | None, prompts: list,
 
 
 def timed(llm: LLM, groups: list[list[int]], prompts: list, params: list) -> dict:
-    """The prompts in `groups` (one generate call each, in turn): wall time, output tokens/s, each
-    call's wall time, the time the proposers took, and speculation's counters. get_stats() counts
-    since reset_stats() (the extension's own counters run on)."""
+    """The prompts in `groups`, one generate call each: wall time, output tokens/s, each call's wall time,
+    the proposers' time and speculation's counters since reset_stats()."""
     token_ids, texts, reasons = [None] * len(prompts), [None] * len(prompts), [None] * len(prompts)
     call_s = []
     llm.reset_stats()
@@ -150,9 +147,8 @@ def versus_off(run: dict, off: dict, ids: list, off_ids: list) -> dict:
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
-    """The first output position where two outputs differ (or the shorter one's length). Greedy
-    speculation must not change the output; where it does, a late first difference in bfloat16 points
-    at a near-tie in the logits that the k + 1-row verify pass and the one-row decode broke apart."""
+    """The first position where two outputs differ (or the shorter one's length): a late one in bfloat16
+    points at a near-tie that the verify pass and the one-row decode broke apart."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -167,9 +163,7 @@ def drop_outputs(runs: dict) -> None:
 # ==== what this engine's speculation can do (it grows: read at run time) ======================
 
 def forced_drafts_switch() -> str | None:
-    """The speculative_config key that turns grammar-forced drafts (structured outputs) on and off,
-    where this engine has one; None where it has none (then a request with a grammar gets no drafts,
-    or forced ones it cannot turn off)."""
+    """The speculative_config key that turns grammar-forced drafts on and off, None where there is none."""
     keys = [k for k in spec_config_module.KEYS if "forced" in k or "grammar" in k]
     return keys[0] if keys else None
 

@@ -1,6 +1,4 @@
-"""--workload structured: what a JSON schema costs per output token, and what compiling one costs.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""--workload structured: what a JSON schema costs per output token, and what compiling one costs."""
 from __future__ import annotations
 
 import json

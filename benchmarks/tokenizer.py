@@ -1,6 +1,4 @@
-"""A tiny byte-level BPE tokenizer, trained in-process in well under a second.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""A tiny byte-level BPE tokenizer, trained in-process in well under a second."""
 from __future__ import annotations
 
 import inspect

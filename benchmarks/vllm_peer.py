@@ -1,6 +1,4 @@
-"""vLLM's CPU engine on bench.py's trace, run in its own environment (scripts/setup_vllm_peer.sh).
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""vLLM's CPU engine on bench.py's trace, run in its own environment (scripts/setup_vllm_peer.sh)."""
 from __future__ import annotations
 
 import itertools
@@ -120,9 +118,8 @@ def counters_since(now: dict | None, before: dict | None) -> dict | None:
 
 
 def single_stream(generate, prompt: list[int], n: int) -> float:
-    """Decode tokens/s of one request (benchmarks/decode_speed.py). Prefix caching is on, so each
-    call's prompt starts with a token of its own: none reuses the cache another call left, and
-    each computes the whole prompt, as nanopaged's single-stream run does with caching off."""
+    """Decode tokens/s of one request; each call's prompt starts with a token of its own, so none reuses
+    the prefix cache another left (nanopaged's runs with caching off)."""
     first = itertools.count(100)
 
     def one(tokens: int) -> None:

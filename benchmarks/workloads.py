@@ -13,12 +13,8 @@ from nanopaged import LLM, BeamSearchParams, SamplingParams
 
 
 def run_shared_prefix(args, model_dir: str, settings: dict) -> dict:
-    """The same shared-prefix trace with prefix caching on and off, in one process.
-
-    Every request is one system prompt of --prefix-len tokens plus its own question. The
-    'shared fraction' is the share of all prompt tokens that repeat an earlier request's
-    system prompt, (n - 1) x prefix / total: what a perfect cache never computes again.
-    """
+    """One system prompt of --prefix-len tokens + a question per request, prefix caching on and off;
+    the shared fraction, (n - 1) x prefix / total, is what a perfect cache never computes again."""
     vocab = vocab_limit(model_dir)
     rng = random.Random(args.seed)
     system = random_ids(rng, args.prefix_len, vocab)
@@ -62,12 +58,8 @@ PAPER_SAVINGS = {("parallel", "alpaca-like"): "6.1-9.8%", ("parallel", "sharegpt
 
 
 def run_sharing(args, model_dir: str, settings: dict) -> dict:
-    """KV blocks saved by sharing: n samples forked from one prompt, and beams that fork.
-
-    Saving = 1 - blocks in use / blocks the same block tables would hold unshared, averaged
-    over the run's steps (get_stats()["kv_sharing_saving"]); prefix caching is off so only
-    sharing inside a request counts (the paper's Fig. 15 measure).
-    """
+    """KV blocks saved by n samples and beams that fork (get_stats()["kv_sharing_saving"], the paper's
+    Fig. 15 measure); prefix caching is off, so only sharing inside a request counts."""
     vocab = vocab_limit(model_dir)
     result = {"settings": {"model": model_dir, "num_prompts": args.num_requests, "seed": args.seed,
                            "traces": {k: {"input_len": list(i), "output_len": list(o)}
@@ -110,17 +102,8 @@ def decode_step_times(times: list[float]):
 
 
 def run_cascade(args, model_dir: str, settings: dict) -> dict:
-    """Decode steps with shared prefixes read once (disable_cascade_attn=False, the default) and
-    without (True), in one process, on two workloads whose rows share their first blocks:
-
-        system prompt  --num-requests requests = one --prefix-len system prompt + a question of their
-                       own (prefix caching on: every table begins with the prompt's cached blocks)
-        n = 8 samples  --num-requests / 8 prompts of --prefix-len tokens, 8 samples each (forked tables)
-
-    and, for scale, the system-prompt requests with prefix caching off: each reads its own copy of the
-    prompt. Each engine runs each workload CASCADE_ROUNDS times, in turn; a figure is the best round's
-    mean decode step (model and sampler), and every engine's tokens are compared with the first's.
-    """
+    """Decode steps with shared prefixes read once (the default) and not, on a system prompt + questions
+    and on n = 8 samples, and the system prompt with its own copies (docs/07_benchmarks.md)."""
     vocab = vocab_limit(model_dir)
     rng = random.Random(args.seed)
     system = random_ids(rng, args.prefix_len, vocab)
