@@ -114,7 +114,7 @@ def start_transformers(model: str, device: str = "cpu", dtype: str = "float32",
     cmd = [exe, "serve", model, "--continuous-batching", "--device", device, "--dtype", dtype,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     server = spawn("transformers", cmd, f"http://127.0.0.1:{port}", model)
-    return wait_ready(server, lambda: healthy(server.base_url), timeout_s)
+    return wait_ready(server, lambda: get(server.base_url + "/health", 2) is not None, timeout_s)
 
 
 def start_vllm(python: Path, model: str, settings: dict, timeout_s: float = VLLM_START_TIMEOUT_S) -> ServerProcess:
@@ -130,8 +130,8 @@ def start_vllm(python: Path, model: str, settings: dict, timeout_s: float = VLLM
     # engine's internal sockets on loopback (it takes the host's address otherwise).
     env = {"VLLM_CPU_KVCACHE_SPACE": str(settings["kv_cache_gib"]), "VLLM_HOST_IP": "127.0.0.1"}
     server = spawn("vllm", cmd, f"http://127.0.0.1:{port}", model, env, {"settings": settings})
-    wait_ready(server, lambda: healthy(server.base_url), timeout_s)
-    server.about["version"] = vllm_version(server.base_url)
+    wait_ready(server, lambda: get(server.base_url + "/health", 2) is not None, timeout_s)
+    server.about["version"] = json.loads(get(server.base_url + "/version") or "{}").get("version")
     # Which cores its model runs on: on a small host vLLM keeps one for its front end by default.
     server.about["cpu_binding"] = re.findall(r"core ids=\[[^\]]*\]|reserved_cpus=\[[^\]]*\]",
                                              server.log.read_text(errors="replace"))
@@ -165,20 +165,13 @@ def flag_value(flags: list[str], name: str, default):
     return value
 
 
-def vllm_version(base_url: str) -> str | None:
+def get(url: str, timeout_s: float = 5) -> str | None:
+    """The text a server answers a GET with (status 200), None where it does not."""
     try:
-        with urllib.request.urlopen(base_url + "/version", timeout=5) as r:
-            return json.loads(r.read()).get("version")
-    except (OSError, ValueError):
-        return None
-
-
-def healthy(base_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=2) as r:
-            return r.status == 200
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.read().decode() if r.status == 200 else None
     except OSError:
-        return False
+        return None
 
 
 def spawn(name: str, cmd: list[str], base_url: str, model_name: str, env: dict | None = None,
@@ -421,11 +414,8 @@ def bench_server(server: ServerProcess, workloads: dict, seed: int) -> tuple[dic
 
 def prefix_counts(base_url: str) -> tuple[float, float] | None:
     """nanopaged's prefix-cache (hits, queries) so far, from /metrics; None from another server."""
-    try:
-        text = urllib.request.urlopen(base_url + "/metrics", timeout=10).read().decode()
-    except OSError:
-        return None
-    found = dict(re.findall(r"^nanopaged:prefix_cache_(hits|queries)_total (\S+)$", text, re.MULTILINE))
+    metrics = get(base_url + "/metrics", 10) or ""
+    found = dict(re.findall(r"^nanopaged:prefix_cache_(hits|queries)_total (\S+)$", metrics, re.MULTILINE))
     return (float(found["hits"]), float(found["queries"])) if len(found) == 2 else None
 
 
