@@ -13,7 +13,7 @@ from benchmarks.models import vocab_limit
 from benchmarks.nanopaged_run import greedy, resolved_settings, timed_generate, token_prompts, warm_up
 from benchmarks.peers import run_vllm_side, vllm_job
 from benchmarks.roofline import copy_bytes_per_s, read_bytes_per_s
-from benchmarks.trace import make_trace
+from benchmarks.trace import make_trace, trace_settings
 from nanopaged import LLM
 
 KV_BLOCKS = 1024          # of 16 tokens: the default trace's 32 requests of up to 192 tokens, with room
@@ -47,8 +47,7 @@ def run_moe(args, model_dir: str, settings: dict) -> dict:
     ours = {"load_s": load, **trace_figures, "decode_tokens_per_s": one_at_a_time(llm, trace)}
     floor_bytes, read, copy = active_bytes(llm), read_bytes_per_s(2**30), copy_bytes_per_s(2**30)
     floor = read / floor_bytes
-    out = {"settings": {"model": model_dir, "random_weights": args.random_weights, "num_requests": args.num_requests,
-                        "input_len": list(args.input_len), "output_len": list(args.output_len), "seed": args.seed,
+    out = {"settings": {"model": model_dir, "random_weights": args.random_weights, **trace_settings(args),
                         "threads": torch.get_num_threads(), **settings},
            "engine": {**ours, "stats": {k: stats[k] for k in ("cpu_linear", "cpu_kernels", "batch_invariant")},
                       "quantization": stats.get("quantization"), "expert_load": llm.get_stats()["moe"]["max_over_mean"]},

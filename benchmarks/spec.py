@@ -19,7 +19,7 @@ from benchmarks.spec_agent import run_agent, run_json
 from benchmarks.spec_prompts import INSTRUCTIONS, MAX_TOKENS, MAX_TOKENS_SLACK, NUM_TYPOS, SpecPrompt, build_workload
 from benchmarks.spec_run import (DRAFT_POLICY, concurrency_levels, configurations, drop_outputs, run_configs,
                                  run_levels, trace_configurations, versus_off)
-from benchmarks.trace import make_trace
+from benchmarks.trace import make_trace, trace_settings
 from nanopaged import SamplingParams
 from nanopaged.engine.input_processor import load_tokenizer
 from nanopaged.models.config import ModelConfig
@@ -104,9 +104,8 @@ def run_trace(args, model_dir: str, settings: dict) -> dict:
     """The throughput workload's random-token trace under trace_configurations."""
     trace = make_trace(args.num_requests, args.input_len, args.output_len, args.seed, vocab_limit(model_dir))
     configs = trace_configurations(args)
-    result = {"settings": {"num_requests": args.num_requests, "input_len": list(args.input_len),
-                           "output_len": list(args.output_len), "seed": args.seed, "sampling": "greedy, ignore_eos",
-                           "ngram_k": args.ngram_k[0], "suffix_k": args.suffix_k[0]}}
+    result = {"settings": {**trace_settings(args), "sampling": "greedy, ignore_eos", "ngram_k": args.ngram_k[0],
+                           "suffix_k": args.suffix_k[0]}}
     ids = {}
     for name, spec in configs.items():
         try:
