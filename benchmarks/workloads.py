@@ -2,12 +2,14 @@
 and the KV blocks saved by sharing inside a request (n > 1 samples, beam search)."""
 from __future__ import annotations
 
+import json
 import random
 import time
 
 from benchmarks.hooks import observing
 from benchmarks.models import vocab_limit
 from benchmarks.nanopaged_run import timed_generate, token_prompts, warm_up
+from benchmarks.quality import DATA
 from benchmarks.trace import make_trace, random_ids
 from nanopaged import LLM, BeamSearchParams, SamplingParams
 
@@ -49,12 +51,8 @@ def run_shared_prefix(args, model_dir: str, settings: dict) -> dict:
     return result
 
 
-# Parallel sampling and beam search traces, shaped like the paper's (section 6.3): Alpaca has
-# short prompts and outputs (means 19 / 58 tokens), ShareGPT long ones (161 / 338). Scaled
-# down so a CPU run takes minutes; the saving depends on the lengths, not on the model.
-SHARING_TRACES = {"alpaca-like": ((8, 32), (32, 96)), "sharegpt-like": ((96, 256), (96, 256))}
-PAPER_SAVINGS = {("parallel", "alpaca-like"): "6.1-9.8%", ("parallel", "sharegpt-like"): "16.2-30.5%",
-                 ("beam", "alpaca-like"): "37.6-55.2%", ("beam", "sharegpt-like"): "44.3-66.3%"}
+# The sharing traces, shaped like the paper's, and the savings it reports: benchmarks/data/sharing.json.
+SHARING = json.loads((DATA / "sharing.json").read_text())
 
 
 def run_sharing(args, model_dir: str, settings: dict) -> dict:
@@ -62,11 +60,9 @@ def run_sharing(args, model_dir: str, settings: dict) -> dict:
     Fig. 15 measure); prefix caching is off, so only sharing inside a request counts."""
     vocab = vocab_limit(model_dir)
     result = {"settings": {"model": model_dir, "num_prompts": args.num_requests, "seed": args.seed,
-                           "traces": {k: {"input_len": list(i), "output_len": list(o)}
-                                      for k, (i, o) in SHARING_TRACES.items()}},
-              "rows": []}
-    for trace_name, (in_len, out_len) in SHARING_TRACES.items():
-        trace = make_trace(args.num_requests, in_len, out_len, args.seed, vocab)
+                           "traces": SHARING["traces"]}, "rows": []}
+    for trace_name, lengths in SHARING["traces"].items():
+        trace = make_trace(args.num_requests, lengths["input_len"], lengths["output_len"], args.seed, vocab)
         prompts = [{"prompt_token_ids": p} for p in trace.prompts]
         for kind, width in [("parallel", w) for w in (2, 4, 6)] + [("beam", w) for w in (2, 4, 6)]:
             llm = LLM(model_dir, **{"enable_prefix_caching": False, **settings})
@@ -85,7 +81,7 @@ def run_sharing(args, model_dir: str, settings: dict) -> dict:
                                    "mean_blocks_used": stats["mean_kv_blocks_used"],
                                    "peak_blocks_used": stats["peak_kv_blocks_used"],
                                    "wall_s": time.perf_counter() - start,
-                                   "paper": PAPER_SAVINGS[(kind, trace_name)]})
+                                   "paper": SHARING["paper_savings"][kind][trace_name]})
     return result
 
 
