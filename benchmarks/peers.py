@@ -229,9 +229,10 @@ def run_llamacpp(model_dir: str, trace: Trace, config: EngineConfig, python: Pat
     and the perplexity of `perplexity_ids` when given."""
     from nanopaged.models.demo_model import find_gguf
     gguf = find_gguf(model_dir)        # a ValueError (the row says it) for a folder with no GGUF
-    longest = max(len(p) + n for p, n in zip(trace.prompts, trace.output_lens))
+    longest = max(len(p) + n for p, n in [*zip(trace.prompts, trace.output_lens),
+                                          (single_stream["prompt"], single_stream["output_tokens"])])
     job = {"gguf": gguf, "threads": torch.get_num_threads(), "eos": config.model_config.eos_token_ids[0],
-           "n_ctx": max(longest, len(perplexity_ids or []), len(single_stream["prompt"]) + single_stream["output_tokens"]) + 8,
+           "n_ctx": max(longest, len(perplexity_ids or [])) + 8,
            "prompts": trace.prompts, "output_lens": trace.output_lens, "single_stream": single_stream,
            "perplexity_ids": perplexity_ids}
     out = run_side(python, llamacpp_peer, job)

@@ -30,7 +30,8 @@ def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype:
             "flops_share": {k: v / sum(flops.values()) for k, v in flops.items()},
             "roofline_tokens_per_s": peak / per_token,
             "fraction": (tokens / run.wall_s) / (peak / per_token),
-            "floor": floor_figures(m, run, peak, dtype, stats, own_matmul_seconds(m, rows, device, dtype, linear=linear))}
+            "floor": floor_figures(m, run, peak, dtype, stats,
+                                   own_matmul_seconds(m, rows, device, dtype, linear=linear))}
 
 
 def kernel_peak_flops(m: ModelConfig, device: str, dtype: torch.dtype, linear: str = "reference",
@@ -92,7 +93,7 @@ def by_kind(steps: list[tuple[str, float, float, bool, float | None]]) -> dict:
 
 
 def step_kind(s: StepTiming) -> str:
-    """"prompt chunk" for a step with more tokens than rows, else the first of DECODE_KINDS whose limit holds its rows."""
+    """"prompt chunk" for a step with more tokens than rows, else the first DECODE_KINDS that holds its rows."""
     if s.num_tokens > s.num_rows:
         return "prompt chunk"
     return next(name for name, most in DECODE_KINDS if s.num_rows <= most)
@@ -178,7 +179,8 @@ def own_matmul_seconds(m: ModelConfig, row_counts: list[int], device: str, dtype
                        tries: int = 3, linear: str = "reference") -> dict[int, float]:
     """Best time of one pass of a decode step's own matmuls at each row count, every weight its own tensor
     streamed from memory, in the engine's cpu_linear `linear` (docs/07_benchmarks.md)."""
-    q, kv, h, i = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.hidden_size, m.intermediate_size
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    h, i = m.hidden_size, m.intermediate_size
     shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * m.num_hidden_layers + [(m.vocab_size, h)]
     wrap = KERNELS.get(linear, lambda layer: layer)
     layers = [wrap(torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)) for n, k in shapes]
