@@ -43,11 +43,7 @@ def run_moe(args, model_dir: str, settings: dict) -> dict:
     warm_up(llm)
     llm.reset_stats()
     trace_figures, _ = timed_generate(llm, token_prompts(trace.prompts), [greedy(n) for n in trace.output_lens])
-
-    def generate(prompts: list, lens: list) -> None:
-        llm.generate(token_prompts(prompts), [greedy(n) for n in lens], use_tqdm=False)
-    one = uncached_decode_tokens_per_s(generate, trace.prompts[0], max(2, max(trace.output_lens)))
-    ours = {"load_s": load, **trace_figures, "decode_tokens_per_s": one}
+    ours = {"load_s": load, **trace_figures, "decode_tokens_per_s": one_at_a_time(llm, trace)}
     floor_bytes, read, copy = active_bytes(llm), read_bytes_per_s(2**30), copy_bytes_per_s(2**30)
     floor = read / floor_bytes
     out = {"settings": {"model": model_dir, "random_weights": args.random_weights, **trace_settings(args),
@@ -76,6 +72,13 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):       # not glibc: nothing to ask
         pass
+
+
+def one_at_a_time(llm: LLM, trace) -> float:
+    """Decode tokens/s of the trace's first prompt alone, with the prefix cache on (uncached_decode_tokens_per_s)."""
+    def generate(prompts: list, lens: list) -> None:
+        llm.generate(token_prompts(prompts), [greedy(n) for n in lens], use_tqdm=False)
+    return uncached_decode_tokens_per_s(generate, trace.prompts[0], max(2, max(trace.output_lens)))
 
 
 def run_vllm_moe(args, model_dir: str, config, resolved: dict, trace) -> dict:
