@@ -466,7 +466,7 @@ def print_serve(result: dict) -> None:
                                           p50_p99(f, "ttft", ".0f"), p50_p99(f, "tpot", ".1f"),
                                           p50_p99(f, "itl", ".1f"), f.get("prefix_hit_rate")]
                 if f["failed"]:
-                    rows[f"  {f['failed']} failed"] = str(f["errors"])
+                    rows[f"  {f['failed']} of {name}'s failed:"] = str(f["errors"])
         table(("server rate", 27), [("done", 6, ""), ("req/s", 7, ".2f"), ("out tok/s", 10, ".1f"),
                                     ("TTFT p50/p99 ms", 17, ""), ("TPOT p50/p99 ms", 17, ""),
                                     ("ITL p50/p99 ms", 16, ""), ("hits", 6, ".0%")], rows)
