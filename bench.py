@@ -45,7 +45,7 @@ from benchmarks.roofline import kernel_peak_flops, roofline_figures
 from benchmarks.single_stream import single_stream_figures, single_stream_length
 from benchmarks.spec import WORKLOADS as SPEC_WORKLOADS, run_spec
 from benchmarks.structured import run_structured
-from benchmarks.trace import make_trace
+from benchmarks.trace import make_trace, trace_settings
 from benchmarks.workloads import run_cascade, run_shared_prefix, run_sharing
 from nanopaged import EngineConfig
 from nanopaged.config import CPU_LINEARS, QUANTIZATIONS
@@ -291,9 +291,8 @@ def throughput(args, model_dir: str, settings: dict) -> tuple[dict, list]:
         "single_stream": single_stream_figures(model_dir, trace, settings, config, peers),
         "machine": machine_info(device),
         "versions": versions(),
-        "settings": {"model": model_dir, "num_requests": args.num_requests,
-                     "input_len": list(args.input_len), "output_len": list(args.output_len),
-                     "seed": args.seed, "peers": args.peers, "hf_batch_sizes": args.hf_batch_sizes,
+        "settings": {"model": model_dir, **trace_settings(args), "peers": args.peers,
+                     "hf_batch_sizes": args.hf_batch_sizes,
                      "noise": args.noise,
                      "threads": torch.get_num_threads(),
                      "random_weights": args.random_weights, "dtype": config.dtype,

@@ -1,7 +1,5 @@
 """CTranslate2 (OpenNMT's inference engine) on bench.py's trace, run in its own environment
-(scripts/setup_ctranslate2_peer.sh).
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+(scripts/setup_ctranslate2_peer.sh)."""
 from __future__ import annotations
 
 import hashlib
@@ -96,9 +94,8 @@ def vocabulary(folder: Path) -> list[str]:
 
 
 def converted(model_dir: str, cache: Path, compute_type: str, ctranslate2) -> Path:
-    """The model folder converted for `compute_type`, made once: written into a temporary folder beside
-    the cached one and renamed, so a half-written conversion is never loaded. The name carries a stamp
-    of the source folder, its weights and the CTranslate2 version."""
+    """The model folder converted for `compute_type`, made once (into a temporary folder, then renamed),
+    named after the source folder, its weights and the CTranslate2 version."""
     src = Path(model_dir).resolve()
     weights = sorted(src.glob("*.safetensors"))
     stamp = hashlib.sha256(repr([str(src), ctranslate2.__version__] + [

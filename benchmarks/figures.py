@@ -2,50 +2,25 @@
 the targets nanopaged is held to, and the published figures shown beside (never in a ratio)."""
 from __future__ import annotations
 
+import json
+
+from benchmarks.quality import DATA
 from benchmarks.trace import Run
 
-# Published, not measured here: nano-vllm's README (RTX 4070 Laptop, Qwen3-0.6B, 256
-# requests, lengths 100..1024). Shown apart from measured figures, never in a ratio.
-PUBLISHED = {
-    "source": "nano-vllm README (GeeeekExplorer/nano-vllm)",
-    "setup": "RTX 4070 Laptop GPU, Qwen3-0.6B, 256 requests, input/output 100-1024",
-    "output_tokens_per_s": {"vllm": 1361.84, "nano-vllm": 1434.13},
-}
-
-# What the issues ask nanopaged to reach; reported, met or not. Issue 23 (the CPU's matrix units):
-# on the default trace 2x vLLM's CPU engine and 3x the hf peer at its fastest batch size, in the
-# same dtype; 60% of the trace floor; decode steps at most 1.3x their own (packed) matmuls at the
-# same row count, i.e. the matmuls at least 1/1.3 of the step; one request at a time at least
-# vLLM's and Hugging Face generate's decode speed. Kept from issue 12: the KV utilization, the
-# scheduler's share, half the quiet output tokens/s beside a busy core (--noise only).
-TARGETS = {"speedup_vs_vllm": 2.0, "speedup_vs_hf": 3.0, "floor_fraction": 0.6,
-           "decode_vs_own_matmuls": 1 / 1.3, "single_stream_vs_hf": 1.0, "single_stream_vs_vllm": 1.0,
-           "kv_utilization_paged": 0.9, "schedule_share": 0.05, "kept_beside_a_busy_core": 0.5,
-           # issue 28 (quantization="gguf", the demo model as shipped): one request at a time 1.2x
-           # llama.cpp on the same file; perplexity within 0.5% of the dequantized float32 weights and
-           # of llama.cpp's
-           "single_stream_vs_llamacpp": 1.2, "perplexity_vs_float32": 0.005, "perplexity_vs_llamacpp": 0.005,
-           # and the trace with quantization no slower than without it, in the same run
-           "quantized_vs_dense": 1.0,
-           # issue 36: batch invariance (the default) at most 5% slower than without it, on the trace and
-           # one request at a time, in the same run
-           "batch_invariance_cost": 0.95, "batch_invariance_single_stream": 0.95}
-LOWER_IS_BETTER = {"schedule_share", "perplexity_vs_float32", "perplexity_vs_llamacpp"}
-# Issue 23's vLLM target on its other two traces: the long one, and Qwen3-0.6B's shape
-LONG_TRACE = {"num_requests": 256, "input_len": [64, 512], "output_len": [64, 512]}
-
-
-# Issue 40, on this project's 2-core CPU host: all at once (the inf rate), at least 1.5x vLLM's
-# output tokens/s; at the lowest measured rate where vLLM's p99 TTFT passes 2 s, nanopaged's below 1 s.
-SERVE_TARGETS = {"saturated_vs_vllm": 1.5, "vllm_ttft_p99_ms": 2000.0, "ttft_p99_ms": 1000.0}
+# The targets and the published figures are data (benchmarks/data/targets.json): name -> {"at_least" or
+# "at_most": the goal, "issue": where it was set}.
+TARGET_DATA = json.loads((DATA / "targets.json").read_text())
+PUBLISHED = TARGET_DATA["published"]
+TARGETS = {name: t.get("at_least", t.get("at_most")) for name, t in TARGET_DATA["throughput"].items()}
+LOWER_IS_BETTER = {name for name, t in TARGET_DATA["throughput"].items() if "at_most" in t}
+SERVE_TARGETS = TARGET_DATA["serve"]
 
 
 def vllm_target(settings: dict) -> float:
     """The speedup over vLLM's CPU engine issue 23 asks for on this run's trace."""
-    if settings.get("random_weights") == "qwen3-0.6b":
-        return 1.2
-    if all(settings.get(k) == v for k, v in LONG_TRACE.items()):
-        return 1.5
+    for trace in TARGET_DATA["speedup_vs_vllm_by_trace"]:
+        if all(settings.get(k) == v for k, v in trace["settings"].items()):
+            return trace["at_least"]
     return TARGETS["speedup_vs_vllm"]
 
 
@@ -86,9 +61,7 @@ def target_figures(result: dict) -> dict:
     goals = {**TARGETS, "speedup_vs_vllm": vllm_target(result["settings"])}
     out = {}
     for name, goal in goals.items():
-        value = got[name]
-        lower_is_better = name in LOWER_IS_BETTER
+        value, lower_is_better = got[name], name in LOWER_IS_BETTER
         met = None if value is None else (value <= goal if lower_is_better else value >= goal)
-        out[name] = {"value": value, "target": goal, "met": met,
-                     "lower_is_better": lower_is_better}
+        out[name] = {"value": value, "target": goal, "met": met, "lower_is_better": lower_is_better}
     return out

@@ -1,6 +1,4 @@
-"""llama.cpp on bench.py's trace and prompts, run in its own environment (scripts/setup_llamacpp_peer.sh).
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""llama.cpp on bench.py's trace and prompts, run in its own environment (scripts/setup_llamacpp_peer.sh)."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,4 @@
-"""bench.py --workload lora: many LoRA adapters mixed in one batch, against the base model alone.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""bench.py --workload lora: many LoRA adapters mixed in one batch, against the base model alone."""
 from __future__ import annotations
 
 import json
@@ -13,7 +11,7 @@ from safetensors.torch import save_file
 from benchmarks.models import vocab_limit
 from benchmarks.nanopaged_run import greedy, resolved_settings, timed_generate, token_prompts, warm_up
 from benchmarks.peers import run_vllm_side, vllm_job
-from benchmarks.trace import make_trace
+from benchmarks.trace import make_trace, trace_settings
 from nanopaged import LLM, EngineConfig, LoRARequest
 from nanopaged.lora.adapter import projection_shapes
 
@@ -71,9 +69,8 @@ def run_lora(args, model_dir: str, settings: dict) -> dict:
         for name in engines:
             result[name]["of_base"] = result[name]["output_tokens_per_s"] / base
         tokens = {name: runs[name][0]["token_ids"] for name in engines}
-        out = {"settings": {"model": model_dir, "num_requests": args.num_requests, "input_len": list(args.input_len),
-                            "output_len": list(args.output_len), "seed": args.seed, "rank": RANK,
-                            "projections": list(PROJECTIONS), "threads": torch.get_num_threads(), **settings},
+        out = {"settings": {"model": model_dir, **trace_settings(args), "rank": RANK, "projections": list(PROJECTIONS),
+                            "threads": torch.get_num_threads(), **settings},
                "runs": {name: {k: v for k, v in r.items() if k != "token_ids"} for name, r in result.items()},
                "adapters_change_tokens": sum(a != b for a, b in zip(tokens["4 adapters"], tokens["base"]))}
         if "vllm" in args.peers:

@@ -19,14 +19,8 @@ class KVSample(NamedTuple):
 
 
 def kv_sample(t: float, held_by: list, config) -> KVSample:
-    """One step's KV figures for the requests that held blocks during it.
-
-    After the step's update a request's num_computed_tokens counts this step's tokens and,
-    allocation being on demand, it held exactly cdiv(num_computed_tokens, block_size) blocks
-    (the same figures nanopaged/engine/stats.py: EngineStats takes). A reservation allocator
-    would have held, for the same requests, max_model_len slots each, or prompt + max_tokens
-    slots each.
-    """
+    """One step's KV figures for the requests that held blocks during it: on demand, each held
+    cdiv(num_computed_tokens, block_size) blocks (docs/07_benchmarks.md, "KV utilization")."""
     bs = config.block_size
     stored = sum(r.num_computed_tokens for r in held_by)
     paged = sum(cdiv(r.num_computed_tokens, bs) for r in held_by) * bs
@@ -63,11 +57,8 @@ def memory_figures(stats: dict, samples: list, trace: Trace, max_model_len: int,
 
 
 def hf_static_kv_utilization(trace: Trace, batches) -> float:
-    """Real tokens / slots of HF's padded cache, summed over its decode steps (a model of the trace).
-
-    At decode step t a batch's cache is batch x (longest prompt + t) slots; request i stores
-    min(p_i + t, p_i + o_i) real tokens (after it is done, its row is waste).
-    """
+    """Real tokens / slots of HF's padded cache over its decode steps: at step t a batch holds
+    batch x (longest prompt + t) slots, request i fills min(p_i + t, p_i + o_i) of them."""
     stored = held = 0
     for b in batches:
         longest, steps = max(len(trace.prompts[i]) for i in b), max(trace.output_lens[i] for i in b)

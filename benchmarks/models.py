@@ -81,12 +81,8 @@ def resolve_model(args) -> str:
 
 
 def build_random_model(name: str) -> Path:
-    """A Hugging Face folder with `name`'s shape and random weights, made once and cached.
-
-    The tokenizer is trained in-process (benchmarks/tokenizer.py, a few thousand tokens), so a bare
-    GPU machine needs neither the demo model nor a download; the model's own vocabulary
-    (Qwen3: 151936) is kept for its true cost, and make_trace draws ids below the tokenizer's.
-    """
+    """A Hugging Face folder with `name`'s shape and random weights, made once and cached; its tokenizer
+    is trained in-process (no download), the model keeps its own vocabulary for its true cost."""
     folder = cache_dir() / "bench" / f"{name}-random-v2"   # v2: its own tokenizer
     if name not in RANDOM_CONFIGS:                         # a mixture of experts, written layer by layer
         return write_once(folder, f"random weights for {name}", lambda tmp: write_random_moe(name, tmp))
@@ -126,11 +122,8 @@ LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def build_draft_model(model_dir: str, num_layers: int) -> Path:
-    """The target's first `num_layers` decoder layers as a model of its own, made once and cached:
-    the same config with num_hidden_layers = num_layers, the embedding, those layers, the final norm
-    and the lm_head (none where tie_word_embeddings: the embedding is the head), as safetensors, with
-    the tokenizer files copied. The folder's name carries a stamp of the target's weights. It shares the
-    target's vocabulary by construction; its drafts are only as good as the target's early layers."""
+    """The target's embedding, first `num_layers` decoder layers, final norm and lm_head (unless tied) as
+    a model of its own with the target's tokenizer, made once and cached under a stamp of its weights."""
     src = Path(model_dir).resolve()
     config = json.loads((src / "config.json").read_text())
     total = config["num_hidden_layers"]

@@ -1,21 +1,18 @@
-"""bench.py --workload moe: a mixture of experts at a real model's shape, against what its active weights allow.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""bench.py --workload moe: a mixture of experts at a real model's shape, against what its active weights allow."""
 from __future__ import annotations
 
 import ctypes
 import gc
-import itertools
 import time
 
 import torch
 
-from benchmarks.decode_speed import decode_tokens_per_s
+from benchmarks.decode_speed import uncached_decode_tokens_per_s
 from benchmarks.models import vocab_limit
 from benchmarks.nanopaged_run import greedy, resolved_settings, timed_generate, token_prompts, warm_up
 from benchmarks.peers import run_vllm_side, vllm_job
 from benchmarks.roofline import copy_bytes_per_s, read_bytes_per_s
-from benchmarks.trace import make_trace
+from benchmarks.trace import make_trace, trace_settings
 from nanopaged import LLM
 
 KV_BLOCKS = 1024          # of 16 tokens: the default trace's 32 requests of up to 192 tokens, with room
@@ -49,11 +46,11 @@ def run_moe(args, model_dir: str, settings: dict) -> dict:
     ours = {"load_s": load, **trace_figures, "decode_tokens_per_s": one_at_a_time(llm, trace)}
     floor_bytes, read, copy = active_bytes(llm), read_bytes_per_s(2**30), copy_bytes_per_s(2**30)
     floor = read / floor_bytes
-    out = {"settings": {"model": model_dir, "random_weights": args.random_weights, "num_requests": args.num_requests,
-                        "input_len": list(args.input_len), "output_len": list(args.output_len), "seed": args.seed,
+    out = {"settings": {"model": model_dir, "random_weights": args.random_weights, **trace_settings(args),
                         "threads": torch.get_num_threads(), **settings},
            "engine": {**ours, "stats": {k: stats[k] for k in ("cpu_linear", "cpu_kernels", "batch_invariant")},
-                      "quantization": stats.get("quantization"), "expert_load": llm.get_stats()["moe"]["max_over_mean"]},
+                      "quantization": stats.get("quantization"),
+                      "expert_load": llm.get_stats()["moe"]["max_over_mean"]},
            "floor": {"active_weight_bytes": floor_bytes, "read_bytes_per_s": read, "copy_bytes_per_s": copy,
                      "decode_tokens_per_s": floor,
                      "fraction": ours["decode_tokens_per_s"] / floor}}
@@ -78,13 +75,10 @@ def release_memory() -> None:
 
 
 def one_at_a_time(llm: LLM, trace) -> float:
-    """Decode tokens/s of the trace's first prompt alone; each call's prompt starts with a token of its own,
-    so none reuses the cache another left (vllm_peer.py's single_stream does the same)."""
-    first, prompt = itertools.count(100), trace.prompts[0]
-
-    def one(tokens: int) -> None:
-        llm.generate({"prompt_token_ids": [next(first)] + prompt[1:]}, greedy(tokens), use_tqdm=False)
-    return decode_tokens_per_s([one], max(2, max(trace.output_lens)))[0]
+    """Decode tokens/s of the trace's first prompt alone, with the prefix cache on (uncached_decode_tokens_per_s)."""
+    def generate(prompts: list, lens: list) -> None:
+        llm.generate(token_prompts(prompts), [greedy(n) for n in lens], use_tqdm=False)
+    return uncached_decode_tokens_per_s(generate, trace.prompts[0], max(2, max(trace.output_lens)))
 
 
 def run_vllm_moe(args, model_dir: str, config, resolved: dict, trace) -> dict:

@@ -15,13 +15,8 @@ from nanopaged.engine.llm_engine import StepRecord
 
 
 def run_nanopaged(model_dir: str, trace: Trace, settings: dict) -> tuple[Run, dict, list, EngineConfig]:
-    """Warm up, then step the engine through the trace and look at KV memory every step.
-
-    This is LLM.generate's own loop (validate all, queue all, step until done) without the
-    progress bar; a step observer sees which requests held blocks during each step. The
-    look costs O(running requests) per step; it is timed and stays inside wall_s.
-    Returns the run, get_stats(), the per-step KV samples and the engine's resolved config.
-    """
+    """LLM.generate's own loop through the trace after a warm-up, a step observer looking at KV memory
+    (timed, inside wall_s): the run, get_stats(), the per-step KV samples and the resolved config."""
     llm = LLM(model_dir, **settings)
     engine = llm.llm_engine
     warm_up(llm)
@@ -73,9 +68,8 @@ def resolved_settings(config: EngineConfig, stats: dict) -> dict:
 
 
 def alternating(model_dir: str, trace: Trace, settings: dict, first: Run, other: dict) -> tuple[list, list]:
-    """The out tok/s of the trace with `settings` (the first run, then one more) and with `other`
-    changed (two runs), in the same run, alternating (other, these, other after the first run).
-    Runs minutes apart differ by a few percent on a shared host, so one run of each would decide nothing."""
+    """Out tok/s of the trace with `settings` (`first`, then one more) and with `other` changed (two runs),
+    alternating: on a shared host runs minutes apart differ by a few percent."""
     these, others = [first.figures()["output_tokens_per_s"]], []
     for changed in (other, {}, other):
         run = run_nanopaged(model_dir, trace, {**settings, **changed})[0]
@@ -98,10 +92,8 @@ def kernels(settings: dict, model_dir: str) -> tuple:
 
 
 def batch_invariance_cost(model_dir: str, trace: Trace, settings: dict, first: Run) -> dict:
-    """Issue 36: what batch invariance costs. The same trace with batch_invariant=False, alternating,
-    best of two each, and one request at a time both ways. Where both choose the same kernels (a
-    CPU without AMX; quantized layers run their quantized weights either way) nothing differs and
-    nothing runs again."""
+    """Issue 36: the trace and one request at a time with batch_invariant=False, alternating; nothing runs
+    again where both choose the same kernels (a CPU without AMX, quantized layers)."""
     off_settings = {**settings, "batch_invariant": False}
     on, off = kernels(settings, model_dir), kernels(off_settings, model_dir)
     if not on[3]:

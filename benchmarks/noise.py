@@ -1,7 +1,6 @@
 """A busy neighbour: one process that keeps one core busy while the timed runs repeat
 (issue 12, target 3). CPU users run beside other work (laptops, CI runners, shared servers);
-an engine whose every op waits for all its threads stalls whenever one is descheduled.
-"""
+an engine whose every op waits for all its threads stalls whenever one is descheduled."""
 from __future__ import annotations
 
 import os

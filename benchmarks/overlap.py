@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from benchmarks.models import vocab_limit
 from benchmarks.nanopaged_run import greedy, timed_generate, token_prompts, warm_up
-from benchmarks.trace import make_trace
+from benchmarks.trace import make_trace, trace_settings
 from nanopaged import LLM
 
 OVERLAP_ROUNDS = 3
@@ -44,9 +44,8 @@ def run_overlap(args, model_dir: str, settings: dict) -> dict:
     llms = {mode: LLM(model_dir, **{**settings, "async_scheduling": mode == "on"}) for mode in ("off", "on")}
     for llm in llms.values():
         warm_up(llm)
-    result = {"settings": {"model": model_dir, "num_requests": args.num_requests, "input_len": list(args.input_len),
-                           "output_len": list(args.output_len), "overlap_requests": args.overlap_requests,
-                           "seed": args.seed, "rounds": OVERLAP_ROUNDS, **settings},
+    result = {"settings": {"model": model_dir, **trace_settings(args), "overlap_requests": args.overlap_requests,
+                           "rounds": OVERLAP_ROUNDS, **settings},
               "workloads": {}}
     for name, (prompts, params, one_at_a_time) in overlap_workloads(args, vocab_limit(model_dir)).items():
         best, tokens = {}, {}

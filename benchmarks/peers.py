@@ -29,13 +29,8 @@ SIDE = {"vllm": "vllm", "llama.cpp": "llamacpp", "ctranslate2": "ctranslate2"}
 
 def run_peer(name: str, model_dir: str, trace: Trace, args, settings: dict, config: EngineConfig,
              resolved: dict, single_stream: dict | None = None, perplexity_ids: list[int] | None = None) -> dict:
-    """One peer's figures, or why it did not run (the table says so instead of a number).
-
-    `settings` are the engine settings given on the command line, `config` and `resolved` what
-    nanopaged made of them: every peer follows those (dtype, block size, KV budget, batch limits).
-    `single_stream` ({"prompt", "output_tokens"}): vLLM and llama.cpp also time one request at a time;
-    `perplexity_ids`: llama.cpp also scores this text (benchmarks/quality.py).
-    """
+    """One peer's figures, or why it did not run; every peer follows what nanopaged resolved (`config`,
+    `resolved`). vLLM and llama.cpp also time `single_stream`, llama.cpp scores `perplexity_ids`."""
     python = side_python(args, name) if name in SIDE else None
     if name in SIDE and python is None:
         return {"skipped": not_set_up(name)}
@@ -80,12 +75,8 @@ def run_hf_sweep(model_dir: str, trace: Trace, config: EngineConfig, batch_sizes
 
 
 def run_hf_static(model, trace: Trace, batch_size: int) -> Run:
-    """The reservation-style baseline: static batches, left-padded to the longest prompt.
-
-    Each batch decodes until its longest request is done (min_new_tokens = max_new_tokens
-    bans EOS, as ignore_eos does); a request counts only the tokens it asked for, so the
-    rows a finished request keeps decoding are padded compute, measured as `padding_waste`.
-    """
+    """The reservation-style baseline: static batches, left-padded, each decoding until its longest
+    request is done; a request counts only the tokens it asked for (the rest is `padding_waste`)."""
     pad = model.generation_config.pad_token_id or 0
     batches = [range(i, min(i + batch_size, len(trace.prompts)))
                for i in range(0, len(trace.prompts), batch_size)]
@@ -116,12 +107,8 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad: int) 
 
 
 def run_hf_paged(model_dir: str, trace: Trace, config: EngineConfig, engine: dict) -> Run:
-    """transformers' own continuous batching over a paged KV cache (`generate_batch`'s engine).
-
-    We drive its manager directly rather than call `model.generate_batch`, because that takes
-    one max_new_tokens for all requests and the trace gives each its own. The KV cache gets
-    nanopaged's block size and block count, so both engines have the same KV budget.
-    """
+    """transformers' own continuous batching over a paged KV cache of nanopaged's blocks; its manager is
+    driven directly, since `generate_batch` takes one max_new_tokens for all requests."""
     from transformers import GenerationConfig
     from transformers.generation import ContinuousBatchingConfig
     model = load_hf(model_dir, config)
@@ -176,9 +163,8 @@ def not_set_up(peer: str) -> str:
 
 
 def run_side(python: Path, script, job: dict) -> dict:
-    """Run a peer's script (benchmarks/*_peer.py) in its own environment on `job`; its result.
-    It runs as a module of benchmarks/ (`python -m`), with the repository on its path and nothing
-    else of ours: it may import the modules of benchmarks/ that need only the standard library."""
+    """A peer's script (benchmarks/*_peer.py) run on `job` as a module (`python -m`) in its own
+    environment, the repository on its path: its result."""
     with tempfile.TemporaryDirectory() as tmp:
         path_in, path_out = Path(tmp) / "job.json", Path(tmp) / "result.json"
         path_in.write_text(json.dumps(job))
@@ -239,14 +225,14 @@ def run_vllm(model_dir: str, trace: Trace, config: EngineConfig, resolved: dict,
 
 def run_llamacpp(model_dir: str, trace: Trace, config: EngineConfig, python: Path, single_stream: dict,
                  perplexity_ids: list[int] | None = None) -> dict:
-    """llama.cpp on the model's own GGUF file (benchmarks/llamacpp_peer.py, in its own environment):
-    the trace one request at a time (it serves no batches), one request's decode speed, and the
-    perplexity of `perplexity_ids` when given."""
+    """llama.cpp on the model's own GGUF file: the trace one request at a time, one request's decode speed,
+    and the perplexity of `perplexity_ids` when given."""
     from nanopaged.models.demo_model import find_gguf
     gguf = find_gguf(model_dir)        # a ValueError (the row says it) for a folder with no GGUF
-    longest = max(len(p) + n for p, n in zip(trace.prompts, trace.output_lens))
+    longest = max(len(p) + n for p, n in [*zip(trace.prompts, trace.output_lens),
+                                          (single_stream["prompt"], single_stream["output_tokens"])])
     job = {"gguf": gguf, "threads": torch.get_num_threads(), "eos": config.model_config.eos_token_ids[0],
-           "n_ctx": max(longest, len(perplexity_ids or []), len(single_stream["prompt"]) + single_stream["output_tokens"]) + 8,
+           "n_ctx": max(longest, len(perplexity_ids or [])) + 8,
            "prompts": trace.prompts, "output_lens": trace.output_lens, "single_stream": single_stream,
            "perplexity_ids": perplexity_ids}
     out = run_side(python, llamacpp_peer, job)
@@ -259,9 +245,8 @@ def run_llamacpp(model_dir: str, trace: Trace, config: EngineConfig, python: Pat
 # ---- CTranslate2 --------------------------------------------------------------------------
 
 def run_ctranslate2(model_dir: str, trace: Trace, resolved: dict, python: Path, compute_types: list[str]) -> dict:
-    """CTranslate2's Generator on the same trace (benchmarks/ctranslate2_peer.py, in its own environment), at
-    each compute type asked ("auto": the best the CPU supports), in generate_batch calls of at most
-    nanopaged's max_num_seqs requests; its figures are those of the fastest (`sweep` keeps all)."""
+    """CTranslate2 on the trace at each compute type asked, in calls of at most max_num_seqs requests;
+    reported at the fastest (`sweep` keeps all)."""
     job = {"model": model_dir, "cache_dir": str(cache_dir() / "bench" / "ctranslate2"),
            "compute_types": [c.strip() for c in compute_types if c.strip()], "threads": torch.get_num_threads(),
            "max_batch_size": resolved["max_num_seqs"], "prompts": trace.prompts, "output_lens": trace.output_lens}

@@ -1,8 +1,6 @@
 """What quantized weights cost in quality: perplexity on a fixed English text written for the bench,
 benchmarks/data/english.txt (the spec workload's passages too) then english_more.txt: 3,332 tokens in
-the demo model's tokenizer.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+the demo model's tokenizer."""
 from __future__ import annotations
 
 import math

@@ -1,7 +1,4 @@
-"""The ray workload: one dataset through Ray Data replicas, against plain LLM.generate.
-
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""The ray workload: one dataset through Ray Data replicas, against plain LLM.generate."""
 from __future__ import annotations
 
 import argparse
@@ -30,9 +27,8 @@ from nanopaged.llm import model_folder
 # ---- a Ray node, as `ray start` makes one (the tests start theirs with it too) --------------------
 def ray_start(ip: str, log: Path, num_cpus: int, resources: dict | None = None,
               head_address: str | None = None) -> subprocess.Popen:
-    """One node: `ray start --block` on a loopback address of its own (127.0.0.2, 127.0.0.3, ...:
-    Ray turns 127.0.0.1 into the host's network address, and each node needs an address), its CPU
-    count and custom resources. --block keeps the node's processes in this one process group."""
+    """One node: `ray start --block` (its processes in one process group) on a loopback address of its
+    own (Ray turns 127.0.0.1 into the host's network address, and each node needs one)."""
     ray_cli = str(Path(sys.executable).with_name("ray"))
     ports = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
              "--runtime-env-agent-port"]       # each node its own: two nodes on one host would share the defaults
@@ -56,9 +52,8 @@ def wait_for(condition, timeout_s: float, what: str, logs=()) -> None:
 
 @contextmanager
 def ray_cluster(log_dir: Path, nodes: list[dict], timeout_s: float = 90):
-    """A cluster of `nodes` ({"num_cpus", "resources"} each), the first the head, each a `ray start`
-    process on 127.0.0.(2 + i); this process joins as the driver. Yields the head's address;
-    every node's processes are killed on the way out."""
+    """A cluster of `nodes` ({"num_cpus", "resources"}), the first the head, this process the driver;
+    yields the head's address and kills every node on the way out."""
     import ray          # the [ray] extra: only this workload needs it
     started = []
     try:

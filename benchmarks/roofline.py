@@ -18,10 +18,8 @@ DECODE_KINDS = (("1 row", 1), ("2-8 rows", 8), ("9-32 rows", 32), (">32 rows", f
 def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype: torch.dtype,
                      earlier_peaks: tuple[float, ...] = (), linear: str = "reference", stats: dict | None = None,
                      group_size: int = 32) -> dict:
-    """`earlier_peaks`: the same kernel timing taken earlier in the run. The ceiling is the highest of
-    them and the one taken now: a host that is busy at one moment only lowers the figure, and a lowered
-    ceiling would flatter the fraction. `stats`: the engine's get_stats(), whose quantization and
-    kv_cache_dtype set the kernel and the bytes the floor streams."""
+    """The ceiling is the highest of `earlier_peaks` and a timing now (a busy moment only lowers it);
+    `stats`' quantization and kv_cache_dtype set the kernel and the bytes the floor streams."""
     stats = stats or {}
     peak, kernel = kernel_peak_flops(m, device, dtype, linear, stats.get("quantization"), group_size)
     peak = max(peak, *earlier_peaks)
@@ -32,17 +30,15 @@ def roofline_figures(m: ModelConfig, trace: Trace, run: Run, device: str, dtype:
             "flops_share": {k: v / sum(flops.values()) for k, v in flops.items()},
             "roofline_tokens_per_s": peak / per_token,
             "fraction": (tokens / run.wall_s) / (peak / per_token),
-            "floor": floor_figures(m, run, peak, dtype, stats, own_matmul_seconds(m, rows, device, dtype, linear=linear))}
+            "floor": floor_figures(m, run, peak, dtype, stats,
+                                   own_matmul_seconds(m, rows, device, dtype, linear=linear))}
 
 
 def kernel_peak_flops(m: ModelConfig, device: str, dtype: torch.dtype, linear: str = "reference",
                       quantized: dict | None = None, group_size: int = 32, rows: int = 256,
                       repeat: int = 5, tries: int = 5) -> tuple[float, str]:
-    """FLOP/s of the kernel family the run's decoder layers multiply with, and its name, measured through
-    the engine's own layer: one of the MLP's shape (intermediate x hidden), at `rows` rows so arithmetic
-    bounds it and its weight stays in the CPU's cache; best of `tries` timings of `repeat` calls. A
-    quantized run: the layer quantize_linears builds for a weight of the model's bits (4 or 8: its bytes a
-    weight); a kernel of KERNELS: that layer around a bfloat16 nn.Linear; else torch's square matmul."""
+    """FLOP/s and name of the kernel the run's linears use, timed through the engine's own layer of the
+    MLP's shape at `rows` rows (docs/07_benchmarks.md, "Roofline")."""
     method = (quantized or {}).get("quantization")
     if device != "cpu" or (method is None and linear not in KERNELS):
         return measure_matmul_flops(device, dtype), f"torch matmul {str(dtype).removeprefix('torch.')}"
@@ -61,12 +57,8 @@ def kernel_peak_flops(m: ModelConfig, device: str, dtype: torch.dtype, linear: s
 
 def floor_figures(m: ModelConfig, run: Run, peak: float, dtype: torch.dtype, stats: dict,
                   own: dict[int, float] | None = None) -> dict:
-    """The trace floor: for each of nanopaged's steps, max(the bytes it must read / copy bandwidth,
-    FLOPs / the kernel's peak); their sum is the fastest this machine could run the steps, and
-    by_step_kind sums them per kind, with a decode step's own matmuls (`own`: seconds by row count,
-    own_matmul_seconds). The bytes: the weights as stored (quantized ones at their packed size) and each
-    request's K/V once, in the cache's dtype, at the rate a pure read of as many bytes reaches (a copy also
-    pays for its writes: decode steps ran faster than a floor set by a copy's rate, which is no floor)."""
+    """The trace floor: per step, max(its bytes / the read rate, its FLOPs / `peak`), summed and by kind of
+    step, with decode steps' `own` matmul seconds by row count (docs/07_benchmarks.md, "The trace floor")."""
     weight_bytes = stored_weight_bytes(m, dtype, stats.get("quantization"))
     kv_bytes = kv_token_bytes(m, stats.get("kv_cache_dtype"), dtype)
     bandwidth = read_bytes_per_s(weight_bytes)
@@ -87,9 +79,7 @@ def floor_figures(m: ModelConfig, run: Run, peak: float, dtype: torch.dtype, sta
 
 
 def by_kind(steps: list[tuple[str, float, float, bool, float | None]]) -> dict:
-    """(kind, model seconds, floor seconds, bound by bytes, own matmuls' seconds or None) per step -> per
-    kind, prompt chunks first then DECODE_KINDS' order: its steps, their seconds, floor / model seconds,
-    and what bounds most of them."""
+    """(kind, model s, floor s, bound by bytes, own matmuls s or None) per step -> figures per kind."""
     out = {}
     for name in ("prompt chunk", *dict(DECODE_KINDS)):
         mine = [x for x in steps if x[0] == name]
@@ -103,7 +93,7 @@ def by_kind(steps: list[tuple[str, float, float, bool, float | None]]) -> dict:
 
 
 def step_kind(s: StepTiming) -> str:
-    """"prompt chunk" for a step with more tokens than rows, else the first of DECODE_KINDS whose limit holds its rows."""
+    """"prompt chunk" for a step with more tokens than rows, else the first DECODE_KINDS that holds its rows."""
     if s.num_tokens > s.num_rows:
         return "prompt chunk"
     return next(name for name, most in DECODE_KINDS if s.num_rows <= most)
@@ -147,10 +137,8 @@ def copy_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
 
 
 def read_bytes_per_s(num_bytes: int, tries: int = 3) -> float:
-    """Bytes read per second by a sum over num_bytes (it writes nothing): the rate a decode step that
-    streams its weights once can reach; a copy's (copy_bytes_per_s) also pays for its writes. The best over
-    fresh buffers of random values: on a VM one buffer can read far slower than the next (how its pages are
-    backed), and a floor takes the fastest."""
+    """Bytes read per second by a sum over num_bytes (it writes nothing), the best over fresh buffers: on
+    a VM one buffer can read far slower than the next."""
     return num_bytes / min(best_seconds(torch.rand(num_bytes // 4).sum, tries) for _ in range(tries))
 
 
@@ -189,12 +177,10 @@ def layer_weights(m: ModelConfig) -> int:
 
 def own_matmul_seconds(m: ModelConfig, row_counts: list[int], device: str, dtype: torch.dtype,
                        tries: int = 3, linear: str = "reference") -> dict[int, float]:
-    """Best time (of `tries`) of one pass of a decode step's own matmuls and nothing else, at each row
-    count: every layer's q/k/v, o, gate/up and down weights and the lm_head, each its own tensor as in
-    the model. Unlike kernel_peak_flops' one layer, whose weight stays in the CPU's cache, these stream
-    from memory as a real step's do: what a step adds on top of them is the engine's. `linear`: the
-    engine's cpu_linear (a name in KERNELS, or reference: nn.Linear), so the layers are the ones it runs."""
-    q, kv, h, i = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.hidden_size, m.intermediate_size
+    """Best time of one pass of a decode step's own matmuls at each row count, every weight its own tensor
+    streamed from memory, in the engine's cpu_linear `linear` (docs/07_benchmarks.md)."""
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    h, i = m.hidden_size, m.intermediate_size
     shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * m.num_hidden_layers + [(m.vocab_size, h)]
     wrap = KERNELS.get(linear, lambda layer: layer)
     layers = [wrap(torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)) for n, k in shapes]

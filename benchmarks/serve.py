@@ -1,8 +1,5 @@
 """The serve workload: streaming clients against a running OpenAI-compatible server, in the
-shape of `vllm bench serve`.
-
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+shape of `vllm bench serve`."""
 from __future__ import annotations
 
 import argparse
@@ -35,8 +32,7 @@ from nanopaged.config import MAX_NUM_BATCHED_TOKENS, EngineConfig
 from nanopaged.models.config import ModelConfig
 from nanopaged.models.demo_model import demo_model_path
 
-# Sized for a few minutes on a 2-core CPU with the demo model and the default peers, vLLM's
-# start (it compiles for about two minutes) included.
+# Sized for a few minutes on a 2-core CPU with the demo model and the default peers, vLLM's start included.
 DEFAULTS = dict(rate=(1.0, 4.0, math.inf), dataset=("random", "chat"), num_requests=24,
                 input_len=(16, 64), output_len=(16, 48))
 DATASETS = ("random", "chat", "chat8")      # chat8: the chat set behind 8 system prompts, in turn
@@ -67,7 +63,7 @@ class ServerProcess:
     about: dict = field(default_factory=dict)     # for the JSON: its command line, settings, version
 
     def stop(self) -> None:
-        """SIGTERM to its process group (it is our own session), SIGKILL after 15 s."""
+        """SIGTERM to its process group (its own session), SIGKILL after 15 s."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:
@@ -85,8 +81,7 @@ class ServerProcess:
 
 def start_nanopaged(model: str | None, engine_args: list[str] = (), served_model_name: str | None = None,
                     timeout_s: float = START_TIMEOUT_S, name: str = "nanopaged") -> ServerProcess:
-    """`python -m nanopaged.entrypoints.serve MODEL --port 0 ...`; ready when it prints its address.
-    `about` keeps the ready line's details (KV blocks, block size, max_model_len)."""
+    """`python -m nanopaged.entrypoints.serve MODEL --port 0 ...`; ready when it prints its address."""
     cmd = [sys.executable, "-m", "nanopaged.entrypoints.serve", *([model] if model else []), "--host", "127.0.0.1",
            "--port", "0", *(["--served-model-name", served_model_name] if served_model_name else []),
            *engine_args]
@@ -104,16 +99,14 @@ def start_nanopaged(model: str | None, engine_args: list[str] = (), served_model
 
 
 def ready_details(line: str) -> dict:
-    """The resolved settings nanopaged's ready line names ('... (1456 KV blocks of 16 tokens,
-    max_model_len 8192; ...)'); {} where it names none of them."""
+    """The KV blocks, block size and max_model_len nanopaged's ready line names; {} where it names none."""
     m = re.search(r"(\d+) KV blocks of (\d+) tokens, max_model_len (\d+)", line)
     return {} if m is None else dict(zip(("num_kv_blocks", "block_size", "max_model_len"), map(int, m.groups())))
 
 
 def start_transformers(model: str, device: str = "cpu", dtype: str = "float32",
                        timeout_s: float = START_TIMEOUT_S) -> ServerProcess:
-    """`transformers serve MODEL --continuous-batching` on `device`, offline; ready when
-    /health answers. Raises RuntimeError saying why it did not start."""
+    """`transformers serve MODEL --continuous-batching`; ready when /health answers."""
     exe = shutil.which("transformers")
     if exe is None:
         raise RuntimeError("the `transformers` command is not installed (transformers[serving] >= 5)")
@@ -121,12 +114,11 @@ def start_transformers(model: str, device: str = "cpu", dtype: str = "float32",
     cmd = [exe, "serve", model, "--continuous-batching", "--device", device, "--dtype", dtype,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     server = spawn("transformers", cmd, f"http://127.0.0.1:{port}", model)
-    return wait_ready(server, lambda: healthy(server.base_url), timeout_s)
+    return wait_ready(server, lambda: get(server.base_url + "/health", 2) is not None, timeout_s)
 
 
 def start_vllm(python: Path, model: str, settings: dict, timeout_s: float = VLLM_START_TIMEOUT_S) -> ServerProcess:
-    """vLLM's OpenAI server from its own environment, with `settings` (vllm_settings); ready when
-    /health answers. Raises RuntimeError saying why it did not start."""
+    """vLLM's OpenAI server from its own environment, with vllm_settings; ready when /health answers."""
     port = free_port()
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", model,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", settings["dtype"],
@@ -134,12 +126,12 @@ def start_vllm(python: Path, model: str, settings: dict, timeout_s: float = VLLM
            "--max-num-batched-tokens", str(settings["max_num_batched_tokens"]),
            "--kv-cache-memory-bytes", str(settings["kv_cache_bytes"]), "--enable-prefix-caching",
            "--seed", "0", "--uvicorn-log-level", "warning"]
-    # The CPU backend sizes its KV cache from this variable (GiB), as benchmarks/vllm_peer.py sets it.
-    # VLLM_HOST_IP: its engine's internal sockets on loopback too (it takes the host's address otherwise).
+    # The CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); VLLM_HOST_IP keeps its
+    # engine's internal sockets on loopback (it takes the host's address otherwise).
     env = {"VLLM_CPU_KVCACHE_SPACE": str(settings["kv_cache_gib"]), "VLLM_HOST_IP": "127.0.0.1"}
     server = spawn("vllm", cmd, f"http://127.0.0.1:{port}", model, env, {"settings": settings})
-    wait_ready(server, lambda: healthy(server.base_url), timeout_s)
-    server.about["version"] = vllm_version(server.base_url)
+    wait_ready(server, lambda: get(server.base_url + "/health", 2) is not None, timeout_s)
+    server.about["version"] = json.loads(get(server.base_url + "/version") or "{}").get("version")
     # Which cores its model runs on: on a small host vLLM keeps one for its front end by default.
     server.about["cpu_binding"] = re.findall(r"core ids=\[[^\]]*\]|reserved_cpus=\[[^\]]*\]",
                                              server.log.read_text(errors="replace"))
@@ -147,11 +139,8 @@ def start_vllm(python: Path, model: str, settings: dict, timeout_s: float = VLLM
 
 
 def vllm_settings(model: str, dtype: str, ready: dict, engine_args: list[str], device: str = "cpu") -> dict:
-    """vLLM's settings matched to what nanopaged resolved (its ready line: KV blocks, block size,
-    max_model_len; the flags given it, else its defaults: max_num_seqs, the token budget). The KV
-    bytes and the cap on max_model_len are benchmarks/peers.py's vllm_job's, as the offline peer's.
-    vLLM keeps its own block size: its CPU attention takes multiples of 32 only (vLLM 0.32.0 with
-    --block-size 16: 'No common block size for 16 (CPU_ATTN: [MultipleOf(32)])', after compiling)."""
+    """vLLM's settings matched to what nanopaged resolved (its ready line, the flags given it), as
+    peers.py's vllm_job matches the offline peer; vLLM keeps its own block size (multiples of 32 on CPU)."""
     if not ready:
         raise RuntimeError("no nanopaged settings to match: nanopaged did not start, or its ready line named "
                            "no KV blocks, block size and max_model_len")
@@ -176,26 +165,18 @@ def flag_value(flags: list[str], name: str, default):
     return value
 
 
-def vllm_version(base_url: str) -> str | None:
+def get(url: str, timeout_s: float = 5) -> str | None:
+    """The text a server answers a GET with (status 200), None where it does not."""
     try:
-        with urllib.request.urlopen(base_url + "/version", timeout=5) as r:
-            return json.loads(r.read()).get("version")
-    except (OSError, ValueError):
-        return None
-
-
-def healthy(base_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=2) as r:
-            return r.status == 200
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.read().decode() if r.status == 200 else None
     except OSError:
-        return False
+        return None
 
 
 def spawn(name: str, cmd: list[str], base_url: str, model_name: str, env: dict | None = None,
           about: dict | None = None) -> ServerProcess:
-    """`cmd` in a session of its own, offline, its output in a log file (a file, not a pipe: a chatty
-    server can never block); `about` keeps its command line."""
+    """`cmd` in a session of its own, offline, its output in a log file (a chatty server never blocks on it)."""
     log = Path(tempfile.mkstemp(prefix=f"{name}-serve-", suffix=".log")[1])
     with open(log, "wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
@@ -231,9 +212,8 @@ def _tail(log: Path, lines: int = 15) -> str:
 
 def make_prompts(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int],
                  seed: int, dataset: str = "random", system_seed: int = 0) -> list[tuple[str | list[dict], int]]:
-    """(prompt, max_tokens) per request, seeded. random: a text of about input_len words (a
-    completion); chat: messages (a chat completion), the system prompt every request shares, then
-    a user message of about input_len words."""
+    """(prompt, max_tokens) per request, seeded: random, a text of about input_len words; chat, messages:
+    the shared system prompt (chat8: one of 8, in turn), then a user message of about input_len words."""
     rng = random.Random(seed)
     out = []
     for _ in range(num_requests):
@@ -248,8 +228,8 @@ def make_prompts(num_requests: int, input_len: tuple[int, int], output_len: tupl
 
 
 def system_prompt(seed: int = 0, words: int = SYSTEM_WORDS) -> str:
-    """The chat set's one system prompt: the preamble, then seeded notes to about `words` words.
-    Its own seed, not a rate's: every request of every rate, on every server, begins with it."""
+    """The preamble, then seeded notes to about `words` words; its seed is not a rate's, so every
+    request of every rate, on every server, begins with it."""
     rng = random.Random(f"system prompt {seed}")
     notes = " ".join(rng.choice(WORDS) for _ in range(words - len(SYSTEM_PREAMBLE.split())))
     return f"{SYSTEM_PREAMBLE}\n\nNotes: {notes}."
@@ -273,9 +253,8 @@ class RequestResult:
 
 
 async def stream_one(client, model: str, prompt: str | list[dict], max_tokens: int, extra_body: dict) -> RequestResult:
-    """One streamed greedy request: a completion for a text, a chat completion for messages. The
-    time of every chunk that carries text; output tokens from the usage the stream ends with,
-    the count of text chunks where a server sends none."""
+    """One streamed greedy request (a completion for a text, a chat completion for messages): the time
+    of every chunk that carries text; output tokens from the final usage, else the text chunks counted."""
     chat = not isinstance(prompt, str)
     start, pieces, times, usage = time.perf_counter(), [], [], None
     common = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True,
@@ -306,8 +285,7 @@ def chunk_text(chunk, chat: bool) -> str:
 
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:
-    """When each of n requests is sent, from the first: a Poisson process at `rate`/s
-    (exponential gaps); all at 0 for inf."""
+    """When each of n requests is sent: a Poisson process at `rate`/s; all at 0 for inf."""
     rng, times, t = random.Random(seed), [], 0.0
     for _ in range(n):
         times.append(t)
@@ -337,8 +315,7 @@ async def run_load(base_url: str, model: str, prompts: list[tuple], rate: float,
 # ==== the figures =============================================================================
 
 def figures(results: list[RequestResult], duration_s: float) -> dict:
-    """One run's figures: completed and failed requests, throughputs, and TTFT, TPOT and ITL
-    percentiles in ms (ITL: the gaps between a request's consecutive text chunks, all requests pooled)."""
+    """One run's requests, throughputs, and TTFT, TPOT and ITL percentiles in ms (ITL pooled)."""
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpot = [(r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1) for r in ok
@@ -372,8 +349,7 @@ def rate_label(rate: float) -> str:
 
 
 def target_figures(servers: dict, datasets: list[str]) -> dict:
-    """Issue 40's two targets per prompt set, nanopaged against vLLM: met, missed, not measured
-    (or, for the TTFT one, not reached: vLLM's p99 TTFT stayed under 2 s at every measured rate)."""
+    """Issue 40's two targets per prompt set, nanopaged against vLLM."""
     def runs(name: str, dataset: str) -> dict:
         return servers.get(name, {}).get("datasets", {}).get(dataset, {})
     return {d: {"saturated_throughput_vs_vllm": throughput_target(runs("nanopaged", d), runs("vllm", d)),
@@ -421,8 +397,7 @@ def same_texts(a: list[str | None], b: list[str | None]) -> int:
 # ==== the run =================================================================================
 
 def bench_server(server: ServerProcess, workloads: dict, seed: int) -> tuple[dict, dict]:
-    """Every prompt set on one server: its warm-up request, then each rate's load in turn.
-    Returns the warm-ups ({set: how it went}) and the figures ({set: {rate: figures}})."""
+    """Every prompt set on one server, its warm-up then each rate: ({set: warm-up}, {set: {rate: figures}})."""
     warmups, out = {}, {}
     for dataset, (warmup, rates) in workloads.items():
         start = time.perf_counter()
@@ -439,11 +414,8 @@ def bench_server(server: ServerProcess, workloads: dict, seed: int) -> tuple[dic
 
 def prefix_counts(base_url: str) -> tuple[float, float] | None:
     """nanopaged's prefix-cache (hits, queries) so far, from /metrics; None from another server."""
-    try:
-        text = urllib.request.urlopen(base_url + "/metrics", timeout=10).read().decode()
-    except OSError:
-        return None
-    found = dict(re.findall(r"^nanopaged:prefix_cache_(hits|queries)_total (\S+)$", text, re.MULTILINE))
+    metrics = get(base_url + "/metrics", 10) or ""
+    found = dict(re.findall(r"^nanopaged:prefix_cache_(hits|queries)_total (\S+)$", metrics, re.MULTILINE))
     return (float(found["hits"]), float(found["queries"])) if len(found) == 2 else None
 
 
@@ -454,8 +426,7 @@ def hit_rate(before, after) -> float | None:
 
 
 def start_server(name: str, model: str, device: str, dtype: str, args, ready: dict) -> ServerProcess:
-    """Start one of the servers; RuntimeError saying why where it cannot. `ready`: nanopaged's
-    resolved settings (its ready line), which vLLM is matched to."""
+    """Start one of the servers (vLLM matched to `ready`, nanopaged's resolved settings); RuntimeError if not."""
     flags = ["--device", device, "--dtype", dtype, *args.engine_args]
     if name == "nanopaged":
         return start_nanopaged(model, flags)
@@ -486,8 +457,7 @@ def run(args) -> dict:
         "output_len": list(args.output_len), "seed": args.seed, "system_prompt_words": SYSTEM_WORDS,
         "sampling": "greedy (temperature 0), streamed, EOS honoured",
         "percentiles": "nearest rank"}, "servers": {}}
-    # The same device and dtype for all: --dtype, else what nanopaged resolves for this model and device
-    # (bfloat16 on CUDA and on a CPU with bf16 matrix units, else float32).
+    # The same device and dtype for all: --dtype, else what nanopaged resolves for this model and device.
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or default_dtype(model, device)
     result["settings"].update(device=device, dtype=dtype)
@@ -511,25 +481,20 @@ def run(args) -> dict:
 
 
 def compare_texts(servers: dict, datasets: list[str]) -> dict:
-    """Per set and peer, how many greedy answers equal nanopaged's on the same prompts; each run's
-    figures get their own count (same_text_as_nanopaged) and lose their texts."""
-    ours = servers.get("nanopaged", {}).get("datasets", {})
+    """Per set and peer, how many greedy answers equal nanopaged's on the same prompts (each run also
+    gets same_text_as_nanopaged); every run loses its texts."""
+    ours = {(d, rate): r.pop("texts", None) for d, runs in servers.get("nanopaged", {}).get("datasets", {}).items()
+            for rate, r in runs.items()}
     out = {d: {} for d in datasets}
     for name, s in servers.items():
         for d, runs in s.get("datasets", {}).items():
             for rate, r in runs.items():
-                if "texts" not in r or name == "nanopaged":
-                    continue
-                mine = ours.get(d, {}).get(rate, {}).get("texts")
-                if mine is not None:
-                    r["same_text_as_nanopaged"] = same_texts(mine, r["texts"])
+                texts, mine = r.pop("texts", None), ours.get((d, rate))
+                if texts is not None and mine is not None:
+                    r["same_text_as_nanopaged"] = same_texts(mine, texts)
                     count = out[d].setdefault(name, {"identical": 0, "of": 0})
                     count["identical"] += r["same_text_as_nanopaged"]
-                    count["of"] += len(r["texts"])
-    for s in servers.values():
-        for runs in s.get("datasets", {}).values():
-            for r in runs.values():
-                r.pop("texts", None)
+                    count["of"] += len(texts)
     return out
 
 

@@ -1,8 +1,7 @@
 """One request at a time: the decode tokens/s a single user sees, nanopaged against
 Hugging Face `generate` on the same prompt, alternating (benchmarks/decode_speed.py), and the
 peers' figures from their own processes, timed by the same rule. Prefix caching is off, so
-both timings compute the whole prompt.
-"""
+both timings compute the whole prompt."""
 from __future__ import annotations
 
 import torch

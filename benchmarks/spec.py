@@ -1,40 +1,32 @@
 """--workload spec: speculative decoding where the answer repeats its input or earlier answers, and what
-it costs where it does not.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+it costs where it does not; and vLLM's CPU engine on the same prompts."""
 from __future__ import annotations
 
 import gc
+import sys
 import traceback
 from dataclasses import asdict
 
 import torch
 
+from benchmarks import vllm_peer
+from benchmarks.figures import TARGET_DATA
 from benchmarks.models import DRAFT_NOTE, build_draft_model, vocab_limit
 from benchmarks.nanopaged_run import run_nanopaged
-from benchmarks.spec_agent import run_agent, run_json
-from benchmarks.spec_prompts import INSTRUCTIONS, MAX_TOKENS_SLACK, NUM_TYPOS, SpecPrompt, build_workload
-from benchmarks.spec_run import (DRAFT_POLICY, compare, concurrency_levels, configurations, drop_outputs, ngram_config,
-                                 run_configs, run_levels, suffix_config, versus_off)
-from benchmarks.spec_vllm import run_vllm_spec
+from benchmarks.peers import not_set_up, run_side, side_python, vllm_job
 from benchmarks.quality import TEXTS
-from benchmarks.trace import make_trace
+from benchmarks.spec_agent import run_agent, run_json
+from benchmarks.spec_prompts import INSTRUCTIONS, MAX_TOKENS, MAX_TOKENS_SLACK, NUM_TYPOS, SpecPrompt, build_workload
+from benchmarks.spec_run import (DRAFT_POLICY, concurrency_levels, configurations, drop_outputs, run_configs,
+                                 run_levels, trace_configurations, versus_off)
+from benchmarks.trace import make_trace, trace_settings
 from nanopaged import SamplingParams
 from nanopaged.engine.input_processor import load_tokenizer
 from nanopaged.models.config import ModelConfig
 
 WORKLOADS = ("repeating", "agent", "json", "trace")
-# The issues' targets, reported met or missed, never adjusted: name -> (what, at least this).
-TARGETS = {
-    "ngram_one_at_a_time": ("repeating, best n-gram k over off, one at a time", 1.8),     # issue 26
-    "ngram_at_16": ("repeating, best n-gram k over off, 16 at once", 1.3),                 # issue 26
-    "suffix_vs_ngram_one_at_a_time": ("repeating, suffix over the best n-gram k, one at a time", 1.0),
-    "agent_suffix_one_at_a_time": ("agent, suffix over off, one at a time", 2.0),
-    "json_forced_one_at_a_time": ("json, with forced drafts over without, one at a time", 1.5),
-    "never_slower_at_16": ("repeating, the slower of n-gram and suffix over off, 16 at once", 1.0),
-    "never_slower_at_32": ("repeating, the slower of n-gram and suffix over off, 32 at once", 1.0),
-    "best_at_16": ("repeating, the faster of n-gram and suffix over off, 16 at once", 1.3),
-}
+# The issues' targets (benchmarks/data/targets.json): name -> (what, at least this).
+TARGETS = {name: (t["what"], t["at_least"]) for name, t in TARGET_DATA["spec"].items()}
 
 
 # ==== the repeating workload ============================================================
@@ -45,7 +37,6 @@ def run_repeating(args, model_dir: str, settings: dict, items: list[SpecPrompt],
     params = [SamplingParams(temperature=0, max_tokens=it.max_tokens) for it in items]
     runs = run_configs(configurations(args, draft_dir),
                        lambda _, spec: run_levels(model_dir, settings, spec, prompts, params, levels))
-    compare(runs)
     result = {"concurrency": levels, "configs": runs}
     off = runs["off"]
     if "error" not in off:
@@ -110,15 +101,13 @@ def best_of(speedup: dict) -> tuple:
 # ==== the random-token trace ============================================================
 
 def run_trace(args, model_dir: str, settings: dict) -> dict:
-    """The throughput workload's random-token trace, off, n-gram at the first --ngram-k and suffix at
-    the first --suffix-k."""
+    """The throughput workload's random-token trace under trace_configurations."""
     trace = make_trace(args.num_requests, args.input_len, args.output_len, args.seed, vocab_limit(model_dir))
-    k, ks = args.ngram_k[0], args.suffix_k[0]
-    result = {"settings": {"num_requests": args.num_requests, "input_len": list(args.input_len),
-                           "output_len": list(args.output_len), "seed": args.seed,
-                           "sampling": "greedy, ignore_eos", "ngram_k": k, "suffix_k": ks}}
+    configs = trace_configurations(args)
+    result = {"settings": {**trace_settings(args), "sampling": "greedy, ignore_eos", "ngram_k": args.ngram_k[0],
+                           "suffix_k": args.suffix_k[0]}}
     ids = {}
-    for name, spec in (("off", None), (f"ngram_k{k}", ngram_config(k, args)), (f"suffix_k{ks}", suffix_config(ks))):
+    for name, spec in configs.items():
         try:
             run, stats, _, _ = run_nanopaged(model_dir, trace, {**settings, "speculative_config": spec})
         except Exception as e:
@@ -128,14 +117,60 @@ def run_trace(args, model_dir: str, settings: dict) -> dict:
         finally:
             gc.collect()
         f = run.figures()
-        result[name] = {k2: f[k2] for k2 in ("output_tokens_per_s", "wall_s", "output_tokens", "prompt_tokens")}
-        result[name]["spec_decode"] = stats["spec_decode"]
+        result[name] = {**{k: f[k] for k in ("output_tokens_per_s", "wall_s", "output_tokens", "prompt_tokens")},
+                        "spec_decode": stats["spec_decode"]}
         ids[name] = run.token_ids
-    for name in (f"ngram_k{k}", f"suffix_k{ks}"):
+    for name in list(configs)[1:]:
         if "error" not in result["off"] and "error" not in result[name]:
             result[name] |= versus_off(result[name], result["off"], ids[name], ids["off"])
             result[name]["cost"] = 1 - result[name]["speedup_vs_off"]
     return result
+
+
+# ==== vLLM's CPU engine on the same prompts =============================================
+
+def run_vllm_spec(args, model_dir: str, items: list[SpecPrompt], resolved: dict,
+                  agent_prompts: list[list[int]] | None = None) -> dict:
+    """benchmarks/vllm_peer.py under trace_configurations, at every concurrency of the repeating prompts,
+    then the agent's prompts one at a time; each row its figures or why it did not run."""
+    python = side_python(args, "vllm")
+    if python is None:
+        return {"skipped": not_set_up("vllm")}
+    if not resolved:
+        return {"skipped": "nanopaged's repeating run with speculation off did not run: no engine settings for vLLM"}
+    levels = concurrency_levels(args.concurrency, len(items))
+    job = {**vllm_job(model_dir, ModelConfig.from_folder(model_dir), resolved, [it.prompt_token_ids for it in items],
+                      [it.max_tokens for it in items]),
+           "max_num_seqs": max(levels), "ignore_eos": False, "enable_prefix_caching": False, "concurrency": levels}
+    if agent_prompts:
+        job["sequences"] = {"agent": {"prompts": agent_prompts, "output_lens": [MAX_TOKENS] * len(agent_prompts)}}
+    rows, ids = {}, {}
+    for name, spec in trace_configurations(args).items():
+        print(f"bench: spec workload, vllm {name}", file=sys.stderr)
+        try:
+            out = run_side(python, vllm_peer, {**job, **({"speculative_config": spec} if spec else {})})
+        except Exception as e:          # a peer failing is a result to report
+            rows[name] = {"skipped": f"{type(e).__name__}: {e}"}
+            continue
+        runs = {**out["concurrency"], **out["sequences"]}
+        rows[name] = {"version": out["vllm"], "load_s": out["load_s"], "speculative_config": spec,
+                      "concurrency": {c: vllm_figures(x) for c, x in out["concurrency"].items()},
+                      **({"agent": vllm_figures(out["sequences"]["agent"])} if "agent" in out["sequences"] else {})}
+        ids[name] = {c: x["token_ids"] for c, x in runs.items()}
+    for name, row in rows.items():
+        if name == "off" or "skipped" in row or "skipped" in rows["off"]:
+            continue
+        off = rows["off"]
+        for c, x in row["concurrency"].items():
+            x |= versus_off(x, off["concurrency"][c], ids[name][c], ids["off"][c])
+        if "agent" in row:
+            row["agent"] |= versus_off(row["agent"], off["agent"], ids[name]["agent"], ids["off"]["agent"])
+    return rows
+
+
+def vllm_figures(x: dict) -> dict:
+    return {"wall_s": x["wall_s"], "output_tokens": x["output_tokens"],
+            "output_tokens_per_s": x["output_tokens"] / x["wall_s"], "spec_decode": x.get("spec_decode")}
 
 
 # ==== all of it =========================================================================

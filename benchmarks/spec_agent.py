@@ -1,9 +1,7 @@
 """The spec workload's runs of the agent-like prompts (benchmarks/spec_prompts.py): the tool call asked
 again and again, one request at a time in order on one engine per configuration (agent); and the same
 call under its JSON schema (TOOL_CALL_SCHEMA: fixed keys, two enums, a date pattern), no whitespace
-between tokens, greedy, ending where the grammar ends, one at a time and all the prompts at once (json).
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+between tokens, greedy, ending where the grammar ends, one at a time and all the prompts at once (json)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +9,7 @@ import json
 
 import nanopaged.spec_decode.extension as spec_extension
 from benchmarks.spec_prompts import SYSTEM, TOOL_CALL_SCHEMA, answer_tokens, build_agent_workload
-from benchmarks.spec_run import (compare, configurations, drop_outputs, forced_drafts_switch, ngram_config,
+from benchmarks.spec_run import (configurations, drop_outputs, forced_drafts_switch, ngram_config,
                                  run_configs, run_levels, suffix_config)
 from nanopaged import SamplingParams, StructuredOutputsParams
 
@@ -26,7 +24,6 @@ def run_agent(args, model_dir: str, settings: dict, tokenizer) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=it.max_tokens) for it in items]
     runs = run_configs(configurations(args),
                        lambda _, spec: run_levels(model_dir, settings, spec, prompts, params, [1], prefix_caching=True))
-    compare(runs)
     for r in runs.values():
         if "error" not in r:
             r["first_and_rest"] = first_and_rest(r["concurrency"]["1"])
@@ -108,7 +105,6 @@ def run_json(args, model_dir: str, settings: dict, tokenizer) -> dict:
                    for x in r.get("concurrency", {}).values()]
         # what the counters say where the engine counts forced drafts, else what the configuration expects
         r["forced_drafts"] = any(counted) if any(n is not None for n in counted) else configs[name][2]
-    compare(runs)
     result = {"settings": {"num_prompts": len(items), "max_tokens": JSON_MAX_TOKENS, "schema": TOOL_CALL_SCHEMA,
                            "disable_any_whitespace": True, "concurrency": levels, "forced_drafts": forced_drafts_how()},
               "configs": runs, "forced_vs_without": forced_vs_without(runs, 1),
@@ -123,9 +119,8 @@ def run_json(args, model_dir: str, settings: dict, tokenizer) -> dict:
 
 
 def forced_vs_without(runs: dict, c: int) -> tuple:
-    """(forced drafts alone / no drafts at all, "forced") at concurrency c: what the grammar's drafts
-    give by themselves. n-gram and suffix with forced drafts are reported beside it, not counted here:
-    their own drafts would be credited to the grammar's."""
+    """(forced drafts alone / no drafts at all, "forced") at concurrency c: the grammar's drafts by
+    themselves (n-gram's or suffix's own drafts would be credited to them)."""
     tok_s = {name: r["concurrency"][str(c)]["output_tokens_per_s"] for name, r in runs.items()
              if "error" not in r and str(c) in r["concurrency"]}
     if "forced" not in tok_s or "off" not in tok_s:

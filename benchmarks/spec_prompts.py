@@ -1,8 +1,6 @@
 """The spec workload's prompts: answers that repeat their input, and the agent-like ones, one
 tool-using task asked again and again with small changes. The words are data:
-benchmarks/data/spec_prompts.json.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+benchmarks/data/spec_prompts.json."""
 from __future__ import annotations
 
 import datetime

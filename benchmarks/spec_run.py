@@ -1,7 +1,5 @@
 """The spec workloads' timed runs (benchmarks/spec.py, spec_agent.py): an engine per
-configuration and concurrency, the prompts in groups of that many, each run against speculation off's.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+configuration and concurrency, the prompts in groups of that many, each run against speculation off's."""
 from __future__ import annotations
 
 import gc
@@ -47,6 +45,13 @@ def configurations(args, draft_dir: str | None = None) -> dict:
     return configs
 
 
+def trace_configurations(args) -> dict:
+    """name -> speculative_config of the random-token trace and of vLLM's runs: off, n-gram at the first
+    --ngram-k, suffix at the first --suffix-k."""
+    k, ks = args.ngram_k[0], args.suffix_k[0]
+    return {"off": None, f"ngram_k{k}": ngram_config(k, args), f"suffix_k{ks}": suffix_config(ks)}
+
+
 def concurrency_levels(asked: list[int], num_prompts: int) -> list[int]:
     """The concurrencies run: 1 always (one at a time), none above the prompts there are."""
     return sorted({1, *(min(c, num_prompts) for c in asked)})
@@ -77,9 +82,8 @@ def run_levels(model_dir: str, settings: dict, spec: dict | None, prompts: list,
 
 
 def timed(llm: LLM, groups: list[list[int]], prompts: list, params: list) -> dict:
-    """The prompts in `groups` (one generate call each, in turn): wall time, output tokens/s, each
-    call's wall time, the time the proposers took, and speculation's counters. get_stats() counts
-    since reset_stats() (the extension's own counters run on)."""
+    """The prompts in `groups`, one generate call each: wall time, output tokens/s, each call's wall time,
+    the proposers' time and speculation's counters since reset_stats()."""
     token_ids, texts, reasons = [None] * len(prompts), [None] * len(prompts), [None] * len(prompts)
     call_s = []
     llm.reset_stats()
@@ -105,8 +109,8 @@ def timed(llm: LLM, groups: list[list[int]], prompts: list, params: list) -> dic
 
 
 def run_configs(configs: dict, run_one) -> dict:
-    """name -> {"label", figures...} for each configuration (label, speculative_config): run_one(name, spec);
-    one failing is a result (its error), the others still run."""
+    """name -> {"label", figures...} for each configuration (label, speculative_config): run_one(name, spec),
+    compared with off's; one failing is a result (its error), the others still run."""
     runs = {}
     for name, (label, spec) in configs.items():
         print(f"bench: spec workload, {label}", file=sys.stderr)
@@ -115,6 +119,7 @@ def run_configs(configs: dict, run_one) -> dict:
         except Exception as e:
             traceback.print_exc()
             runs[name] = {"label": label, "error": f"{type(e).__name__}: {e}"}
+    compare(runs)
     return runs
 
 
@@ -142,9 +147,8 @@ def versus_off(run: dict, off: dict, ids: list, off_ids: list) -> dict:
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
-    """The first output position where two outputs differ (or the shorter one's length). Greedy
-    speculation must not change the output; where it does, a late first difference in bfloat16 points
-    at a near-tie in the logits that the k + 1-row verify pass and the one-row decode broke apart."""
+    """The first position where two outputs differ (or the shorter one's length): a late one in bfloat16
+    points at a near-tie that the verify pass and the one-row decode broke apart."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -159,9 +163,7 @@ def drop_outputs(runs: dict) -> None:
 # ==== what this engine's speculation can do (it grows: read at run time) ======================
 
 def forced_drafts_switch() -> str | None:
-    """The speculative_config key that turns grammar-forced drafts (structured outputs) on and off,
-    where this engine has one; None where it has none (then a request with a grammar gets no drafts,
-    or forced ones it cannot turn off)."""
+    """The speculative_config key that turns grammar-forced drafts on and off, None where there is none."""
     keys = [k for k in spec_config_module.KEYS if "forced" in k or "grammar" in k]
     return keys[0] if keys else None
 

@@ -1,6 +1,4 @@
-"""--workload structured: what a JSON schema costs per output token, and what compiling one costs.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""--workload structured: what a JSON schema costs per output token, and what compiling one costs."""
 from __future__ import annotations
 
 import json
@@ -11,7 +9,7 @@ from benchmarks.hooks import grammar_manager, observing
 from benchmarks.models import vocab_limit
 from benchmarks.quality import DATA
 from benchmarks.nanopaged_run import greedy, timed_generate, token_prompts, warm_up
-from benchmarks.trace import make_trace
+from benchmarks.trace import make_trace, trace_settings
 from nanopaged import LLM, SamplingParams, StructuredOutputsParams
 
 TARGET_OVERHEAD = 0.10      # the issue's target: <= 10% more per output token on CPU
@@ -31,8 +29,7 @@ def run_structured(args, model_dir: str, settings: dict) -> dict:
     constrained = [SamplingParams(temperature=0, max_tokens=n, structured_outputs=schema) for n in trace.output_lens]
     llm = LLM(model_dir, **settings)
     warm_up(llm, SamplingParams(max_tokens=4))
-    result = {"settings": {"model": model_dir, "num_requests": args.num_requests, "input_len": list(args.input_len),
-                           "output_len": list(args.output_len), "seed": args.seed, **settings},
+    result = {"settings": {"model": model_dir, **trace_settings(args), **settings},
               "compile": compile_times(llm)}            # the bench schema is compiled (cold) here, before any run
     manager = grammar_manager(llm)
     runs = {"plain": [], "constrained": []}

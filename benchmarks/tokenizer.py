@@ -1,23 +1,17 @@
-"""A tiny byte-level BPE tokenizer, trained in-process in well under a second.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""A tiny byte-level BPE tokenizer, trained in-process in well under a second."""
 from __future__ import annotations
 
 import inspect
 import json
 import random
 import textwrap
+from pathlib import Path
 
 UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [UNK_TOKEN, BOS_TOKEN, EOS_TOKEN]     # ids 0, 1, 2, as in SmolLM2
 EOS_TOKEN_ID = 2
-# The chat template of SmolLM2-Instruct, without its default system prompt.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# The chat template of SmolLM2-Instruct, without its default system prompt (the file's last newline is not its).
+CHAT_TEMPLATE = (Path(__file__).resolve().parent / "data" / "chat_template.jinja").read_text().rstrip("\n")
 
 
 def train_tokenizer(vocab_size: int = 512, model_max_length: int = 512):

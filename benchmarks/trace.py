@@ -27,10 +27,14 @@ def make_trace(num_requests: int, input_len, output_len, seed: int, vocab_limit:
     return Trace(prompts, [rng.randint(*output_len) for _ in range(num_requests)])
 
 
+def trace_settings(args) -> dict:
+    """The trace flags of a run, as the settings in its JSON name them."""
+    return {"num_requests": args.num_requests, "input_len": list(args.input_len),
+            "output_len": list(args.output_len), "seed": args.seed}
+
+
 def random_ids(rng: random.Random, n: int, vocab_limit: int) -> list[int]:
-    """`n` random token ids. They start at 3 so a prompt holds no special token (0, 1, 2 are
-    unk/bos/eos in the demo tokenizer); `vocab_limit` keeps them inside both the model's and the
-    tokenizer's vocab."""
+    """`n` random token ids from 3 (no special token) below `vocab_limit` (the model's and tokenizer's)."""
     return [rng.randrange(3, vocab_limit) for _ in range(n)]
 
 

@@ -1,16 +1,13 @@
-"""vLLM's CPU engine on bench.py's trace, run in its own environment (scripts/setup_vllm_peer.sh).
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""vLLM's CPU engine on bench.py's trace, run in its own environment (scripts/setup_vllm_peer.sh)."""
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
 import sys
 import time
 
-from benchmarks.decode_speed import decode_tokens_per_s
+from benchmarks.decode_speed import uncached_decode_tokens_per_s
 from benchmarks.trace import WARMUP_PROMPT
 
 
@@ -50,7 +47,7 @@ def main(path_in: str, path_out: str) -> None:
         result["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
         one = job.get("single_stream")
         if one:
-            result["decode_tokens_per_s"] = single_stream(generate, one["prompt"], one["output_tokens"])
+            result["decode_tokens_per_s"] = uncached_decode_tokens_per_s(generate, one["prompt"], one["output_tokens"])
     open(path_out, "w").write(json.dumps(result))
 
 
@@ -117,17 +114,6 @@ def counters_since(now: dict | None, before: dict | None) -> dict | None:
     drafts, tokens, accepted = d.get("num_drafts", 0), d.get("num_draft_tokens", 0), d.get("num_accepted_tokens", 0)
     return {**d, "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
             "draft_acceptance_rate": accepted / tokens if tokens else 0.0}
-
-
-def single_stream(generate, prompt: list[int], n: int) -> float:
-    """Decode tokens/s of one request (benchmarks/decode_speed.py). Prefix caching is on, so each
-    call's prompt starts with a token of its own: none reuses the cache another call left, and
-    each computes the whole prompt, as nanopaged's single-stream run does with caching off."""
-    first = itertools.count(100)
-
-    def one(tokens: int) -> None:
-        generate([[next(first)] + prompt[1:]], [tokens])
-    return decode_tokens_per_s([one], n)[0]
 
 
 if __name__ == "__main__":      # vLLM's LLM must be created under the main guard (it spawns workers)

@@ -2,23 +2,21 @@
 and the KV blocks saved by sharing inside a request (n > 1 samples, beam search)."""
 from __future__ import annotations
 
+import json
 import random
 import time
 
 from benchmarks.hooks import observing
 from benchmarks.models import vocab_limit
 from benchmarks.nanopaged_run import timed_generate, token_prompts, warm_up
+from benchmarks.quality import DATA
 from benchmarks.trace import make_trace, random_ids
 from nanopaged import LLM, BeamSearchParams, SamplingParams
 
 
 def run_shared_prefix(args, model_dir: str, settings: dict) -> dict:
-    """The same shared-prefix trace with prefix caching on and off, in one process.
-
-    Every request is one system prompt of --prefix-len tokens plus its own question. The
-    'shared fraction' is the share of all prompt tokens that repeat an earlier request's
-    system prompt, (n - 1) x prefix / total: what a perfect cache never computes again.
-    """
+    """One system prompt of --prefix-len tokens + a question per request, prefix caching on and off;
+    the shared fraction, (n - 1) x prefix / total, is what a perfect cache never computes again."""
     vocab = vocab_limit(model_dir)
     rng = random.Random(args.seed)
     system = random_ids(rng, args.prefix_len, vocab)
@@ -53,28 +51,18 @@ def run_shared_prefix(args, model_dir: str, settings: dict) -> dict:
     return result
 
 
-# Parallel sampling and beam search traces, shaped like the paper's (section 6.3): Alpaca has
-# short prompts and outputs (means 19 / 58 tokens), ShareGPT long ones (161 / 338). Scaled
-# down so a CPU run takes minutes; the saving depends on the lengths, not on the model.
-SHARING_TRACES = {"alpaca-like": ((8, 32), (32, 96)), "sharegpt-like": ((96, 256), (96, 256))}
-PAPER_SAVINGS = {("parallel", "alpaca-like"): "6.1-9.8%", ("parallel", "sharegpt-like"): "16.2-30.5%",
-                 ("beam", "alpaca-like"): "37.6-55.2%", ("beam", "sharegpt-like"): "44.3-66.3%"}
+# The sharing traces, shaped like the paper's, and the savings it reports: benchmarks/data/sharing.json.
+SHARING = json.loads((DATA / "sharing.json").read_text())
 
 
 def run_sharing(args, model_dir: str, settings: dict) -> dict:
-    """KV blocks saved by sharing: n samples forked from one prompt, and beams that fork.
-
-    Saving = 1 - blocks in use / blocks the same block tables would hold unshared, averaged
-    over the run's steps (get_stats()["kv_sharing_saving"]); prefix caching is off so only
-    sharing inside a request counts (the paper's Fig. 15 measure).
-    """
+    """KV blocks saved by n samples and beams that fork (get_stats()["kv_sharing_saving"], the paper's
+    Fig. 15 measure); prefix caching is off, so only sharing inside a request counts."""
     vocab = vocab_limit(model_dir)
     result = {"settings": {"model": model_dir, "num_prompts": args.num_requests, "seed": args.seed,
-                           "traces": {k: {"input_len": list(i), "output_len": list(o)}
-                                      for k, (i, o) in SHARING_TRACES.items()}},
-              "rows": []}
-    for trace_name, (in_len, out_len) in SHARING_TRACES.items():
-        trace = make_trace(args.num_requests, in_len, out_len, args.seed, vocab)
+                           "traces": SHARING["traces"]}, "rows": []}
+    for trace_name, lengths in SHARING["traces"].items():
+        trace = make_trace(args.num_requests, lengths["input_len"], lengths["output_len"], args.seed, vocab)
         prompts = [{"prompt_token_ids": p} for p in trace.prompts]
         for kind, width in [("parallel", w) for w in (2, 4, 6)] + [("beam", w) for w in (2, 4, 6)]:
             llm = LLM(model_dir, **{"enable_prefix_caching": False, **settings})
@@ -93,7 +81,7 @@ def run_sharing(args, model_dir: str, settings: dict) -> dict:
                                    "mean_blocks_used": stats["mean_kv_blocks_used"],
                                    "peak_blocks_used": stats["peak_kv_blocks_used"],
                                    "wall_s": time.perf_counter() - start,
-                                   "paper": PAPER_SAVINGS[(kind, trace_name)]})
+                                   "paper": SHARING["paper_savings"][kind][trace_name]})
     return result
 
 
@@ -110,17 +98,8 @@ def decode_step_times(times: list[float]):
 
 
 def run_cascade(args, model_dir: str, settings: dict) -> dict:
-    """Decode steps with shared prefixes read once (disable_cascade_attn=False, the default) and
-    without (True), in one process, on two workloads whose rows share their first blocks:
-
-        system prompt  --num-requests requests = one --prefix-len system prompt + a question of their
-                       own (prefix caching on: every table begins with the prompt's cached blocks)
-        n = 8 samples  --num-requests / 8 prompts of --prefix-len tokens, 8 samples each (forked tables)
-
-    and, for scale, the system-prompt requests with prefix caching off: each reads its own copy of the
-    prompt. Each engine runs each workload CASCADE_ROUNDS times, in turn; a figure is the best round's
-    mean decode step (model and sampler), and every engine's tokens are compared with the first's.
-    """
+    """Decode steps with shared prefixes read once (the default) and not, on a system prompt + questions
+    and on n = 8 samples, and the system prompt with its own copies (docs/07_benchmarks.md)."""
     vocab = vocab_limit(model_dir)
     rng = random.Random(args.seed)
     system = random_ids(rng, args.prefix_len, vocab)

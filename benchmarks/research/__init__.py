@@ -1,3 +1,2 @@
-"""Research tools: what one run of bench.py cannot say, measured on its own (docs/07_benchmarks.md).
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""Research tools: what one run of bench.py cannot say, measured on its own (docs/07_benchmarks.md,
+"The benchmark modules in full")."""

@@ -1,6 +1,4 @@
-"""Tensor parallelism's figures: per-rank weight and KV bytes, bytes sent per step, throughput.
-(In full: docs/07_benchmarks.md, "The benchmark modules in full".)
-"""
+"""Tensor parallelism's figures: per-rank weight and KV bytes, bytes sent per step, throughput."""
 from __future__ import annotations
 
 import argparse

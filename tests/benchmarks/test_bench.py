@@ -355,11 +355,10 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
     return next((c for c in map(walk, sorted(graph)) if c), None)
 
 
-# Issue 52 asks for at most 3,000 lines; this is where benchmarks/ stands after its first cut (4,150), plus
-# the overlap workload (issue 54) and the serve workload's data-parallel servers and 8-prompt chat set (55).
-# It rises only with a workload an issue asks for: each workload's own code is what is left
-# (docs/07_benchmarks.md lists it).
-LINE_BUDGET = 4_300
+# The lines of Python in benchmarks/ and benchmarks/research/, every line counted (code, comments, docstrings,
+# blank lines); what the modules read at run time from benchmarks/data/ (prompts, schemas, shapes, targets)
+# is not.
+LINE_BUDGET = 4_063
 
 
 def test_benchmarks_stays_within_its_line_budget():

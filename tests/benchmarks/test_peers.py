@@ -258,13 +258,13 @@ def test_auto_is_the_best_compute_type_the_cpu_supports():
 
 def test_the_spec_workload_compares_vllm_without_and_with_its_ngram_and_suffix_speculation(side_python, tiny_model_dirs,
                                                                                            resolved):
-    from benchmarks import spec_vllm
+    from benchmarks import spec
     from nanopaged.engine.input_processor import load_tokenizer
     model_dir = tiny_model_dirs["llama"]
     items = build_workload(load_tokenizer(model_dir), 2, max_tokens=6)
     args = bench.parse_args(["--workload", "spec", "--peers", "vllm", "--vllm-python", str(side_python),
                              "--ngram-k", "3", "--suffix-k", "16", "--concurrency", "1,2"])
-    rows = spec_vllm.run_vllm_spec(args, model_dir, items, resolved)
+    rows = spec.run_vllm_spec(args, model_dir, items, resolved)
     assert set(rows) == {"off", "ngram_k3", "suffix_k16"}
     assert rows["off"]["speculative_config"] is None and rows["ngram_k3"]["speculative_config"]["method"] == "ngram"
     assert rows["suffix_k16"]["speculative_config"]["method"] == "suffix"

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import bench  # noqa: E402
-from benchmarks import spec, spec_agent, spec_prompts, spec_run, spec_vllm  # noqa: E402
+from benchmarks import spec, spec_agent, spec_prompts, spec_run  # noqa: E402
 from benchmarks.models import build_draft_model  # noqa: E402
 
 
@@ -287,8 +287,8 @@ def test_one_workload_alone(tiny_model_dirs, cache, tmp_path):
 
 
 def test_the_vllm_row_says_why_it_did_not_run(monkeypatch, tokenizer):
-    monkeypatch.setattr(spec_vllm, "side_python", lambda args, peer: None)
+    monkeypatch.setattr(spec, "side_python", lambda args, peer: None)
     args = bench.parse_args(["--workload", "spec", "--peers", "vllm"])
-    row = spec_vllm.run_vllm_spec(args, "unused", spec_prompts.build_workload(tokenizer, 1), {"dtype": "float32"})
+    row = spec.run_vllm_spec(args, "unused", spec_prompts.build_workload(tokenizer, 1), {"dtype": "float32"})
     assert "setup_vllm_peer.sh" in row["skipped"]
 
