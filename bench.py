@@ -35,11 +35,12 @@ from benchmarks.models import MOE_CONFIGS, RANDOM_CONFIGS, resolve_model, vocab_
 from benchmarks.nanopaged_run import batch_invariance_cost, quantized_vs_dense, resolved_settings, run_nanopaged
 from benchmarks.noise import noise_figures
 from benchmarks.overlap import run_overlap
+from benchmarks.hybrid import run_hybrid
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
 from benchmarks.lora import run_lora
 from benchmarks.moe import run_moe
-from benchmarks.report import (plot, print_cascade, print_lora, print_moe, print_overlap, print_shared_prefix,
-                               print_sharing, print_spec, print_structured, print_table)
+from benchmarks.report import (plot, print_cascade, print_hybrid, print_lora, print_moe, print_overlap,
+                               print_shared_prefix, print_sharing, print_spec, print_structured, print_table)
 from benchmarks.quality import quality_figures, text_ids
 from benchmarks.roofline import kernel_peak_flops, roofline_figures
 from benchmarks.single_stream import single_stream_figures, single_stream_length
@@ -59,7 +60,7 @@ DEFAULTS = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))
 # nano-vllm's bench.py: 256 requests, lengths uniform in 100..1024 (a GPU-sized run).
 PRESETS = {"nano-vllm": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))}
 WORKLOADS = ("throughput", "shared-prefix", "cascade", "sharing", "structured", "spec", "lora", "moe", "overlap",
-             "serve", "ray")      # serve: benchmarks/serve.py, ray: benchmarks/ray_data.py, each its own flags
+             "hybrid", "serve", "ray")      # serve: benchmarks/serve.py, ray: benchmarks/ray_data.py, each its own flags
 # shared-prefix: each request = one system prompt (--prefix-len) + its own question.
 SHARED_PREFIX_DEFAULTS = dict(num_requests=64, input_len=(16, 48), output_len=(8, 16), prefix_len=256)
 # cascade: decode steps of 32 rows on one 1,024-token prefix, shared blocks read once or not.
@@ -72,7 +73,8 @@ OTHER_WORKLOADS = {"shared-prefix": (run_shared_prefix, print_shared_prefix),
                    "spec": (run_spec, print_spec),
                    "lora": (run_lora, print_lora),
                    "moe": (run_moe, print_moe),
-                   "overlap": (run_overlap, print_overlap)}
+                   "overlap": (run_overlap, print_overlap),
+                   "hybrid": (run_hybrid, print_hybrid)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,12 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "benchmarks/spec.py); lora (1, 4, 16 adapters mixed vs the base model: benchmarks/lora.py); "
                         "moe (a mixture of experts against its active-weight floor: benchmarks/moe.py, the workload "
                         "of --random-weights olmoe-1b-7b and qwen3-30b-a3b-12l); overlap (async scheduling on vs "
-                        "off: benchmarks/overlap.py)")
+                        "off: benchmarks/overlap.py); hybrid (a hybrid's K/V and state per request, and a prefix "
+                        "hit's time to first token: benchmarks/hybrid.py)")
     p.add_argument("--overlap-requests", type=int, default=256,
                    help="overlap: requests of 16 output tokens in its third workload (default 256)")
     p.add_argument("--prefix-len", type=int,
-                   help="shared-prefix, cascade: tokens of the system prompt every request starts with "
-                        "(default 256, cascade 1024)")
+                   help="shared-prefix, cascade, hybrid: tokens of the system prompt every request starts with "
+                        "(default 256, cascade 1024, hybrid 2048)")
     # spec (benchmarks/spec.py): its workloads, prompts and configurations; its trace takes the trace flags below
     p.add_argument("--spec-workloads", default="repeating,agent,json,trace",
                    help="spec: which of repeating, agent, json, trace to run, comma-separated (default all)")

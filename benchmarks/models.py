@@ -88,10 +88,10 @@ def build_random_model(name: str) -> Path:
         return write_once(folder, f"random weights for {name}", lambda tmp: write_random_moe(name, tmp))
 
     def write(tmp: Path) -> None:
-        from transformers import AutoModelForCausalLM, Qwen3Config
+        from transformers import AutoConfig, AutoModelForCausalLM
         cfg = dict(RANDOM_CONFIGS[name])
-        config = Qwen3Config(**cfg, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                             architectures=["Qwen3ForCausalLM"])
+        config = AutoConfig.for_model(cfg.pop("model_type", "qwen3"), **cfg, bos_token_id=1, eos_token_id=2,
+                                      pad_token_id=2)      # a hybrid's shape names its model_type
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.save_pretrained(tmp, safe_serialization=True)   # writes generation_config.json too

@@ -238,6 +238,22 @@ def print_overlap(r: dict) -> None:
               f"off {w['non_model_share_off']:.1%}: {verdict(gain >= w['non_model_share_off'])}")
 
 
+def print_hybrid(r: dict) -> None:
+    s, m = r["settings"], r["memory"]
+    print(f"\n{s['architecture']}: memory per request of {m['context']:,} tokens (block size {m['block_size']}), "
+          f"and a question after a {s['prefix_len']:,}-token shared prompt; {host(r['machine'])}")
+    mb = 1e6
+    table(("model", 28), [("K/V B/token", 13, ",d"), ("state MB", 10, ".2f"), ("request MB", 12, ".1f"),
+                          ("requests fit", 14, ",d")],
+          {"hybrid, as paged": [m["kv_bytes_per_token"], m["state_bytes_per_request"] / mb, m["paged_bytes"] / mb,
+                                m["requests_at_context"]],
+           "hybrid, as filled": [m["kv_bytes_per_token"], None, m["filled_bytes"] / mb, None],
+           "full attention, same shape": [m["full_attention_bytes"] // m["context"], 0.0,
+                                          m["full_attention_bytes"] / mb, m["full_attention_requests"]]})
+    print(f"time to first token: hit {r['ttft_hit_s']:.3f} s (the kept state restored), miss {r['ttft_miss_s']:.3f} s: "
+          f"{r['ttft_speedup']:.1f}x; target (issue 57) >= 5x {verdict(r['ttft_speedup'] >= 5)}")
+
+
 def print_lora(r: dict) -> None:
     s = r["settings"]
     print(f"\nLoRA adapters mixed in one batch: {trace_line(s)}, greedy; rank {s['rank']} on all seven "

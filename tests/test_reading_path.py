@@ -45,10 +45,10 @@ READING_PATH = [
 # What the default path adds on a CPU with bfloat16 matrix units, in reading order: the fused
 # layer loop, the packed linears, the `cpu` attention backend, the build; then the C++ it loads.
 FAST_PATH = ["nanopaged/cpu/fused.py", "nanopaged/cpu/linear.py", "nanopaged/cpu/attention.py",
-             "nanopaged/cpu/build.py"]
+             "nanopaged/cpu/build.py", "nanopaged/cpu/recurrent.py"]
 CPP_SOURCES = ["nanopaged/cpu/csrc/" + f for f in (
     "ops.h", "vec16.h", "row_kernels.h", "kv_layout.h", "norms.cpp", "rotary_kv.cpp", "attention_jobs.h", "attention.cpp",
-    "linear_bf16.cpp", "quantized_rows.h", "linear_amx.cpp", "linear_quantized.cpp", "activations.cpp", "argmax.cpp", "moe.cpp", "decoder.h", "decoder.cpp",
+    "linear_bf16.cpp", "quantized_rows.h", "linear_amx.cpp", "linear_quantized.cpp", "activations.cpp", "argmax.cpp", "recurrent.cpp", "moe.cpp", "decoder.h", "decoder.cpp",
     "bindings.cpp")]        # csrc/ops.h's order: what the kernels share, then a layer's kernels in turn
 # The reference files the default path does not even import: their fast twins replace them whole.
 REPLACED = ["nanopaged/attention/torch_backend.py"]        # by nanopaged/cpu/attention.py
@@ -109,14 +109,16 @@ TABLES = READING_PATH + FAST_PATH + CPP_SOURCES + LOADED   # the three tables th
 # by the kernels; engine/overlap.py loaded by every call, run where the setting chooses it); 4,450, 7,075 and
 # 5,000 until the CPU's arithmetic (56: nanopaged's AMX kernels, bfloat16 and W8A8's int8, compiled on every
 # host and run on an AMX host's default path, and their choice; the W8A8 layer and the rotation it loads; a
-# checkpoint's own int8 W8A8, read from config.json, its scales kept by the loader beside the codes); 4,675,
-# 7,275 and 6,000 until hybrid models (57: the block manager pages a linear layer's state beside K/V, from one
+# checkpoint's own int8 W8A8, read from config.json, its scales kept by the loader beside the codes); 4,700,
+# 7,475 and 6,025 until hybrid models (57: the block manager pages a linear layer's state beside K/V, from one
 # free queue, and keeps it at block boundaries for the prefix cache, given up when pages run short:
 # core/state_pages.py, run for every model; two hybrids' config, layers and reference rules (Qwen3.5's gated
-# DeltaNet, Granite 4.0-H's Mamba-2) and their runner loaded by every call, run only for a hybrid)
-LINE_BUDGET = 4675
-DEFAULT_LINE_BUDGET = 7275
-LOADED_BUDGET = 6000
+# DeltaNet, Granite 4.0-H's Mamba-2) and their runner loaded by every call, run only for a hybrid; their
+# decode token in C++, csrc/recurrent.cpp compiled on every host and cpu/recurrent.py imported by the choice;
+# the torch backend's decode gathering only the slots in use where blocks are large, as a hybrid's are)
+LINE_BUDGET = 4700
+DEFAULT_LINE_BUDGET = 7475
+LOADED_BUDGET = 6025
 # The design card's three parts: the block manager, the scheduler, the model runner with the
 # torch attention it calls (the metadata it builds, the reference backend).
 THREE_PARTS = {
@@ -125,11 +127,12 @@ THREE_PARTS = {
     "model runner + torch attention": ["nanopaged/worker/model_runner.py", "nanopaged/attention/metadata.py",
                                        "nanopaged/attention/torch_backend.py"],
 }
-THREE_PARTS_BUDGET = 1080     # 1,000 until async scheduling's placeholder token (54): the request counts one, and
+THREE_PARTS_BUDGET = 1090     # 1,000 until async scheduling's placeholder token (54): the request counts one, and
                               # the scheduler's update in two halves, so a step can be scheduled between them; 1,025
                               # until a hybrid's state pages (57): the request's pages, a block's snapshot and
                               # the pool's count of snapshot pages it can take back, the scheduler's calls into
-                              # core/state_pages.py, the metadata's pages per request
+                              # core/state_pages.py, the metadata's pages per request; the torch backend's
+                              # decode reading only the slots in use of a large block
 # Words of every extension: a name holding one in the block pool, the scheduler, the runner or the
 # engine step means an extension's logic lives there instead of behind a hook.
 EXTENSION_WORDS = ("beam", "graph", "stats", "statistic", "bench", "triton", "flash", "demo", "fuse", "quant",

@@ -32,8 +32,9 @@ GROUP_COST_IN_BLOCKS = 30
 class DecodeGroup:
     """One-token requests attended in one padded call: their rows, block tables and mask."""
     rows: torch.Tensor          # (B,) the flat-batch row of each
-    blocks: torch.Tensor        # (B * max_blocks,) their block tables, padded, flattened
-    mask: torch.Tensor          # (B, 1, 1, max_blocks * block_size) 0 inside the request, -inf past it
+    blocks: torch.Tensor | None  # (B * max_blocks,) their block tables, padded, flattened
+    mask: torch.Tensor          # (B, 1, 1, L) 0 inside the request, -inf past it
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None   # or (block, offset) of each of the L keys, (B, L)
 
 
 @dataclass
@@ -75,15 +76,22 @@ def _by_length(meta: AttentionMetadata, decodes: list[int]) -> list[list[int]]:
 
 
 def _decode_group(meta: AttentionMetadata, requests: list[int], dtype: torch.dtype) -> DecodeGroup:
-    device = meta.slot_mapping.device
+    device, bs = meta.slot_mapping.device, meta.block_size
     idx = torch.tensor(requests, device=device)
-    max_blocks = cdiv(max(meta.seq_lens_list[i] for i in requests), meta.block_size)
-    key_pos = torch.arange(max_blocks * meta.block_size, device=device)
+    longest = max(meta.seq_lens_list[i] for i in requests)
+    max_blocks = cdiv(longest, bs)
+    # whole blocks where they are mostly full; where blocks are large (a hybrid's pages), only the slots in use
+    by_slot = max_blocks * bs > 2 * longest
+    key_pos = torch.arange(longest if by_slot else max_blocks * bs, device=device)
     outside = key_pos[None, :] >= meta.seq_lens[idx][:, None]
     # an additive mask (0 or -inf, in the queries' dtype): SDPA on CPU takes it faster than a
     # bool one, with the same result
     mask = torch.zeros(outside.shape, dtype=dtype, device=device).masked_fill_(outside, float("-inf"))
-    return DecodeGroup(meta.query_start_loc[idx], meta.block_tables[idx, :max_blocks].flatten(), mask[:, None, None, :])
+    tables = meta.block_tables[idx, :max_blocks]
+    if by_slot:
+        slots = (tables[:, key_pos // bs], (key_pos % bs).expand(len(requests), -1))
+        return DecodeGroup(meta.query_start_loc[idx], None, mask[:, None, None, :], slots)
+    return DecodeGroup(meta.query_start_loc[idx], tables.flatten(), mask[:, None, None, :])
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -161,10 +169,12 @@ class TorchAttentionBackend:
         """One group of one-token requests at once, q: (B, heads, head_dim): gather their blocks
         padded to the group's longest."""
         mask = group.mask
-        # index_select on the block axis: several times faster on CPU than cache[tables]
-        shape = (q.shape[0], mask.shape[-1]) + k_cache.shape[2:]
-        kk = from_cache_dtype(k_cache.index_select(0, group.blocks).view(shape), q.dtype)   # (B, L, kv_heads, D)
-        vv = from_cache_dtype(v_cache.index_select(0, group.blocks).view(shape), q.dtype)
+        if group.slots is not None:
+            kk, vv = from_cache_dtype(k_cache[group.slots], q.dtype), from_cache_dtype(v_cache[group.slots], q.dtype)
+        else:   # index_select on the block axis: several times faster on CPU than cache[tables]
+            shape = (q.shape[0], mask.shape[-1]) + k_cache.shape[2:]
+            kk = from_cache_dtype(k_cache.index_select(0, group.blocks).view(shape), q.dtype)  # (B, L, kv_heads, D)
+            vv = from_cache_dtype(v_cache.index_select(0, group.blocks).view(shape), q.dtype)
         # GQA: the query heads that share a KV head become that head's queries, (B, kv_heads,
         # group, D), so K/V are read as they are, never repeated per query head.
         qq = q.view(q.shape[0], kk.shape[2], -1, q.shape[-1])

@@ -12,5 +12,6 @@ thread governor); `choose.py` decides what else of it runs, once, for the runner
     fused.py             the decoder layer loop in C++, over the model's own weights
     moe.py               a mixture of experts: the step's tokens grouped by expert, each expert run once
     attention.py         the `cpu` attention backend: every row of a step through the block tables
+    recurrent.py         a hybrid's decode token in C++: the gated delta rule and Mamba-2, in place on the pages
     thread_governor.py   torch's threads follow the cores other processes leave free (cpu_threads="auto")
 """

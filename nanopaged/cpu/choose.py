@@ -22,6 +22,9 @@ decided here (under tensor parallelism every rank runs the reference layers, its
                  float32 included
     attention    auto: cpu beside the fused layers (they attend with its kernel), else what
                  attention/backends.py says for the device (torch on CPU)
+    a hybrid     (models/hybrid.py) its linear layers' decode token in C++ (cpu/recurrent.py) on a CPU where
+                 the kernels build and cpu_kernels is not "reference"; its other layers the reference's, the
+                 linears as cpu_linear chooses, the attention torch's (its K/V sit in shared pages)
 
 Where each fast function replaces which reference, and the test that holds them equal, is
 docs/00_how_to_read.md, "The fast path beside the reference".
@@ -40,6 +43,7 @@ from nanopaged.cpu.features import bf16_matrix_units
 from nanopaged.cpu.fused import argmax_rows, fuse_layers
 from nanopaged.cpu.linear import pack_linears
 from nanopaged.cpu.quantized_linear import quantize_linears
+from nanopaged.cpu.recurrent import STATE_STEPS
 from nanopaged.cpu.rotation import check_w8a8
 from nanopaged.models.pipeline import ModelStage
 
@@ -55,12 +59,17 @@ class FastPath:
     quantization_group_size: int = 32
     gguf_file: str | None = None
     batch_invariant: bool = False       # every row computed alone: the same tokens in any batch
+    state_steps: str = "reference"      # cpp | reference: a hybrid's decode token (cpu/recurrent.py)
     quantized: dict | None = None       # what quantizing did (get_stats, the load log)
 
     @property
     def argmax(self) -> Callable | None:
         """The sampler's argmax where a kernel replaces torch's: the fused path's, else None."""
         return argmax_rows if self.layers == "fused" else None
+
+    def steps(self) -> dict | None:
+        """A hybrid's decode-token kernels for its layers; None: the reference's."""
+        return STATE_STEPS if self.state_steps == "cpp" else None
 
     def stages(self) -> list[ModelStage]:
         """Its stages of the model pipeline (models/pipeline.py), each only where chosen: quantize,
@@ -100,8 +109,11 @@ def choose(config) -> FastPath:
     attention = "cpu" if layers == "fused" else config.attention_backend
     if config.tensor_parallel_size > 1:      # the parallel layers keep their own forward: nothing packed or fused
         linear = layers = "reference"        # (the attention stays as chosen)
+    state_steps = "reference"
     if config.model_config.hybrid:           # the fused loop knows attention layers only; K/V sits in shared pages
         layers, attention = "reference", "torch"
+        cpp = config.device == "cpu" and config.cpu_kernels != "reference" and build.available() is None
+        state_steps = "cpp" if cpp else "reference"
     attention = resolve_attention_backend(attention, config.device, config.dtype)
     if attention == "cpu":
         check_cpu_attention(config.block_size)
@@ -112,7 +124,7 @@ def choose(config) -> FastPath:
     if asked and why_not:
         raise ValueError(f"batch_invariant=True cannot hold here: {why_not}")
     return FastPath(linear, layers, attention, config.quantization, config.quantization_group_size, config.gguf_file,
-                    batch_invariant=asked is not False and why_not is None)
+                    batch_invariant=asked is not False and why_not is None, state_steps=state_steps)
 
 
 def asked_batch_invariance(setting: bool | None) -> bool | None:

@@ -114,6 +114,7 @@ class EngineStats(Extension):
             # what runs in place of the reference (cpu/choose.py: FastPath)
             "cpu_linear": fast.linear,                            # the linear kernel (cpu/linear.py)
             "cpu_kernels": fast.layers,                           # the decoder layers: fused C++ or torch (cpu/fused.py)
+            "state_steps": fast.state_steps,                      # a hybrid's decode token: cpp or torch (cpu/recurrent.py)
             "attention_backend": fast.attention_backend,
             "batch_invariant": fast.batch_invariant,              # a request's tokens independent of its batch
             "cpu_bf16_matrix_units": bf16_matrix_units(),         # what dtype="auto" read (cpu/features.py)

@@ -34,7 +34,15 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, states: torch.Tens
     """One new token for each of R requests: x (R, channels), states (R, channels, kernel - 1)."""
     window = torch.cat([states.to(x.dtype), x[:, :, None]], dim=2)     # (R, channels, kernel)
     y = F.conv1d(window, weight[:, None, :], groups=weight.shape[0])[:, :, 0]
-    return F.silu(y), window[:, :, 1:]
+    return F.silu(y), window[:, :, 1:].to(states.dtype)
+
+
+def paged_conv_step(x, weight, bias, pages: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """`causal_conv1d_step` over state pages (bias None: Qwen3.5's convolution has none), as
+    paged_recurrent_step below; the fast path's kernel keeps the signature (cpu/recurrent.py)."""
+    states = pages[index].masked_fill(fresh[:, None, None], 0)
+    y, pages[index] = causal_conv1d_step(x, weight, states)
+    return y
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -56,12 +64,22 @@ def recurrent_step(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor,
     return (s * q[..., None]).sum(-2), s
 
 
+def paged_recurrent_step(q, k, v, g, beta, pages: torch.Tensor, index: torch.Tensor,
+                         fresh: torch.Tensor) -> torch.Tensor:
+    """`recurrent_step` over state pages: row r's state read from pages[index[r]] (zeros where fresh[r]: a
+    one-token prompt) and written back. The fast path's kernel keeps this signature (cpu/recurrent.py)."""
+    state = pages[index].masked_fill(fresh[:, None, None, None], 0)
+    o, pages[index] = recurrent_step(q, k, v, g, beta, state)
+    return o
+
+
 def chunked(q, k, v, g, beta, state: torch.Tensor, keep: tuple[int, ...] = (), chunk: int = 64):
     """One request's T tokens: q, k (T, heads, dk), v (T, heads, dv), g, beta (T, heads), state (heads, dk, dv).
     Returns o (T, heads, dv) float32, the state after the last token, and {t: the state after t tokens} for
     each t in `keep` (multiples of `chunk`, or T: a chunk's end)."""
     q, k, v, g, beta = prepare(q, k, v, g, beta)
     T = q.shape[0]
+    chunk = min(chunk, -(-T // 16) * 16)                               # a short prompt pads to 16s, not a chunk
     pad = -T % chunk                                                   # zeros past the end change nothing before it
     q, k, v, g, beta = (F.pad(x.transpose(0, 1), (0, 0, 0, pad) if x.dim() == 3 else (0, pad))
                         for x in (q, k, v, g, beta))                   # heads first: (heads, T + pad, ...)

@@ -59,8 +59,8 @@ class SharedMLP(nn.Module):
 class MambaLayer(Mamba2Mixer):
     """The mixer over its group's page of each request (the pages, the fresh ones and the snapshots from meta)."""
 
-    def __init__(self, cfg: ModelConfig, group: int) -> None:
-        super().__init__(cfg.hybrid.family["mamba"])
+    def __init__(self, cfg: ModelConfig, group: int, steps: dict | None = None) -> None:
+        super().__init__(cfg.hybrid.family["mamba"], steps)
         self.group = group
 
     def step(self, x: torch.Tensor, state, meta: AttentionMetadata) -> torch.Tensor:
@@ -71,14 +71,14 @@ class MambaLayer(Mamba2Mixer):
 
 
 class GraniteHybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend, index: int, steps: dict | None = None) -> None:
         super().__init__()
         family = cfg.hybrid.family
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_mamba = cfg.hybrid.layer_types[index] == "linear"
         if self.is_mamba:
-            self.mamba = MambaLayer(cfg, cfg.hybrid.place(index)[1])
+            self.mamba = MambaLayer(cfg, cfg.hybrid.place(index)[1], steps)
         else:
             self.self_attn = GraniteAttention(cfg, backend)
         self.shared_mlp = SharedMLP(cfg.hidden_size, family["shared_intermediate_size"])
@@ -92,11 +92,12 @@ class GraniteHybridDecoderLayer(nn.Module):
 
 
 class GraniteHybridModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, max_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend, max_len: int, steps: dict | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg, max_len)
-        self.layers = nn.ModuleList(GraniteHybridDecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(GraniteHybridDecoderLayer(cfg, backend, i, steps)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embedding_multiplier = cfg.hybrid.family["embedding_multiplier"]
 
@@ -109,12 +110,13 @@ class GraniteHybridModel(nn.Module):
 
 
 class GraniteHybridForCausalLM(LlamaForCausalLM):
-    """Llama's build over Granite's layers; the logits divided by `logits_scaling`."""
+    """Llama's build over Granite's layers; the logits divided by `logits_scaling`. `steps`: a decode token's
+    kernels ("conv", "ssd"), the fast path's (cpu/recurrent.py); None: the reference."""
 
-    def __init__(self, cfg: ModelConfig, backend, max_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend, max_len: int, steps: dict | None = None) -> None:
         nn.Module.__init__(self)
         self.config = cfg
-        self.model = GraniteHybridModel(cfg, backend, max_len)
+        self.model = GraniteHybridModel(cfg, backend, max_len, steps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -155,7 +155,7 @@ class Mamba2Shape:
     state_size: int                         # d_state: N, the width of B, C and the state
     n_groups: int                           # heads in a group share one B and one C (like GQA's K/V)
     conv_kernel: int                        # d_conv: the causal convolution's width
-    chunk_size: int                         # the scan's chunk length (ssd_chunked)
+    chunk_size: int                         # the checkpoint's scan chunk (its training kernels')
     use_conv_bias: bool
     use_bias: bool                          # in_proj's and out_proj's
     time_step_limit: tuple[float, float]    # dt is clamped into it after the softplus
@@ -169,6 +169,12 @@ class Mamba2Shape:
     def conv_dim(self) -> int:
         # the convolution runs over x, B and C together
         return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    @property
+    def scan_chunk(self) -> int:
+        """The chunk ssd_chunked runs: at most 64 (a short prompt pads to a whole chunk, and a chunk's work grows
+        with its square), dividing the checkpoint's so that every one of its chunk ends is one of ours."""
+        return math.gcd(64, self.chunk_size)
 
     def conv_state_shape(self) -> tuple[int, int]:
         """One request's conv state (float32): the last conv_kernel - 1 inputs of each channel."""
@@ -230,4 +236,4 @@ def granite_hybrid(cfg: dict) -> HybridConfig:
               "shared_intermediate_size": cfg.get("shared_intermediate_size", 1024),
               **{name: float(cfg.get(name) or 1.0) for name in GRANITE_MULTIPLIERS}}
     return HybridConfig(tuple(names[t] for t in types), (shape.conv_state_shape(), shape.ssm_state_shape()),
-                        family, chunk=shape.chunk_size)
+                        family, chunk=shape.scan_chunk)

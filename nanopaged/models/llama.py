@@ -171,14 +171,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def build(cls, cfg: ModelConfig, backend, max_len: int, device, dtype: torch.dtype) -> "LlamaForCausalLM":
+    def build(cls, cfg: ModelConfig, backend, max_len: int, device, dtype: torch.dtype, **layers) -> "LlamaForCausalLM":
         """The layers on `device`, weights not loaded yet, made in `dtype`: built in float32 and then cast,
-        a 7B mixture of experts would first take twice its bfloat16 size."""
+        a 7B mixture of experts would first take twice its bfloat16 size. `layers`: a subclass's own arguments."""
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                return cls(cfg, backend, max_len)
+                return cls(cfg, backend, max_len, **layers)
         finally:
             torch.set_default_dtype(default)
 

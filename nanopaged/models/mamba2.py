@@ -65,6 +65,7 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     plus the state carried in from the chunks before, decayed to position l and read by C_l.
     """
     T, H, P = x.shape
+    chunk_size = min(chunk_size, -(-T // 16) * 16)                     # a short prompt pads to 16s, not a chunk
     skip = D[:, None] * x                                              # (T, H, P): D x_t, outside the state
     # pad to whole chunks with dt = 0: a padded step decays by exp(0) = 1 and adds nothing,
     # so the state after the last chunk is the state after token T
@@ -96,6 +97,21 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     y = y + torch.einsum("klhn,khpn->klhp", C, torch.stack(starts)) * from_start[..., None]
     kept = {t: (starts[t // chunk_size] if t < T else state) for t in keep}
     return y.reshape(chunks * chunk_size, H, P)[:T] + skip, state, kept
+
+
+def paged_conv_step(x, weight, bias, pages: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """One token per request through `causal_conv1d` and SiLU, over state pages as paged_ssd_step below."""
+    states = pages[index].masked_fill(fresh[:, None, None], 0)
+    out, pages[index] = causal_conv1d(x[:, None, :], weight, bias, states)
+    return F.silu(out[:, 0, :])
+
+
+def paged_ssd_step(x, dt, A, B, C, D, pages: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """`ssd_step` over state pages: row r's state read from pages[index[r]] (zeros where fresh[r]: a one-token
+    prompt) and written back. The fast path's kernel keeps this signature (cpu/recurrent.py)."""
+    state = pages[index].masked_fill(fresh[:, None, None, None], 0)
+    y, pages[index] = ssd_step(x, dt, A, B, C, D, state)
+    return y
 
 
 def ssd_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -134,9 +150,12 @@ class Mamba2Mixer(nn.Module):
     Parameter names are transformers' GraniteMoeHybridMambaLayer's, so its state_dict loads as is.
     """
 
-    def __init__(self, shape: Mamba2Shape) -> None:
+    def __init__(self, shape: Mamba2Shape, steps: dict | None = None) -> None:
         super().__init__()
         self.shape = s = shape
+        steps = steps or {}     # a decode token's kernels, the fast path's (cpu/recurrent.py), else the reference
+        self.conv_step = steps.get("conv", paged_conv_step)
+        self.decode_step = steps.get("ssd", paged_ssd_step)
         # in_proj makes, per token: the gate z, the convolution's input (x, B, C), and dt per head
         self.in_proj = nn.Linear(s.hidden_size, s.intermediate_size + s.conv_dim + s.num_heads, bias=s.use_bias)
         self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim,
@@ -197,7 +216,7 @@ class Mamba2Mixer(nn.Module):
         out, conv_state[page] = causal_conv1d(xBC, weight, bias, conv0)    # written in place
         x, B, C = self._split(F.silu(out))
         y, ssm_state[page], kept = ssd_chunked(x, dt, -torch.exp(self.A_log.float()), B, C, self.D.float(),
-                                               self.shape.chunk_size, ssm0, tuple(snapshots))
+                                               self.shape.scan_chunk, ssm0, tuple(snapshots))
         window = torch.cat([conv0.t(), xBC])                           # the conv state after t rows: window[t:t+K-1]
         for rows, snapshot in snapshots.items():
             conv_state[snapshot], ssm_state[snapshot] = window[rows:rows + conv0.shape[1]].t(), kept[rows]
@@ -208,12 +227,8 @@ class Mamba2Mixer(nn.Module):
         """R requests' single rows at once through the convolution and the recurrence; their pages updated
         (`fresh` rows start from zero: a one-token prompt)."""
         # indexing by a list of pages reads copies; assigning to it writes the pages in place
-        conv0 = conv_state[page_ids].masked_fill(fresh[:, None, None], 0)
-        ssm0 = ssm_state[page_ids].masked_fill(fresh[:, None, None, None], 0)
-        out, conv_state[page_ids] = causal_conv1d(xBC[:, None, :], weight, bias, conv0)
-        x, B, C = self._split(F.silu(out[:, 0, :]))
-        y, ssm_state[page_ids] = ssd_step(x, dt, -torch.exp(self.A_log.float()), B, C, self.D.float(), ssm0)
-        return y
+        x, B, C = self._split(self.conv_step(xBC, weight, bias, conv_state, page_ids, fresh))
+        return self.decode_step(x, dt, -torch.exp(self.A_log.float()), B, C, self.D.float(), ssm_state, page_ids, fresh)
 
     def _split(self, xBC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows, conv_dim) -> x (rows, H, P) and B, C (rows, H, N), each group's B and C given to its heads."""

@@ -57,8 +57,11 @@ class GatedRMSNorm(nn.Module):
 
 # ---- the linear attention -------------------------------------------------------------
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: int) -> None:
+    def __init__(self, cfg: ModelConfig, group: int, steps: dict | None = None) -> None:
         super().__init__()
+        steps = steps or {}     # a decode token's kernels, the fast path's (cpu/recurrent.py), else the reference
+        self.conv_step = steps.get("conv", rule.paged_conv_step)
+        self.decode_step = steps.get("gated_delta", rule.paged_recurrent_step)
         lin = cfg.hybrid.family
         self.k_heads, self.v_heads = lin["linear_num_key_heads"], lin["linear_num_value_heads"]
         self.dk, self.dv = lin["linear_key_head_dim"], lin["linear_value_head_dim"]
@@ -127,11 +130,8 @@ class GatedDeltaNet(nn.Module):
         conv_pages, rec_pages = state
         index = torch.tensor(pages, device=qkv.device)
         fresh = torch.tensor([not h for h in has_state], device=qkv.device)
-        conv_state = conv_pages[index].masked_fill(fresh[:, None, None], 0)     # a 1-token prompt starts at zero
-        rec_state = rec_pages[index].masked_fill(fresh[:, None, None, None], 0)
-        mixed, conv = rule.causal_conv1d_step(qkv, self.conv1d.weight[:, 0], conv_state)
-        conv_pages[index] = conv.float()
-        o, rec_pages[index] = rule.recurrent_step(*self.split(mixed), g, beta, rec_state)
+        mixed = self.conv_step(qkv, self.conv1d.weight[:, 0], None, conv_pages, index, fresh)
+        o = self.decode_step(*self.split(mixed), g, beta, rec_pages, index, fresh)
         for r, kept in enumerate(snapshots):          # a prompt's last token on a block boundary
             for snapshot in kept.values():
                 conv_pages[snapshot], rec_pages[snapshot] = conv_pages[pages[r]], rec_pages[pages[r]]
@@ -172,13 +172,13 @@ class GatedAttention(nn.Module):
 
 # ---- the model ------------------------------------------------------------------------
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend, index: int, steps: dict | None = None) -> None:
         super().__init__()
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_linear = cfg.hybrid.layer_types[index] == "linear"
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg, cfg.hybrid.place(index)[1])
+            self.linear_attn = GatedDeltaNet(cfg, cfg.hybrid.place(index)[1], steps)
         else:
             self.self_attn = GatedAttention(cfg, backend)
         self.mlp = MLP(cfg)
@@ -191,12 +191,12 @@ class HybridDecoderLayer(nn.Module):
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, max_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend, max_len: int, steps: dict | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         self.rotary = RotaryEmbedding(replace(cfg, head_dim=rotary_dim), max_len)
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, backend, i, steps) for i in range(cfg.num_hidden_layers))
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, caches, meta):
@@ -209,12 +209,13 @@ class Qwen3_5Model(nn.Module):
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
-    """Llama's head and build over Qwen3.5's layers."""
+    """Llama's head and build over Qwen3.5's layers. `steps`: a decode token's kernels ("conv", "gated_delta"),
+    the fast path's (cpu/recurrent.py); None: the reference."""
 
-    def __init__(self, cfg: ModelConfig, backend, max_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend, max_len: int, steps: dict | None = None) -> None:
         nn.Module.__init__(self)
         self.config = cfg
-        self.model = Qwen3_5Model(cfg, backend, max_len)
+        self.model = Qwen3_5Model(cfg, backend, max_len, steps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

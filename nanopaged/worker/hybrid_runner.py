@@ -27,7 +27,8 @@ HYBRID_MODELS = {"Qwen3_5ForCausalLM": Qwen3_5ForCausalLM, "GraniteMoeHybridForC
 class HybridModelRunner(ModelRunner):
     def build_model(self) -> nn.Module:
         model_class = HYBRID_MODELS[self.model_config.architecture]
-        return model_class.build(self.model_config, self.backend, self.config.max_model_len, self.device, self.dtype)
+        return model_class.build(self.model_config, self.backend, self.config.max_model_len, self.device, self.dtype,
+                                 steps=self.fast_path.steps())
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """One attention layer's pages per position in a group: the memory is sized by them."""

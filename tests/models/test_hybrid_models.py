@@ -13,6 +13,7 @@ import torch
 from conftest import (_randomize, _tiny_tokenizer, check_logprobs_close, hf_greedy_logprobs, make_prompts,
                       nanopaged_greedy)
 from nanopaged import LLM, SamplingParams
+from nanopaged.cpu.build import available
 
 MAX_TOKENS = 16
 
@@ -91,7 +92,8 @@ def assert_every_page_came_back(llm):
 
 
 SETTINGS = {
-    "default": {},
+    "default": {},                                    # the decode token in C++ where it builds (cpu/recurrent.py)
+    "reference_kernels": {"cpu_kernels": "reference", "cpu_linear": "reference"},
     "no_prefix_caching": {"enable_prefix_caching": False},
     "chunked_prefill": {"max_num_batched_tokens": 24},
     "preemption": {"num_kv_blocks": 10},
@@ -105,6 +107,7 @@ def test_greedy_tokens_equal_transformers(hybrid_dir, reference, setting):
     prompts, expected = reference
     llm = LLM(hybrid_dir, dtype="float32", **SETTINGS[setting])
     assert [o.outputs[0].token_ids for o in greedy(llm, prompts)] == expected
+    assert llm.get_stats()["state_steps"] == ("reference" if setting == "reference_kernels" or available() else "cpp")
     stats = llm.get_stats()
     if setting in ("preemption", "everything_at_once"):
         assert stats["num_preemptions"] > 0

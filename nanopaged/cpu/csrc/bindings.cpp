@@ -15,6 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_and_store", &rotary_and_store, nogil, "rotate q and k in place (Qwen3: norm each head first), store k and v");
   m.def("silu_and_mul", &silu_and_mul, nogil, "SiLU(gate) * up");
   m.def("argmax_rows", &argmax_rows, nogil, "the index of each row's largest value, as torch.argmax(x, dim=-1)");
+  m.def("gated_delta_step", &gated_delta_step, nogil, "one token of the gated delta rule per request, in place on its page");
+  m.def("ssd_step", &ssd_step, nogil, "one token of Mamba-2's recurrence per request, in place on its page");
+  m.def("conv_step", &conv_step, nogil, "one token of a short causal convolution per request, then SiLU, in place");
   m.def("paged_attention", &paged_attention, nogil, "every row of a step attending through its block table, causally",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("share_prefixes") = true);

@@ -23,6 +23,7 @@
 //   linear_quantized.cpp pack_quantized, linear_quantized (4- and 8-bit weights)
 //   activations.cpp      silu_and_mul
 //   argmax.cpp           argmax_rows (the sampler's)
+//   recurrent.cpp        gated_delta_step, ssd_step, conv_step: a hybrid's linear layers, a decode token in place
 //   moe.cpp              Experts: a mixture of experts' MLP, its experts grouped per step
 //   decoder.h, .cpp      the decoder layers, one after another, in one call
 //   bindings.cpp         the Python module
@@ -73,3 +74,11 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 
 // argmax.cpp
 torch::Tensor argmax_rows(torch::Tensor x);
+
+// recurrent.cpp
+torch::Tensor gated_delta_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                               torch::Tensor beta, torch::Tensor state, torch::Tensor index, torch::Tensor fresh);
+torch::Tensor ssd_step(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B, torch::Tensor C,
+                       torch::Tensor D, torch::Tensor state, torch::Tensor index, torch::Tensor fresh);
+torch::Tensor conv_step(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor state,
+                        torch::Tensor index, torch::Tensor fresh);
