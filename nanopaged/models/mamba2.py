@@ -57,46 +57,47 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
                 D: torch.Tensor, chunk_size: int, initial_state: torch.Tensor, keep: tuple[int, ...] = ()):
     """One request's scan, chunk by chunk (Mamba-2's state-space duality). All float32.
 
-    x (T, H, P), dt (T, H) after softplus, A (H,) negative, B and C (T, H, N) one per head, D (H,),
-    initial_state (H, P, N) -> y (T, H, P), final state (H, P, N), and {t: the state after t tokens} for each
-    t in `keep` (multiples of chunk_size, or T: a chunk's end; a block boundary's snapshot).
+    x (T, H, P), dt (T, H) after softplus, A (H,) negative, B and C (T, G, N) one per group of H // G heads,
+    D (H,), initial_state (H, P, N) -> y (T, H, P), final state (H, P, N), and {t: the state after t tokens}
+    for each t in `keep` (multiples of chunk_size, or T: a chunk's end; a block boundary's snapshot).
     Within a chunk the recurrence unrolls into a masked quadratic form, like causal attention:
         y_l = sum_{s<=l} exp(a_{s+1} + ... + a_l) (C_l . B_s) dt_s x_s   (a = dt * A, the log-decay)
-    plus the state carried in from the chunks before, decayed to position l and read by C_l.
+    plus the state carried in from the chunks before, decayed to position l and read by C_l. Heads first
+    throughout (each matrix product one batched call), and C_l . B_s once per group, not per head.
     """
     T, H, P = x.shape
-    chunk_size = min(chunk_size, -(-T // 16) * 16)                     # a short prompt pads to 16s, not a chunk
-    skip = D[:, None] * x                                              # (T, H, P): D x_t, outside the state
+    G, N = B.shape[1:]
+    L = min(chunk_size, -(-T // 16) * 16)                              # a short prompt pads to 16s, not a chunk
+    K = -(-T // L)
     # pad to whole chunks with dt = 0: a padded step decays by exp(0) = 1 and adds nothing,
     # so the state after the last chunk is the state after token T
-    pad = (-T) % chunk_size
-    xdt, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (x * dt[..., None], dt, B, C))
-    chunks = (T + pad) // chunk_size
-    # (K, L, ...): K chunks of L steps; xdt (K, L, H, P) is the input dt_s x_s
-    xdt, dt, B, C = (t.reshape(chunks, chunk_size, *t.shape[1:]) for t in (xdt, dt, B, C))
-    a = (dt * A).transpose(1, 2)                                       # (K, H, L) log-decay of each step
-    a_cum = a.cumsum(dim=-1)                                           # (K, H, L) from the chunk's start
+    pad = K * L - T
+    xdt = F.pad((x * dt[..., None]).transpose(0, 1), (0, 0, 0, pad)).reshape(H, K, L, P)   # the input dt_s x_s
+    a = F.pad((dt * A).t(), (0, pad)).reshape(H, K, L)                 # the log-decay of each step
+    Bg, Cg = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)).reshape(G, 1, K, L, N) for t in (B, C))
+    a_cum = a.cumsum(dim=-1)                                           # (H, K, L) from the chunk's start
+    heads = (G, H // G, K)                                             # a head's index split into (group, its place)
 
-    # 1. inside each chunk: scores C_l . B_s, masked by the causal decay, applied to the inputs
-    decay = torch.exp(segment_sums(a))                                 # (K, H, L, L), 0 above the diagonal
-    scores = torch.einsum("klhn,kshn->khls", C, B) * decay
-    y = torch.einsum("khls,kshp->klhp", scores, xdt)
+    # 1. inside each chunk: scores C_l . B_s per group, masked by each head's causal decay, applied to the inputs
+    decay = torch.exp(segment_sums(a)).view(*heads, L, L)              # 0 above the diagonal
+    scores = (Cg @ Bg.transpose(-1, -2)) * decay                       # (G, H // G, K, L, L)
+    y = scores.view(H, K, L, L) @ xdt                                  # (H, K, L, P)
 
     # 2. what each chunk adds to the state by its end: its inputs, each decayed to the chunk's last step
-    to_end = torch.exp(a_cum[..., -1:] - a_cum)                        # (K, H, L)
-    added = torch.einsum("khs,kshp,kshn->khpn", to_end, xdt, B)        # (K, H, P, N)
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)                        # (H, K, L)
+    added = ((xdt * to_end[..., None]).view(*heads, L, P).transpose(-1, -2) @ Bg).view(H, K, P, N)
 
     # 3. across chunks: carry the state, one chunk at a time (few chunks, so a plain loop)
     state, starts = initial_state, []
-    for k in range(chunks):
+    for k in range(K):
         starts.append(state)
-        state = torch.exp(a_cum[k, :, -1])[:, None, None] * state + added[k]
+        state = torch.exp(a_cum[:, k, -1])[:, None, None] * state + added[:, k]
 
     # 4. the carried state's part of each output: decayed from the chunk's start to l, read by C_l
-    from_start = torch.exp(a_cum).transpose(1, 2)                      # (K, L, H)
-    y = y + torch.einsum("klhn,khpn->klhp", C, torch.stack(starts)) * from_start[..., None]
-    kept = {t: (starts[t // chunk_size] if t < T else state) for t in keep}
-    return y.reshape(chunks * chunk_size, H, P)[:T] + skip, state, kept
+    carried = (Cg @ torch.stack(starts, 1).view(*heads, P, N).transpose(-1, -2)).view(H, K, L, P)
+    y = y + carried * torch.exp(a_cum)[..., None]
+    kept = {t: (starts[t // L] if t < T else state) for t in keep}
+    return y.reshape(H, K * L, P)[:, :T].transpose(0, 1) + D[:, None] * x, state, kept
 
 
 def paged_conv_step(x, weight, bias, pages: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
@@ -214,7 +215,7 @@ class Mamba2Mixer(nn.Module):
         conv0 = conv_state[page] if has_state else torch.zeros_like(conv_state[page])
         ssm0 = ssm_state[page] if has_state else torch.zeros_like(ssm_state[page])
         out, conv_state[page] = causal_conv1d(xBC, weight, bias, conv0)    # written in place
-        x, B, C = self._split(F.silu(out))
+        x, B, C = self._split(F.silu(out), per_head=False)
         y, ssm_state[page], kept = ssd_chunked(x, dt, -torch.exp(self.A_log.float()), B, C, self.D.float(),
                                                self.shape.scan_chunk, ssm0, tuple(snapshots))
         window = torch.cat([conv0.t(), xBC])                           # the conv state after t rows: window[t:t+K-1]
@@ -230,12 +231,14 @@ class Mamba2Mixer(nn.Module):
         x, B, C = self._split(self.conv_step(xBC, weight, bias, conv_state, page_ids, fresh))
         return self.decode_step(x, dt, -torch.exp(self.A_log.float()), B, C, self.D.float(), ssm_state, page_ids, fresh)
 
-    def _split(self, xBC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rows, conv_dim) -> x (rows, H, P) and B, C (rows, H, N), each group's B and C given to its heads."""
+    def _split(self, xBC: torch.Tensor, per_head: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, conv_dim) -> x (rows, H, P) and B, C (rows, G, N) per group, or (rows, H, N): each group's
+        B and C given to its heads (the one-token step's layout)."""
         s = self.shape
         x, B, C = xBC.split([s.intermediate_size, s.n_groups * s.state_size, s.n_groups * s.state_size], dim=-1)
-        per_group = s.num_heads // s.n_groups
-        B, C = (t.reshape(-1, s.n_groups, s.state_size).repeat_interleave(per_group, dim=1) for t in (B, C))
+        B, C = (t.reshape(-1, s.n_groups, s.state_size) for t in (B, C))
+        if per_head:
+            B, C = (t.repeat_interleave(s.num_heads // s.n_groups, dim=1) for t in (B, C))
         return x.reshape(-1, s.num_heads, s.head_dim), B, C
 
     def _check_step(self, x, conv_state, query_lens, pages) -> None:
