@@ -230,3 +230,11 @@ def test_granite_reads_both_names_of_its_layer_types_and_refuses_its_mixtures_by
         granite_hybrid({**cfg, "num_local_experts": 8})
     with pytest.raises(ValueError, match="no attention layer"):
         granite_hybrid({**cfg, "layer_types": ["mamba"] * 6})
+
+
+def test_batch_invariance_is_not_claimed_where_the_attention_is_the_torch_reference(hybrid_dir):
+    """A hybrid's attention runs on the torch backend, which groups decode rows by length: its default path does
+    not claim batch invariance, and asking for it is refused with the reason (cpu/choose.py)."""
+    assert LLM(hybrid_dir, dtype="bfloat16", num_kv_blocks=40).get_stats()["batch_invariant"] is False
+    with pytest.raises(ValueError, match="batch_invariant=True cannot hold here"):
+        LLM(hybrid_dir, dtype="bfloat16", batch_invariant=True)
