@@ -8,7 +8,7 @@ docs/01_kv_cache_arithmetic.md does the arithmetic.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +37,9 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                "olmoe": "OlmoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
+# a vision-language checkpoint read for its language model alone: architecture -> the language model's, which
+# config.json's text_config describes; its weights carry this prefix, and the vision tower's are skipped
+LANGUAGE_MODEL_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
 HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM": qwen3_5_hybrid,       # config.json -> HybridConfig (models/hybrid.py)
                         "GraniteMoeHybridForCausalLM": granite_hybrid}
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -65,6 +68,7 @@ class ModelConfig:
     hybrid: HybridConfig | None = None  # linear-attention layers beside attention ones (models/hybrid.py)
     partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates (the rest pass)
     attn_output_gate: bool = False      # q_proj also yields a gate: attention's output x sigmoid(gate) (Qwen3.5)
+    language_model_of: str | None = None  # read from this vision-language checkpoint, its language model only
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -78,6 +82,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict, eos_token_ids: tuple[int, ...] = ()) -> "ModelConfig":
         archs = cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type"), "?")]
+        if isinstance(archs, list) and archs and archs[0] in LANGUAGE_MODEL_OF:     # its text part, as a text model
+            text = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **(cfg.get("text_config") or {}),
+                    "architectures": [LANGUAGE_MODEL_OF[archs[0]]]}
+            return replace(cls.from_dict(text, eos_token_ids or _as_tuple(text.get("eos_token_id"))),
+                           language_model_of=archs[0])
         if not isinstance(archs, list):
             raise ValueError(f"'architectures' must be a list of class names, got {archs!r}")
         arch = archs[0]

@@ -69,17 +69,24 @@ def weight_bytes(folder: str | Path, dtype: torch.dtype) -> int:
     return total * dtype.itemsize
 
 
+# a vision-language checkpoint read for its language model (models/config.py: LANGUAGE_MODEL_OF): where its
+# language model's weights are, and what else it holds (the vision tower, multi-token-prediction layers)
+LANGUAGE_MODEL_PREFIX, NOT_THE_LANGUAGE_MODEL = "model.language_model.", ("model.visual.", "mtp.")
+
+
 def _load_file(file: Path, params, loaded, model, read, scales) -> None:
+    text_only = getattr(getattr(model, "config", None), "language_model_of", None)
     with safe_open(str(file), framework="pt") as f:
-        for name in f.keys():
-            if name.endswith("rotary_emb.inv_freq"):
-                continue                   # recomputed, never a real weight
+        for stored in f.keys():
+            if stored.endswith("rotary_emb.inv_freq") or (text_only and stored.startswith(NOT_THE_LANGUAGE_MODEL)):
+                continue                   # recomputed, never a real weight; or not the language model's
+            name = stored.replace(LANGUAGE_MODEL_PREFIX, "model.", 1) if text_only else stored
             if name.endswith(".weight_scale"):
-                scales[name.removesuffix("_scale")] = read(f, name)
+                scales[name.removesuffix("_scale")] = read(f, stored)
                 continue
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 continue                   # tied embeddings: the checkpoint may still carry it
-            _load_one(params, name, read(f, name), loaded, model)
+            _load_one(params, name, read(f, stored), loaded, model)
 
 
 def _load_one(params, name, tensor, loaded, model, scale: bool = False) -> None:

@@ -238,3 +238,30 @@ def test_batch_invariance_is_not_claimed_where_the_attention_is_the_torch_refere
     assert LLM(hybrid_dir, dtype="bfloat16", num_kv_blocks=40).get_stats()["batch_invariant"] is False
     with pytest.raises(ValueError, match="batch_invariant=True cannot hold here"):
         LLM(hybrid_dir, dtype="bfloat16", batch_invariant=True)
+
+
+def test_a_qwen3_5_vision_language_checkpoint_runs_as_its_language_model(tmp_path):
+    """Qwen3.5's checkpoints ship as Qwen3_5ForConditionalGeneration (a vision tower beside the language model,
+    the latter's weights under model.language_model.): read for text, its tokens are transformers' own model's
+    on text alone, and the vision tower's weights are skipped, not refused."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    tok = _tiny_tokenizer()
+    text = qwen3_5_model(len(tok)).config.to_dict()
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    torch.manual_seed(2)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).float()
+    _randomize(model)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    tok.save_pretrained(tmp_path)
+    prompts = make_prompts(512, n=4, seed=6, min_len=3, max_len=80)
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        new = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=MAX_TOKENS, pad_token_id=2)[0, len(p):].tolist()
+        expected.append(new[:new.index(2) + 1] if 2 in new else new)
+    llm = LLM(str(tmp_path), dtype="float32")
+    assert llm.llm_engine.config.model_config.language_model_of == "Qwen3_5ForConditionalGeneration"
+    assert [o.outputs[0].token_ids for o in greedy(llm, prompts)] == expected
