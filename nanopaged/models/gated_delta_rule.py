@@ -50,11 +50,9 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def prepare(q, k, v, g, beta):
-    """float32 and contiguous (views cut from the convolution's output make batched products fall off BLAS),
-    q and k unit length, q scaled: what both forms of the rule read."""
-    q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
-    q, k = l2norm(q), l2norm(k)
-    return q * q.shape[-1] ** -0.5, k, v, g, beta
+    """float32, q and k unit length, q scaled: what both forms of the rule read."""
+    q, k = l2norm(q.float()), l2norm(k.float())
+    return q * q.shape[-1] ** -0.5, k, v.float(), g.float(), beta.float()
 
 
 def recurrent_step(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,8 +65,6 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     plus the state carried in from the chunks before, decayed to position l and read by C_l. Heads first
     throughout (each matrix product one batched call), and C_l . B_s once per group, not per head.
     """
-    # contiguous first: views cut from the projection's output made each batched product below fall off BLAS
-    x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
     T, H, P = x.shape
     G, N = B.shape[1:]
     L = min(chunk_size, -(-T // 16) * 16)                              # a short prompt pads to 16s, not a chunk
