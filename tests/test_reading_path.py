@@ -110,14 +110,15 @@ TABLES = READING_PATH + FAST_PATH + CPP_SOURCES + LOADED   # the three tables th
 # 5,000 until the CPU's arithmetic (56: nanopaged's AMX kernels, bfloat16 and W8A8's int8, compiled on every
 # host and run on an AMX host's default path, and their choice; the W8A8 layer and the rotation it loads; a
 # checkpoint's own int8 W8A8, read from config.json, its scales kept by the loader beside the codes); 4,700,
-# 7,475 and 6,025 until hybrid models (57: the block manager pages a linear layer's state beside K/V, from one
+# 7,500 and 6,025 until hybrid models (57: the block manager pages a linear layer's state beside K/V, from one
 # free queue, and keeps it at block boundaries for the prefix cache, given up when pages run short:
 # core/state_pages.py, run for every model; two hybrids' config, layers and reference rules (Qwen3.5's gated
 # DeltaNet, Granite 4.0-H's Mamba-2) and their runner loaded by every call, run only for a hybrid; their
 # decode token in C++, csrc/recurrent.cpp compiled on every host and cpu/recurrent.py imported by the choice;
-# the torch backend's decode gathering only the slots in use where blocks are large, as a hybrid's are)
+# the torch backend's decode gathering only the slots in use where blocks are large, as a hybrid's are; a
+# vision-language checkpoint read for its language model: the config's LANGUAGE_MODEL_OF, the loader's prefixes)
 LINE_BUDGET = 4700
-DEFAULT_LINE_BUDGET = 7475
+DEFAULT_LINE_BUDGET = 7500
 LOADED_BUDGET = 6025
 # The design card's three parts: the block manager, the scheduler, the model runner with the
 # torch attention it calls (the metadata it builds, the reference backend).
