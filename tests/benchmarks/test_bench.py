@@ -460,3 +460,25 @@ def test_batch_invariance_is_timed_against_the_trace_without_it_where_the_kernel
     assert b["ratio"] == pytest.approx(max(b["runs"]["invariant"]) / max(b["runs"]["not_invariant"]))
     assert set(b["single_stream_decode_tokens_per_s"]) == {"invariant", "not_invariant"}
     assert nr.batch_invariance_cost(model, trace, {"batch_invariant": False}, first) == {"batch_invariant": False}
+
+
+def test_hybrid_workload_smoke(tmp_path):
+    """--workload hybrid on a tiny Qwen3.5 (two attention layers of eight): the memory arithmetic holds together
+    and every round's question behind the shared prompt hits its kept state."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from benchmarks.tokenizer import train_tokenizer
+    tok = train_tokenizer(512)
+    cfg = Qwen3_5TextConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=1024,
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                            linear_value_head_dim=16, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    Qwen3_5ForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    tok.save_pretrained(tmp_path)
+    r = bench.main(["--workload", "hybrid", "--model", str(tmp_path), "--prefix-len", "128", "--dtype", "float32"])
+    m = r["memory"]
+    assert m["block_size"] == 64 and m["paged_bytes"] >= m["filled_bytes"] > 0
+    assert m["full_attention_bytes"] == 4 * m["context"] * m["kv_bytes_per_token"]     # 8 layers against 2
+    assert m["requests_at_context"] >= m["full_attention_requests"]
+    assert r["snapshots_restored"] == 3 and r["ttft_hit_s"] > 0 and r["ttft_speedup"] > 0
