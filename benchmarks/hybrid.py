@@ -21,8 +21,8 @@ QUESTION_TOKENS = 32
 
 def memory(llm: LLM, m: ModelConfig) -> dict:
     """Bytes per request at CONTEXT tokens, as the pool pages them and as they are filled."""
-    h = llm.get_stats()["hybrid"]
-    bs, pages = llm.get_stats()["block_size"], llm.get_stats()["num_kv_blocks"]
+    stats = llm.get_stats()
+    h, bs, pages = stats["hybrid"], stats["block_size"], stats["num_kv_blocks"]
     per_value = llm.llm_engine.runner.kv_cache_dtype.itemsize
     full_attention = 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * per_value
     return {"context": CONTEXT, "block_size": bs, "kv_bytes_per_token": h["kv_bytes_per_token"],

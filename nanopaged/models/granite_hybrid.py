@@ -110,16 +110,12 @@ class GraniteHybridModel(nn.Module):
 
 
 class GraniteHybridForCausalLM(LlamaForCausalLM):
-    """Llama's build over Granite's layers; the logits divided by `logits_scaling`. `steps`: a decode token's
-    kernels ("conv", "ssd"), the fast path's (cpu/recurrent.py); None: the reference."""
+    """Llama's head and build over Granite's layers; the logits divided by `logits_scaling`. `steps`: a decode
+    token's kernels ("conv", "ssd"), the fast path's (cpu/recurrent.py); None: the reference."""
+    model_class = GraniteHybridModel
 
     def __init__(self, cfg: ModelConfig, backend, max_len: int, steps: dict | None = None) -> None:
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = GraniteHybridModel(cfg, backend, max_len, steps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, backend, max_len, steps=steps)
         self.logits_scaling = cfg.hybrid.family["logits_scaling"]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -162,10 +162,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, max_len: int) -> None:
+    model_class = LlamaModel        # the layers under the head; a subclass names its own (models/qwen3_5.py)
+
+    def __init__(self, cfg: ModelConfig, backend, max_len: int, **layers) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend, max_len)
+        self.model = self.model_class(cfg, backend, max_len, **layers)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

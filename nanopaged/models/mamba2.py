@@ -14,6 +14,8 @@ one-token recurrence (`ssd_step`) batched across requests.
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -189,7 +191,7 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*s.time_step_limit)
         y = torch.empty(x.shape[0], s.num_heads, s.head_dim, dtype=torch.float32, device=x.device)
 
-        starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+        starts = [0, *accumulate(query_lens)]          # where each request's rows begin
         decode = [i for i, n in enumerate(query_lens) if n == 1]
         if decode:
             rows = torch.tensor([starts[i] for i in decode], device=x.device)

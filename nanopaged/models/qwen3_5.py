@@ -209,13 +209,6 @@ class Qwen3_5Model(nn.Module):
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
-    """Llama's head and build over Qwen3.5's layers. `steps`: a decode token's kernels ("conv", "gated_delta"),
-    the fast path's (cpu/recurrent.py); None: the reference."""
-
-    def __init__(self, cfg: ModelConfig, backend, max_len: int, steps: dict | None = None) -> None:
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = Qwen3_5Model(cfg, backend, max_len, steps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    """Llama's head and build over Qwen3.5's layers, built with `steps`: a decode token's kernels ("conv",
+    "gated_delta"), the fast path's (cpu/recurrent.py); None: the reference."""
+    model_class = Qwen3_5Model
