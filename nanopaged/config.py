@@ -83,6 +83,8 @@ class EngineConfig:
     max_cpu_loras: int | None = None        # adapters kept read in memory, least recently used evicted; None: max_loras
     runner: str = "generate"                # pooling: embeddings, prefill without sampling (pooling/); auto: generate
     pooler_config: dict | None = None       # pooling: {"pooling_type": LAST|MEAN|CLS, "normalize"}; None: the model's
+    max_num_encoder_input_tokens: int | None = None   # images: encoder rows one step may compute (multimodal/)
+    encoder_cache_size: int | None = None   # images: encoder rows kept for reuse; None for both: resolved per model
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
     gguf_file: str | None = field(init=False, default=None)     # quantization="gguf": the file's path
 
@@ -93,7 +95,8 @@ class EngineConfig:
         check_range("block_size", self.block_size, 1, 1024, integer=True)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "num_kv_blocks"):
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "num_kv_blocks",
+                     "max_num_encoder_input_tokens", "encoder_cache_size"):
             check_range(name, getattr(self, name), 1, integer=True, optional=True)
         check_range("max_num_seqs", self.max_num_seqs, 1, integer=True)
         check_range("seed", self.seed, *SEED_RANGE, integer=True)

@@ -105,16 +105,18 @@ NOT_IMPLEMENTED = [
      "reads PEFT LoRA folders of text models only"),
     (("lora_extra_vocab_size", "max_prompt_adapters", "max_prompt_adapter_token"), ANY,
      "has no extra-vocabulary or prompt adapters for these to size"),
-    # ---- multimodal input
-    (("limit_mm_per_prompt", "media_io_kwargs", "mm_processor_kwargs"), (None, {}), "runs text-only models"),
-    (("mm_processor_cache_type", "mm_encoder_attn_backend", "io_processor_plugin", "allowed_media_domains"),
-     (None,), "runs text-only models"),
-    (("allowed_local_media_path",), ("", None), "runs text-only models"),
+    # ---- multimodal input: limit_mm_per_prompt, allowed_local_media_path, max_num_encoder_input_tokens and
+    #      encoder_cache_size are settings (multimodal/, core/encoder_cache.py)
+    (("media_io_kwargs", "mm_processor_kwargs"), (None, {}), "processes images at the model folder's own processor "
+     "settings"),
+    (("mm_processor_cache_type", "mm_encoder_attn_backend", "io_processor_plugin"), (None,),
+     "caches encoder outputs only (core/encoder_cache.py), and encodes with the model's own attention"),
+    (("allowed_media_domains",), (None,), "never fetches a URL: images come as data, data: URLs or allowed local files"),
     (("enable_mm_embeds", "interleave_mm_strings", "enable_multimodal_encoder_data_parallel"), (False,),
-     "runs text-only models"),
+     "takes images as images, in one encoder process"),
     (("mm_processor_cache_gb", "mm_shm_cache_max_object_size_mb", "mm_encoder_tp_mode", "skip_mm_profiling",
       "video_pruning_rate", "disable_chunked_mm_input", "disable_mm_preprocessor_cache"), ANY,
-     "runs text-only models, so these size or switch nothing"),
+     "reads images only (no video), caches encoder outputs only, and always lets a chunk cut through an image"),
     # ---- decoding
     (("speculative_model", "num_speculative_tokens", "speculative_model_quantization",
       "speculative_draft_tensor_parallel_size", "speculative_max_model_len", "speculative_disable_by_batch_size",
@@ -248,7 +250,7 @@ class VllmModelConfig:
         self.tokenizer_mode, self.trust_remote_code, self.generation_config = "auto", False, "auto"
         self.revision = self.tokenizer_revision = None
         self.quantization = config.quantization
-        self.runner_type, self.is_multimodal_model = config.runner, False
+        self.runner_type, self.is_multimodal_model = config.runner, m.vision is not None
 
     @cached_property
     def hf_config(self):

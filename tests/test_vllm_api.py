@@ -176,7 +176,7 @@ def test_generate_leaves_the_callers_sampling_params_as_they_were(llm):
 def test_the_prompt_typeddicts_are_plain_dicts(llm):
     assert llm.generate([TokensPrompt(prompt_token_ids=PROMPT), TextPrompt(prompt="def main():")], GREEDY,
                         use_tqdm=False)[0].outputs[0].token_ids == greedy_tokens(llm)
-    with pytest.raises(ValueError, match=r"\['multi_modal_data'\] are not supported \(nanopaged runs text-only"):
+    with pytest.raises(ValueError, match=r"multi_modal_data: LlamaForCausalLM is a text-only model and takes no images"):
         llm.generate({"prompt": "x", "multi_modal_data": {"image": 1}}, GREEDY, use_tqdm=False)
     llm.generate({"prompt": "x", "multi_modal_data": None}, GREEDY, use_tqdm=False)   # None asks for nothing
 

@@ -61,6 +61,7 @@ class Request:
     state_pages: list[int] = field(default_factory=list)   # a hybrid's state: one page per linear group
     pending_snapshots: list[tuple[int, list[int]]] = field(default_factory=list)  # (block index, pages): the step
                                           # now running writes the state at those blocks' ends there
+    encoder_inputs: list = field(default_factory=list)   # its images, in prompt order (core/encoder_cache.py)
 
     @property
     def num_prompt_tokens(self) -> int:

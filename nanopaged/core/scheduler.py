@@ -17,8 +17,9 @@ Admission first looks the request's prefix up in the prefix cache, so its prefil
 the cache ends; after every step the blocks that became full are named in it. `fork` lets a
 request share every block of another (n > 1 samples); a write into a shared block first copies
 it (copy-on-write, `_allocate_slots`). A hybrid model's state pages ride along with the blocks
-(core/state_pages.py). docs/04_scheduler.md explains it; docs/03 and docs/06 the prefix cache and
-sharing. No torch.
+(core/state_pages.py), and a prompt's images with the encoder cache (core/encoder_cache.py): a step
+encodes the images its tokens reach, within its encoder budget. docs/04_scheduler.md explains it;
+docs/03 and docs/06 the prefix cache and sharing. No torch.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanopaged.core.block_pool import BlockPool, cdiv
+from nanopaged.core.encoder_cache import EncoderCache
 from nanopaged.core.request import Request, RequestStatus, SampledToken
 from nanopaged.core.state_pages import StatePages
 
@@ -37,6 +39,8 @@ class SchedulerOutput:
     admitted: list[tuple[Request, int]] = field(default_factory=list)    # (request, tokens it found cached)
     preempted: list[Request] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # pages copied before the forward (src, dst)
+    encoder_inputs: list[tuple[Request, int]] = field(default_factory=list)   # images to encode: (request, index)
+    encoder_frees: list[str] = field(default_factory=list)    # encoder outputs given up: the runner drops them
 
     @property
     def num_batched_tokens(self) -> int:
@@ -44,7 +48,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 encoder_cache: EncoderCache | None = None) -> None:
         self.block_pool = block_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -52,6 +57,7 @@ class Scheduler:
         self.running: list[Request] = []   # in admission order: the last is the newest
         self.admission_rules: list = []    # rule(request, running) -> bool: may it join them now?
         self.states = StatePages(block_pool)
+        self.encoder = encoder_cache or EncoderCache(0, 0)
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -64,6 +70,7 @@ class Scheduler:
         out = SchedulerOutput()
         token_budget = self.max_num_batched_tokens
         self.states.copies_for_step(out.blocks_to_copy)
+        self.encoder.new_step()
 
         # 1. Running requests, oldest first. Preemption takes the newest, so a request that
         #    is no longer RUNNING here was preempted in this pass, and so are all after it.
@@ -79,8 +86,12 @@ class Scheduler:
             if num_new == 0:      # a request that computed its last token got the next one, or was finished
                 raise RuntimeError(f"running request {request.request_id!r} has no new token: a "
                                    "token-selection rule gave it none and it was not aborted")
+            num_new, to_encode = self.encoder.fit(request, num_new)
+            if num_new == 0:
+                continue      # its next image waits for the step's encoder budget or the cache's room
             if not self._make_room(request, num_new, out):
                 break         # it was the newest running request itself
+            self.encoder.take(request, num_new, to_encode, out)
             out.scheduled.append((request, num_new))
             token_budget -= num_new
 
@@ -123,10 +134,11 @@ class Scheduler:
         num_cached = len(hits) * pool.block_size
         request.num_computed_tokens = num_cached
         num_new = self.states.align(request, min(request.num_tokens - num_cached, token_budget))
+        num_new, to_encode = self.encoder.fit(request, num_new)
         # Cached blocks that sit in the free queue leave it (with a hybrid's snapshots): not free for others.
         num_free = pool.num_free_blocks - sum(1 + len(pool.blocks[b].state_snapshot) for b in hits
                                               if pool.blocks[b].ref_count == 0)
-        if pool.blocks_needed(len(hits), num_cached + num_new) + self.states.per_request > num_free:
+        if num_new == 0 or pool.blocks_needed(len(hits), num_cached + num_new) + self.states.per_request > num_free:
             request.num_computed_tokens = 0
             return 0
         pool.touch(hits)
@@ -135,6 +147,7 @@ class Scheduler:
         allocated = self._allocate_slots(request, num_new, [])
         assert allocated, "checked above: the free blocks suffice"
         self.states.take(request, hits, out.blocks_to_copy)
+        self.encoder.take(request, num_new, to_encode, out)
         if request.status == RequestStatus.WAITING:   # first admission, not a re-admission
             request.num_cached_tokens = num_cached
         request.status = RequestStatus.RUNNING
@@ -184,6 +197,7 @@ class Scheduler:
         """Recompute preemption: drop the K/V, keep the tokens, go to the front of the queue."""
         self.block_pool.free(request.block_ids)
         self.states.give_back(request)
+        self.encoder.release(request)         # the article's rule: all blocks and the encoder cache
         request.block_ids = []
         request.num_cached_blocks = 0
         request.num_computed_tokens = 0
@@ -231,6 +245,7 @@ class Scheduler:
         for request, num_new in out.scheduled:
             request.num_output_placeholders += request.num_computed_tokens + num_new == request.num_tokens_with_spec
             request.num_computed_tokens += num_new
+            self.encoder.done_with(request)
 
     def append(self, out: SchedulerOutput, sampled: dict[Request, list[SampledToken]]) -> None:
         for request, _ in out.scheduled:
@@ -266,5 +281,6 @@ class Scheduler:
             self.waiting.remove(request)
         self.block_pool.free(request.block_ids)
         self.states.give_back(request)
+        self.encoder.release(request)
         request.block_ids = []
         request.status = status

@@ -99,8 +99,8 @@ class FusedLlamaModel(nn.Module):
             described.gate_up, described.down = describe(layer.mlp.gate_up_proj), describe(layer.mlp.down_proj)
         return described
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds: torch.Tensor | None = None):
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary(positions, x.dtype)             # each (tokens, 1, head_dim)
         x = cpu_ops().decoder_forward(self.decoder, x, cos, sin, kv_caches, meta.slot_mapping, meta.block_tables,
                                       meta.seq_lens, meta.query_start_loc, meta.share_prefixes)

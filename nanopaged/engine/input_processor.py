@@ -83,7 +83,10 @@ class InputProcessor:
             return prompt, self.tokenizer.encode(prompt) if whole else self._encode(prompt)
         unknown = sorted(k for k, v in prompt.items() if k not in PROMPT_KEYS and v is not None
                          ) if isinstance(prompt, dict) else []
-        if unknown:                      # vLLM's multimodal keys: never silently dropped
+        if "multi_modal_data" in unknown:
+            raise ValueError(f"multi_modal_data: {self.config.model_config.architecture} is a text-only model and "
+                             "takes no images (a vision-language model's folder does)")
+        if unknown:                      # vLLM's other multimodal keys: never silently dropped
             raise ValueError(f"a prompt dict may hold {list(PROMPT_KEYS)}; {unknown} are not supported "
                              "(nanopaged runs text-only models)")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:

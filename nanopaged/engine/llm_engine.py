@@ -25,6 +25,7 @@ from typing import Callable, Sequence, TypeVar
 
 from nanopaged.config import EngineConfig
 from nanopaged.core.block_pool import BlockPool
+from nanopaged.core.encoder_cache import EncoderCache
 from nanopaged.core.request import Request, RequestStatus, SampledToken
 from nanopaged.core.scheduler import Scheduler, SchedulerOutput
 from nanopaged.engine.extension import Extension, StepRecord, TokenSelection
@@ -61,7 +62,8 @@ class LLMEngine:
         state_pages = hybrid.num_state_groups if hybrid else 0
         block_pool = BlockPool(self.runner.num_kv_blocks, config.block_size,
                                config.enable_prefix_caching, config.prefix_hash, state_pages)
-        self.scheduler = Scheduler(block_pool, config.max_num_seqs, config.max_num_batched_tokens)
+        encoder_cache = EncoderCache(config.encoder_cache_size or 0, config.max_num_encoder_input_tokens or 0)
+        self.scheduler = Scheduler(block_pool, config.max_num_seqs, config.max_num_batched_tokens, encoder_cache)
         self.input_processor = InputProcessor(config, self.tokenizer, self.runner.num_kv_blocks - state_pages)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sampler = Sampler(self.runner.device, config.seed, self.runner.fast_path.argmax)

@@ -69,6 +69,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates (the rest pass)
     attn_output_gate: bool = False      # q_proj also yields a gate: attention's output x sigmoid(gate) (Qwen3.5)
     language_model_of: str | None = None  # read from this vision-language checkpoint, its language model only
+    vision: dict | None = None          # a vision-language model's vision config (its images: multimodal/)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":

@@ -153,8 +153,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds: torch.Tensor | None = None):
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds   # images' rows in place
         rope = self.rotary(positions, x.dtype)     # once per step, not once per layer
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, kv_cache, meta)
@@ -184,9 +184,10 @@ class LlamaForCausalLM(nn.Module):
         finally:
             torch.set_default_dtype(default)
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        """Hidden states for every new token, (num_tokens, hidden)."""
-        return self.model(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids, positions, kv_caches, meta, **embeds) -> torch.Tensor:
+        """Hidden states for every new token, (num_tokens, hidden). `embeds`: inputs_embeds=, rows to take in
+        place of the tokens' embeddings (a vision-language model's image rows: multimodal/)."""
+        return self.model(input_ids, positions, kv_caches, meta, **embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits only for the rows that sample: the lm_head is the largest matmul of a small model.

@@ -47,6 +47,7 @@ class ModelInput:
     sample_rows: list[int]         # the last row (with k drafts: k + 1 rows) of each request whose step reaches its end
     sample_requests: list[Request]  # the request of each sample row
     prompt_rows: list[tuple[Request, int, list[int]]]   # prompt_logprobs: (request, first position, rows)
+    inputs_embeds: torch.Tensor | None = None   # set by an extension: the rows' embeddings, images' rows in place
 
 
 @dataclass
@@ -211,7 +212,8 @@ class ModelRunner:
         self.copy_blocks(out.blocks_to_copy)
         for hook in self.before_forward:      # an extension's per-step inputs (each row's adapter)
             hook(out, inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        embeds = {} if inputs.inputs_embeds is None else {"inputs_embeds": inputs.inputs_embeds}
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, **embeds)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         return ModelRunnerOutput(inputs.sample_requests, logits, self.prompt_logits(hidden, inputs.prompt_rows))
 
