@@ -40,9 +40,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
 # a vision-language checkpoint read for its language model alone: architecture -> the language model's, which
 # config.json's text_config describes; its weights carry this prefix, and the vision tower's are skipped
 LANGUAGE_MODEL_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
-# a vision-language model run with its images: architecture -> its language model's (config.json's text_config);
-# the vision numbers are kept beside, in ModelConfig.vision (worker/vision_runner.py builds the model)
-VISION_LANGUAGE_OF = {"Idefics3ForConditionalGeneration": "LlamaForCausalLM"}
+VISION_LANGUAGE_OF = {"Idefics3ForConditionalGeneration": "LlamaForCausalLM"}   # ... one run whole, with images
 HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM": qwen3_5_hybrid,       # config.json -> HybridConfig (models/hybrid.py)
                         "GraniteMoeHybridForCausalLM": granite_hybrid}
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -72,8 +70,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates (the rest pass)
     attn_output_gate: bool = False      # q_proj also yields a gate: attention's output x sigmoid(gate) (Qwen3.5)
     language_model_of: str | None = None  # read from this vision-language checkpoint, its language model only
-    vision: dict | None = None          # a vision-language model's: {"vision_config": config.json's, "scale_factor",
-                                        # "image_token_id"} (idefics3_vision; models/idefics3.py reads it)
+    vision: dict | None = None          # a vision-language model's tower and connector (models/idefics3.py)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -92,12 +89,12 @@ class ModelConfig:
                     "architectures": [LANGUAGE_MODEL_OF[archs[0]]]}
             return replace(cls.from_dict(text, eos_token_ids or _as_tuple(text.get("eos_token_id"))),
                            language_model_of=archs[0])
-        if isinstance(archs, list) and archs and archs[0] in VISION_LANGUAGE_OF:    # its text part, and the tower's
-            # numbers; transformers ties the head by the top level's tie_word_embeddings, not text_config's
+        if isinstance(archs, list) and archs and archs[0] in VISION_LANGUAGE_OF:    # its text part, the tower beside
             text = {**(cfg.get("text_config") or {}), "architectures": [VISION_LANGUAGE_OF[archs[0]]],
-                    "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
-            language_model = cls.from_dict(text, eos_token_ids or _as_tuple(text.get("eos_token_id")))
-            return replace(language_model, architecture=archs[0], vision=idefics3_vision(cfg, language_model))
+                    "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}    # the top level's, as transformers
+            text_model = cls.from_dict(text, eos_token_ids or _as_tuple(text.get("eos_token_id")))
+            from nanopaged.models.vision_config import idefics3_vision    # read only for a vision-language model
+            return replace(text_model, architecture=archs[0], vision=idefics3_vision(cfg, text_model.vocab_size))
         if not isinstance(archs, list):
             raise ValueError(f"'architectures' must be a list of class names, got {archs!r}")
         arch = archs[0]
@@ -163,30 +160,6 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; nanopaged supports "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     return float(theta), (None if rope_type == "default" else {**params, "rope_type": rope_type})
-
-
-def idefics3_vision(cfg: dict, text: "ModelConfig") -> dict:
-    """The vision tower's numbers (models/siglip.py) and the connector's, checked before a weight is read."""
-    v = cfg.get("vision_config") or {}
-    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
-                 "patch_size"):
-        if not isinstance(v.get(name), int) or isinstance(v.get(name), bool) or v[name] < 1:
-            raise ValueError(f"vision_config field {name!r} must be a positive integer, got {v.get(name)!r}")
-    if v.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-        raise ValueError(f"unsupported vision_config hidden_act {v['hidden_act']!r}; only 'gelu_pytorch_tanh'")
-    if v["hidden_size"] % v["num_attention_heads"]:
-        raise ValueError(f"vision_config num_attention_heads={v['num_attention_heads']} must divide "
-                         f"hidden_size={v['hidden_size']}")
-    side, scale = v["image_size"] // v["patch_size"], cfg.get("scale_factor", 2)
-    if not isinstance(scale, int) or scale < 1 or side % scale:
-        raise ValueError(f"scale_factor must be a positive integer dividing the {side} patches along a tile's "
-                         f"side (image_size / patch_size), got {scale!r}")
-    image_token_id = cfg.get("image_token_id")
-    if not isinstance(image_token_id, int) or not 0 <= image_token_id < text.vocab_size:
-        raise ValueError(f"image_token_id must be a token id below vocab_size={text.vocab_size}, got "
-                         f"{image_token_id!r}")
-    vision_config = {"num_channels": 3, "layer_norm_eps": 1e-6, **v}
-    return {"vision_config": vision_config, "scale_factor": scale, "image_token_id": image_token_id}
 
 
 def _moe(cfg: dict, arch: str) -> MoEConfig | None:

@@ -51,8 +51,8 @@ class Idefics3Connector(nn.Module):
 
 
 class Idefics3ForConditionalGeneration(LlamaForCausalLM):
-    """The text model and its head (LlamaForCausalLM: build, forward, compute_logits), the vision tower and
-    connector beside them. `cfg.vision`: config.json's vision numbers (models/config.py: idefics3_vision)."""
+    """The text model and its head (LlamaForCausalLM: build, compute_logits), the vision tower and connector
+    beside them. `cfg.vision`: config.json's vision numbers (models/config.py: idefics3_vision)."""
 
     # checkpoint name prefix -> ours (vLLM: hf_to_vllm_mapper), read by models/loader.py
     checkpoint_prefixes = {"model.text_model.": "model.", "model.vision_model.": "vision_model.",
@@ -106,6 +106,14 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(tokens,) -> (tokens, hidden): the embeddings an image's rows then overwrite at its positions."""
         return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, kv_caches, meta,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states for every new token, (num_tokens, hidden); `inputs_embeds` (num_tokens, hidden), where
+        given, in place of the tokens' embeddings: the images' rows among them."""
+        if inputs_embeds is None:       # a step without images: the text model's call, whichever runs it
+            return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds=inputs_embeds)
 
 
 def image_spans(ids: list[int], fake_id: int, global_id: int, image_seq_len: int) -> list[tuple[int, int]]:

@@ -184,13 +184,9 @@ class LlamaForCausalLM(nn.Module):
         finally:
             torch.set_default_dtype(default)
 
-    def forward(self, input_ids, positions, kv_caches, meta,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states for every new token, (num_tokens, hidden); `inputs_embeds` (num_tokens, hidden), where
-        given, in place of the tokens' embeddings (a vision-language model's image rows among them)."""
-        if inputs_embeds is None:       # the keyword only where given: a fused text model takes four arguments
-            return self.model(input_ids, positions, kv_caches, meta)
-        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds=inputs_embeds)
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        """Hidden states for every new token, (num_tokens, hidden)."""
+        return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits only for the rows that sample: the lm_head is the largest matmul of a small model.

@@ -76,26 +76,19 @@ LANGUAGE_MODEL_PREFIX, NOT_THE_LANGUAGE_MODEL = "model.language_model.", ("model
 
 def _load_file(file: Path, params, loaded, model, read, scales) -> None:
     text_only = getattr(getattr(model, "config", None), "language_model_of", None)
-    prefixes = getattr(model, "checkpoint_prefixes", {})    # a model laid out unlike its checkpoint (idefics3.py)
+    # checkpoint name prefix -> ours: a text-only reading's, or a model's laid out unlike its checkpoint (idefics3.py)
+    prefixes = {LANGUAGE_MODEL_PREFIX: "model."} if text_only else getattr(model, "checkpoint_prefixes", {})
     with safe_open(str(file), framework="pt") as f:
         for stored in f.keys():
             if stored.endswith("rotary_emb.inv_freq") or (text_only and stored.startswith(NOT_THE_LANGUAGE_MODEL)):
                 continue                   # recomputed, never a real weight; or not the language model's
-            name = stored.replace(LANGUAGE_MODEL_PREFIX, "model.", 1) if text_only else _renamed(stored, prefixes)
+            name = next((new + stored[len(old):] for old, new in prefixes.items() if stored.startswith(old)), stored)
             if name.endswith(".weight_scale"):
                 scales[name.removesuffix("_scale")] = read(f, stored)
                 continue
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 continue                   # tied embeddings: the checkpoint may still carry it
             _load_one(params, name, read(f, stored), loaded, model)
-
-
-def _renamed(name: str, prefixes: dict[str, str]) -> str:
-    """`name` with its checkpoint prefix replaced by the model's (the first that matches), else unchanged."""
-    for theirs, ours in prefixes.items():
-        if name.startswith(theirs):
-            return ours + name[len(theirs):]
-    return name
 
 
 def _load_one(params, name, tensor, loaded, model, scale: bool = False) -> None:
