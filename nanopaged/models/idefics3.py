@@ -33,6 +33,8 @@ def pixel_shuffle(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 class ModalityProjection(nn.Module):
+    """One linear, under the checkpoint's name (connector.modality_projection.proj)."""
+
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.proj = nn.Linear(in_features, out_features, bias=False)
@@ -52,7 +54,7 @@ class Idefics3Connector(nn.Module):
 
 class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     """The text model and its head (LlamaForCausalLM: build, compute_logits), the vision tower and connector
-    beside them. `cfg.vision`: config.json's vision numbers (models/config.py: idefics3_vision)."""
+    beside them. `cfg.vision`: config.json's vision numbers (models/vision_config.py: idefics3_vision)."""
 
     # checkpoint name prefix -> ours (vLLM: hf_to_vllm_mapper), read by models/loader.py
     checkpoint_prefixes = {"model.text_model.": "model.", "model.vision_model.": "vision_model.",

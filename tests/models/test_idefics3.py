@@ -5,6 +5,9 @@ with padding); processing leaves each image's span where the processor put its t
 transformers' own merge puts them; the logits of a whole prompt with one and two images equal transformers'
 in float32; the fast path's stages leave the vision tower working; wrong input is refused by name.
 """
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -160,16 +163,14 @@ def test_prompt_logits_with_images_equal_transformers_in_float32(runner, hf_mode
 
 def test_the_head_is_tied_as_the_top_level_config_says(folder):
     """transformers ties lm_head by config.json's own tie_word_embeddings, whatever text_config says."""
-    import json
-    saved = json.loads((__import__("pathlib").Path(folder) / "config.json").read_text())
+    saved = json.loads((Path(folder) / "config.json").read_text())
     assert ModelConfig.from_folder(folder).tie_word_embeddings is False
     tied = {**saved, "tie_word_embeddings": True, "text_config": {**saved["text_config"], "tie_word_embeddings": False}}
     assert ModelConfig.from_dict(tied).tie_word_embeddings is True
 
 
 def test_a_vision_tower_it_cannot_run_is_refused_by_name(folder):
-    import json
-    saved = json.loads((__import__("pathlib").Path(folder) / "config.json").read_text())
+    saved = json.loads((Path(folder) / "config.json").read_text())
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         ModelConfig.from_dict({**saved, "vision_config": {**saved["vision_config"], "hidden_act": "gelu"}})
     with pytest.raises(ValueError, match="scale_factor .* 4 patches.* got 3"):
