@@ -40,6 +40,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
 # a vision-language checkpoint read for its language model alone: architecture -> the language model's, which
 # config.json's text_config describes; its weights carry this prefix, and the vision tower's are skipped
 LANGUAGE_MODEL_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+VISION_LANGUAGE_OF = {"Idefics3ForConditionalGeneration": "LlamaForCausalLM"}   # ... one run whole, with images
 HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM": qwen3_5_hybrid,       # config.json -> HybridConfig (models/hybrid.py)
                         "GraniteMoeHybridForCausalLM": granite_hybrid}
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -69,7 +70,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates (the rest pass)
     attn_output_gate: bool = False      # q_proj also yields a gate: attention's output x sigmoid(gate) (Qwen3.5)
     language_model_of: str | None = None  # read from this vision-language checkpoint, its language model only
-    vision: dict | None = None          # a vision-language model's vision config (its images: multimodal/)
+    vision: dict | None = None          # a vision-language model's vision config, its tower and connector (multimodal/)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -88,6 +89,12 @@ class ModelConfig:
                     "architectures": [LANGUAGE_MODEL_OF[archs[0]]]}
             return replace(cls.from_dict(text, eos_token_ids or _as_tuple(text.get("eos_token_id"))),
                            language_model_of=archs[0])
+        if isinstance(archs, list) and archs and archs[0] in VISION_LANGUAGE_OF:    # its text part, the tower beside
+            text = {**(cfg.get("text_config") or {}), "architectures": [VISION_LANGUAGE_OF[archs[0]]],
+                    "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}    # the top level's, as transformers
+            text_model = cls.from_dict(text, eos_token_ids or _as_tuple(text.get("eos_token_id")))
+            from nanopaged.models.vision_config import idefics3_vision    # read only for a vision-language model
+            return replace(text_model, architecture=archs[0], vision=idefics3_vision(cfg, text_model.vocab_size))
         if not isinstance(archs, list):
             raise ValueError(f"'architectures' must be a list of class names, got {archs!r}")
         arch = archs[0]
