@@ -40,6 +40,8 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
 # a vision-language checkpoint read for its language model alone: architecture -> the language model's, which
 # config.json's text_config describes; its weights carry this prefix, and the vision tower's are skipped
 LANGUAGE_MODEL_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+# a vision-language model run whole: architecture -> the architecture of its language model
+VISION_LANGUAGE_MODELS = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
 HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM": qwen3_5_hybrid,       # config.json -> HybridConfig (models/hybrid.py)
                         "GraniteMoeHybridForCausalLM": granite_hybrid}
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -69,6 +71,8 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates (the rest pass)
     attn_output_gate: bool = False      # q_proj also yields a gate: attention's output x sigmoid(gate) (Qwen3.5)
     language_model_of: str | None = None  # read from this vision-language checkpoint, its language model only
+    vision: dict | None = None          # a vision-language model's vision_config, as config.json holds it
+    mrope_section: tuple[int, ...] | None = None   # M-RoPE: head_dim / 2 frequencies cut into (t, h, w) sections
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -87,6 +91,8 @@ class ModelConfig:
                     "architectures": [LANGUAGE_MODEL_OF[archs[0]]]}
             return replace(cls.from_dict(text, eos_token_ids or _as_tuple(text.get("eos_token_id"))),
                            language_model_of=archs[0])
+        if isinstance(archs, list) and archs and archs[0] in VISION_LANGUAGE_MODELS:
+            return _vision_language(cls, cfg, archs[0], eos_token_ids)
         if not isinstance(archs, list):
             raise ValueError(f"'architectures' must be a list of class names, got {archs!r}")
         arch = archs[0]
@@ -141,6 +147,26 @@ class ModelConfig:
     @property
     def num_attention_layers(self) -> int:
         return len(self.hybrid.attention_layers) if self.hybrid else self.num_hidden_layers
+
+
+def _vision_language(cls, cfg: dict, arch: str, eos_token_ids: tuple[int, ...]) -> ModelConfig:
+    """The language model's numbers (in text_config as transformers 5 saves it, at the top level in the hub's
+    older files), the vision_config beside them, and M-RoPE's sections (taken out of the rope dict: the
+    rotary frequencies are the default ones)."""
+    text = dict(cfg.get("text_config") or cfg)
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section = rope.pop("mrope_section", None)
+    if not isinstance(section, list) or len(section) != 3:
+        raise ValueError(f"{arch} needs rope_parameters.mrope_section, three section sizes; got {section!r}")
+    if not isinstance(cfg.get("vision_config"), dict):
+        raise ValueError(f"{arch} needs a vision_config object; got {cfg.get('vision_config')!r}")
+    if "mrope" in (rope.get("type"), rope.get("rope_type")):     # the older files' name for the default frequencies
+        rope.pop("type", None)
+        rope["rope_type"] = "default"
+    text = {**text, "rope_parameters": rope, "rope_scaling": None, "architectures": [VISION_LANGUAGE_MODELS[arch]],
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+    language = cls.from_dict(text, eos_token_ids or _as_tuple(text.get("eos_token_id")))
+    return replace(language, architecture=arch, vision=cfg["vision_config"], mrope_section=tuple(section))
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:

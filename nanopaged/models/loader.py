@@ -72,6 +72,9 @@ def weight_bytes(folder: str | Path, dtype: torch.dtype) -> int:
 # a vision-language checkpoint read for its language model (models/config.py: LANGUAGE_MODEL_OF): where its
 # language model's weights are, and what else it holds (the vision tower, multi-token-prediction layers)
 LANGUAGE_MODEL_PREFIX, NOT_THE_LANGUAGE_MODEL = "model.language_model.", ("model.visual.", "mtp.")
+# a vision-language model run whole (models/qwen2_5_vl.py) has the hub's older names, `model.` for its language
+# model and `visual.` for its vision tower; newer files nest both under `model.`: each newer prefix -> the older
+NEWER_NAMES = {LANGUAGE_MODEL_PREFIX: "model.", "model.visual.": "visual."}
 
 
 def _load_file(file: Path, params, loaded, model, read, scales) -> None:
@@ -80,13 +83,20 @@ def _load_file(file: Path, params, loaded, model, read, scales) -> None:
         for stored in f.keys():
             if stored.endswith("rotary_emb.inv_freq") or (text_only and stored.startswith(NOT_THE_LANGUAGE_MODEL)):
                 continue                   # recomputed, never a real weight; or not the language model's
-            name = stored.replace(LANGUAGE_MODEL_PREFIX, "model.", 1) if text_only else stored
+            name = _older_name(stored)
             if name.endswith(".weight_scale"):
                 scales[name.removesuffix("_scale")] = read(f, stored)
                 continue
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 continue                   # tied embeddings: the checkpoint may still carry it
             _load_one(params, name, read(f, stored), loaded, model)
+
+
+def _older_name(stored: str) -> str:
+    for newer, older in NEWER_NAMES.items():
+        if stored.startswith(newer):
+            return older + stored[len(newer):]
+    return stored
 
 
 def _load_one(params, name, tensor, loaded, model, scale: bool = False) -> None:
