@@ -12,11 +12,19 @@ import pytest
 import torch
 from PIL import Image
 
+import nanopaged.cpu.build as cpu_build
+import nanopaged.cpu.choose as choose_module
+from nanopaged import EngineConfig, SamplingParams
 from nanopaged.attention.backends import load_attention_backend
 from nanopaged.attention.metadata import AttentionMetadata
+from nanopaged.core.request import Request
+from nanopaged.core.scheduler import SchedulerOutput
+from nanopaged.cpu.choose import choose
+from nanopaged.cpu.fused import FusedLlamaModel, fuse_layers
 from nanopaged.models.config import ModelConfig
 from nanopaged.models.loader import load_weights
 from nanopaged.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from nanopaged.worker.vision_runner import VisionLanguageModelRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vlm_fixtures import tiny_qwen2_5_vl  # noqa: E402
@@ -167,3 +175,64 @@ def test_config_json_of_the_hubs_older_layout_reads_the_same(tiny):
              "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
     assert ModelConfig.from_dict(older, ours.config.eos_token_ids) == ours.config
     assert ours.config.mrope_section == (2, 3, 3) and ours.config.vision["window_size"] == 56
+
+
+def test_the_runner_builds_the_model_and_its_cache_fits_it(tiny):
+    """VisionLanguageModelRunner on a one-request SchedulerOutput: the model the runner built and loaded gives
+    the logits of the model loaded by hand (float32 on CPU: the reference path)."""
+    folder, processor, ours, _ = tiny
+    runner = VisionLanguageModelRunner(EngineConfig(str(folder), dtype="float32", device="cpu"))
+    assert isinstance(runner.model, Qwen2_5_VLForConditionalGeneration)
+    assert (runner.fast_path.linear, runner.fast_path.layers) == ("reference", "reference")
+    prompt = ours.process(processor, f"what is {IMAGE}", [image(LARGE, 7)])
+    request = Request("r", prompt.token_ids, SamplingParams(), max_tokens=1, block_ids=list(range(NUM_BLOCKS)))
+    out = SchedulerOutput()
+    out.scheduled.append((request, len(prompt.token_ids)))
+    inputs = runner.prepare_inputs(out)
+    kv = torch.zeros(runner.kv_cache_shape(NUM_BLOCKS))
+    logits = []
+    with torch.no_grad():
+        for model, cache in ((runner.model, runner.kv_cache), (ours, kv)):
+            embeds = model.embed_input_ids(inputs.input_ids)
+            one = prompt.images[0]
+            embeds[one.offset:one.offset + one.length] = model.encode_image(one.data)
+            hidden = model(inputs.input_ids, prompt.mrope_positions, cache, inputs.meta, inputs_embeds=embeds)
+            logits.append(model.compute_logits(hidden[inputs.sample_rows]))
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
+def test_a_vision_language_model_packs_its_linears_but_runs_the_reference_layers(tiny, monkeypatch):
+    """The fused loop embeds token ids itself (cpu/fused.py), so it cannot take an image's rows: auto keeps the
+    reference layers beside packed linears, and asking for the fused ones is refused by name."""
+    folder = str(tiny[0])
+    monkeypatch.setattr(cpu_build, "available", lambda: None)
+    monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["amx_bf16"])
+    monkeypatch.setattr(choose_module, "own_kernel_builds", lambda name: True)
+    path = choose(EngineConfig(folder, device="cpu", dtype="bfloat16"))
+    assert (path.linear, path.layers, path.attention_backend) == ("amx", "reference", "torch")
+    with pytest.raises(ValueError, match="cpu_kernels='fused' cannot run a vision-language model"):
+        choose(EngineConfig(folder, device="cpu", dtype="bfloat16", cpu_kernels="fused"))
+
+
+@pytest.mark.skipif(cpu_build.available() is not None, reason=f"{cpu_build.available()}")
+def test_the_fused_loop_takes_mrope_cos_and_sin_from_outside(tiny):
+    """Swapped in by fuse_layers, the fused loop reads the model's own rotary (M-RoPE's cos and sin) and gives the
+    reference's hidden states on token ids at an image prompt's positions, prefill and decode: what it lacks to
+    run a vision-language model is only a way to take inputs_embeds."""
+    _, processor, ours, _ = tiny
+    prompt = ours.process(processor, f"count {IMAGE} items", [image(LARGE, 2)])
+    ids, n = torch.tensor(prompt.token_ids), len(prompt.token_ids)
+    steps = [(ids, prompt.mrope_positions, one_request(0, n)),
+             (ids[:1], torch.full((3, 1), n + prompt.mrope_delta), one_request(n, 1))]
+    cfg, hidden = ours.config, []
+    for fuse in (False, True):
+        model = Qwen2_5_VLForConditionalGeneration.build(cfg, load_attention_backend("cpu"), 512, "cpu", torch.float32)
+        model.load_state_dict(ours.state_dict())
+        if fuse:
+            fuse_layers(model)
+            assert isinstance(model.model, FusedLlamaModel)
+        kv = torch.zeros(cfg.num_hidden_layers, 2, NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
+        with torch.no_grad():
+            hidden.append([model(*step[:2], kv, step[2]) for step in steps])
+    for reference, fused in zip(*hidden):
+        torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
