@@ -150,22 +150,20 @@ class ModelConfig:
 
 
 def _vision_language(cls, cfg: dict, arch: str, eos_token_ids: tuple[int, ...]) -> ModelConfig:
-    """The language model's numbers (in text_config as transformers 5 saves it, at the top level in the hub's
-    older files), the vision_config beside them, and M-RoPE's sections (taken out of the rope dict: the
-    rotary frequencies are the default ones)."""
+    """Its language model (text_config in transformers 5's files, the top level in the hub's older ones), its
+    vision_config, and M-RoPE's sections out of the rope dict (whose older type "mrope" means the default)."""
     text = dict(cfg.get("text_config") or cfg)
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-    section = rope.pop("mrope_section", None)
-    if not isinstance(section, list) or len(section) != 3:
-        raise ValueError(f"{arch} needs rope_parameters.mrope_section, three section sizes; got {section!r}")
-    if not isinstance(cfg.get("vision_config"), dict):
-        raise ValueError(f"{arch} needs a vision_config object; got {cfg.get('vision_config')!r}")
-    if "mrope" in (rope.get("type"), rope.get("rope_type")):     # the older files' name for the default frequencies
-        rope.pop("type", None)
-        rope["rope_type"] = "default"
-    text = {**text, "rope_parameters": rope, "rope_scaling": None, "architectures": [VISION_LANGUAGE_MODELS[arch]],
-            "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+    section, rope_type = rope.pop("mrope_section", None), rope.pop("type", None) or rope.get("rope_type", "default")
+    if not isinstance(section, list) or len(section) != 3 or not isinstance(cfg.get("vision_config"), dict):
+        raise ValueError(f"{arch} needs a vision_config object and three mrope_section sizes in its rope dict; got "
+                         f"vision_config {type(cfg.get('vision_config')).__name__}, mrope_section {section!r}")
+    text.update(rope_parameters={**rope, "rope_type": "default" if rope_type == "mrope" else rope_type},
+                rope_scaling=None, architectures=[VISION_LANGUAGE_MODELS[arch]],
+                tie_word_embeddings=cfg.get("tie_word_embeddings", False))
     language = cls.from_dict(text, eos_token_ids or _as_tuple(text.get("eos_token_id")))
+    if sum(section) != language.head_dim // 2:
+        raise ValueError(f"mrope_section {section} must add up to head_dim / 2 = {language.head_dim // 2}")
     return replace(language, architecture=arch, vision=cfg["vision_config"], mrope_section=tuple(section))
 
 

@@ -83,20 +83,14 @@ def _load_file(file: Path, params, loaded, model, read, scales) -> None:
         for stored in f.keys():
             if stored.endswith("rotary_emb.inv_freq") or (text_only and stored.startswith(NOT_THE_LANGUAGE_MODEL)):
                 continue                   # recomputed, never a real weight; or not the language model's
-            name = _older_name(stored)
+            name = next((older + stored[len(newer):] for newer, older in NEWER_NAMES.items()
+                         if stored.startswith(newer)), stored)
             if name.endswith(".weight_scale"):
                 scales[name.removesuffix("_scale")] = read(f, stored)
                 continue
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 continue                   # tied embeddings: the checkpoint may still carry it
             _load_one(params, name, read(f, stored), loaded, model)
-
-
-def _older_name(stored: str) -> str:
-    for newer, older in NEWER_NAMES.items():
-        if stored.startswith(newer):
-            return older + stored[len(newer):]
-    return stored
 
 
 def _load_one(params, name, tensor, loaded, model, scale: bool = False) -> None:

@@ -26,9 +26,7 @@ class MRotaryEmbedding(RotaryEmbedding):
 
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__(cfg, max_len)
-        half = [row for row, size in enumerate(cfg.mrope_section) for _ in range(size)]
-        if len(half) != cfg.head_dim // 2:
-            raise ValueError(f"mrope_section {list(cfg.mrope_section)} must add up to head_dim / 2 = {cfg.head_dim // 2}")
+        half = [row for row, size in enumerate(cfg.mrope_section) for _ in range(size)]    # head_dim / 2 of them
         self.register_buffer("rows", torch.tensor(half + half), persistent=False)    # (head_dim,): both halves alike
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

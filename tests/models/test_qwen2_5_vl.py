@@ -177,6 +177,21 @@ def test_config_json_of_the_hubs_older_layout_reads_the_same(tiny):
     assert ours.config.mrope_section == (2, 3, 3) and ours.config.vision["window_size"] == 56
 
 
+@pytest.mark.parametrize("change, refusal", [
+    (lambda cfg: cfg["text_config"]["rope_parameters"].pop("mrope_section"), "mrope_section None"),
+    (lambda cfg: cfg.pop("vision_config"), "vision_config NoneType"),
+    (lambda cfg: cfg["text_config"]["rope_parameters"].update(rope_type="yarn"), "unsupported rope scaling type 'yarn'"),
+    (lambda cfg: cfg["text_config"]["rope_parameters"].update(mrope_section=[2, 3, 4]),
+     r"mrope_section \[2, 3, 4\] must add up to head_dim / 2 = 8")])
+def test_a_config_this_model_cannot_follow_is_refused_by_name(tiny, change, refusal):
+    import json
+    cfg = json.loads((Path(tiny[0]) / "config.json").read_text())
+    change(cfg)
+    with pytest.raises(ValueError, match=refusal):
+        Qwen2_5_VLForConditionalGeneration.build(ModelConfig.from_dict(cfg), load_attention_backend("torch"), 64, "cpu",
+                                                 torch.float32)
+
+
 def test_the_runner_builds_the_model_and_its_cache_fits_it(tiny):
     """VisionLanguageModelRunner on a one-request SchedulerOutput: the model the runner built and loaded gives
     the logits of the model loaded by hand (float32 on CPU: the reference path)."""
