@@ -12,7 +12,6 @@ token's three numbers are its index + `mrope_delta` (negative where images saved
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from nanopaged.models.config import ModelConfig
 from nanopaged.models.llama import LlamaForCausalLM, LlamaModel, RotaryEmbedding
@@ -61,7 +60,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None) -> torch.Tensor:
         """Hidden states for every new token; positions (3, num_tokens); inputs_embeds, where given,
         (num_tokens, hidden) in place of the tokens' embeddings."""
-        if inputs_embeds is None:
+        if inputs_embeds is None:     # token ids alone: cpu/fused.py's loop, swapped in for `model`, takes no more
             return self.model(input_ids, positions, kv_caches, meta)
         return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)
 
