@@ -251,3 +251,19 @@ def test_the_fused_loop_takes_mrope_cos_and_sin_from_outside(tiny):
             hidden.append([model(*step[:2], kv, step[2]) for step in steps])
     for reference, fused in zip(*hidden):
         torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_the_encoder_runs_on_packed_bfloat16_linears(tiny):
+    """Where bfloat16 packs the linears (a CPU with bfloat16 matrix units), the vision encoder's are packed too
+    and its rows stay within bfloat16's rounding of the float32 reference's."""
+    folder, processor, ours, _ = tiny
+    config = EngineConfig(str(folder), dtype="bfloat16", device="cpu")
+    if choose(config).linear == "reference":
+        pytest.skip("this CPU packs no bfloat16 linears")
+    runner = VisionLanguageModelRunner(config)
+    assert type(runner.model.visual.blocks[0].attn.qkv) is not torch.nn.Linear
+    data = ours.process(processor, IMAGE, [image(LARGE, 4)]).images[0].data
+    with torch.no_grad():
+        got, expected = runner.model.encode_image(data), ours.encode_image(data)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - expected).norm() / expected.norm() < 2e-2
