@@ -70,9 +70,9 @@ class ModelConfig:
     hybrid: HybridConfig | None = None  # linear-attention layers beside attention ones (models/hybrid.py)
     partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates (the rest pass)
     attn_output_gate: bool = False      # q_proj also yields a gate: attention's output x sigmoid(gate) (Qwen3.5)
-    language_model_of: str | None = None  # read from this vision-language checkpoint, its language model only
-    vision: dict | None = None          # a vision-language model's vision_config, as config.json holds it
     mrope_section: tuple[int, ...] | None = None   # M-RoPE: head_dim / 2 frequencies cut into (t, h, w) sections
+    language_model_of: str | None = None  # read from this vision-language checkpoint, its language model only
+    vision: dict | None = None          # a vision-language model's vision config (its images: multimodal/)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
