@@ -22,7 +22,6 @@ decided here (under tensor parallelism every rank runs the reference layers, its
                  float32 included
     attention    auto: cpu beside the fused layers (they attend with its kernel), else what
                  attention/backends.py says for the device (torch on CPU)
-    a vision-language model  the reference layers beside the linears cpu_linear chooses (the encoder's too)
     a hybrid     (models/hybrid.py) its linear layers' decode token in C++ (cpu/recurrent.py) on a CPU where
                  the kernels build and cpu_kernels is not "reference"; its other layers the reference's, the
                  linears as cpu_linear chooses, the attention torch's (its K/V sit in shared pages)
@@ -107,8 +106,6 @@ def choose(config) -> FastPath:
     linear = choose_linear(config.cpu_linear, config.device, config.dtype)
     layers = choose_layers(config.cpu_kernels, config.device, linear if config.dtype == "bfloat16" else "reference",
                            config.attention_backend, config.block_size)    # float32: fused ran slower (docs/05)
-    if config.model_config.vision is not None and layers == "fused":    # the fused loop embeds token ids itself,
-        layers = refuse_fused_for_images(config.cpu_kernels)          # an image's tokens take the encoder's rows
     attention = "cpu" if layers == "fused" else config.attention_backend
     if config.tensor_parallel_size > 1:      # the parallel layers keep their own forward: nothing packed or fused
         linear = layers = "reference"        # (the attention stays as chosen)
@@ -207,13 +204,6 @@ def choose_layers(name: str, device: str, linear: str, attention_backend: str, b
     if why_not:
         raise ValueError(f"cpu_kernels='fused': {why_not}")
     return name
-
-
-def refuse_fused_for_images(name: str) -> str:
-    if name == "fused":
-        raise ValueError("cpu_kernels='fused' cannot run a vision-language model: the fused layers embed token ids "
-                         "themselves, and an image's tokens take the vision encoder's rows (use 'auto' or 'reference')")
-    return "reference"
 
 
 def check_cpu_attention(block_size: int) -> None:

@@ -13,7 +13,6 @@ import torch
 from PIL import Image
 
 import nanopaged.cpu.build as cpu_build
-import nanopaged.cpu.choose as choose_module
 from nanopaged import EngineConfig, SamplingParams
 from nanopaged.attention.backends import load_attention_backend
 from nanopaged.attention.metadata import AttentionMetadata
@@ -216,24 +215,11 @@ def test_the_runner_builds_the_model_and_its_cache_fits_it(tiny):
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
 
 
-def test_a_vision_language_model_packs_its_linears_but_runs_the_reference_layers(tiny, monkeypatch):
-    """The fused loop embeds token ids itself (cpu/fused.py), so it cannot take an image's rows: auto keeps the
-    reference layers beside packed linears, and asking for the fused ones is refused by name."""
-    folder = str(tiny[0])
-    monkeypatch.setattr(cpu_build, "available", lambda: None)
-    monkeypatch.setattr(choose_module, "bf16_matrix_units", lambda: ["amx_bf16"])
-    monkeypatch.setattr(choose_module, "own_kernel_builds", lambda name: True)
-    path = choose(EngineConfig(folder, device="cpu", dtype="bfloat16"))
-    assert (path.linear, path.layers, path.attention_backend) == ("amx", "reference", "torch")
-    with pytest.raises(ValueError, match="cpu_kernels='fused' cannot run a vision-language model"):
-        choose(EngineConfig(folder, device="cpu", dtype="bfloat16", cpu_kernels="fused"))
-
-
 @pytest.mark.skipif(cpu_build.available() is not None, reason=f"{cpu_build.available()}")
 def test_the_fused_loop_takes_mrope_cos_and_sin_from_outside(tiny):
-    """Swapped in by fuse_layers, the fused loop reads the model's own rotary (M-RoPE's cos and sin) and gives the
-    reference's hidden states on token ids at an image prompt's positions, prefill and decode: what it lacks to
-    run a vision-language model is only a way to take inputs_embeds."""
+    """Swapped in by fuse_layers (the default path on a CPU with bfloat16 matrix units), the fused loop reads the
+    model's own rotary, M-RoPE's cos and sin, and gives the reference's hidden states at an image prompt's
+    positions, prefill and decode."""
     _, processor, ours, _ = tiny
     prompt = ours.process(processor, f"count {IMAGE} items", [image(LARGE, 2)])
     ids, n = torch.tensor(prompt.token_ids), len(prompt.token_ids)
