@@ -109,14 +109,6 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         """(tokens,) -> (tokens, hidden): the embeddings an image's rows then overwrite at its positions."""
         return self.model.embed_tokens(input_ids)
 
-    def forward(self, input_ids, positions, kv_caches, meta,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states for every new token, (num_tokens, hidden); `inputs_embeds` (num_tokens, hidden), where
-        given, in place of the tokens' embeddings: the images' rows among them."""
-        if inputs_embeds is None:       # a step without images: the text model's call, whichever runs it
-            return self.model(input_ids, positions, kv_caches, meta)
-        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds=inputs_embeds)
-
 
 def image_spans(ids: list[int], fake_id: int, global_id: int, image_seq_len: int) -> list[tuple[int, int]]:
     """[start, end) of each image in the processed ids: from its first `<fake_token_around_image>` through the
