@@ -106,10 +106,9 @@ NOT_IMPLEMENTED = [
     (("lora_extra_vocab_size", "max_prompt_adapters", "max_prompt_adapter_token"), ANY,
      "has no extra-vocabulary or prompt adapters for these to size"),
     # ---- multimodal input
-    (("limit_mm_per_prompt", "media_io_kwargs", "mm_processor_kwargs"), (None, {}), "runs text-only models"),
+    (("media_io_kwargs", "mm_processor_kwargs"), (None, {}), "runs text-only models"),
     (("mm_processor_cache_type", "mm_encoder_attn_backend", "io_processor_plugin", "allowed_media_domains"),
      (None,), "runs text-only models"),
-    (("allowed_local_media_path",), ("", None), "runs text-only models"),
     (("enable_mm_embeds", "interleave_mm_strings", "enable_multimodal_encoder_data_parallel"), (False,),
      "runs text-only models"),
     (("mm_processor_cache_gb", "mm_shm_cache_max_object_size_mb", "mm_encoder_tp_mode", "skip_mm_profiling",
