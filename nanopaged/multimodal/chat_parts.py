@@ -40,8 +40,8 @@ def chat_prompt(tokenizer, conversation, config, chat_template: str | None = Non
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
                                              chat_template=template)
     except Exception as e:       # jinja's TypeError, TemplateError, ...: a text model's template meets a list
-        raise ValueError(f"messages: the model's chat template cannot render image parts (a model that takes no "
-                         f"images?): {type(e).__name__}: {e}") from None
+        raise ValueError(f"messages: the model's chat template cannot render image parts (is it a vision-language "
+                         f"model's?): {type(e).__name__}: {e}") from None
     return {"prompt": text, "multi_modal_data": {"image": images}}
 
 

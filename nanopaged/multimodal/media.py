@@ -15,7 +15,10 @@ import io
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from PIL import Image, UnidentifiedImageError
+try:
+    from PIL import Image, UnidentifiedImageError
+except ImportError:             # Pillow is needed for images only: a text-only install runs without it
+    Image, UnidentifiedImageError = None, OSError
 
 MAX_IMAGE_PIXELS = 4096 * 4096        # a decoded image holds at most 48 MiB of RGB
 MAX_IMAGE_SIDE = 8192                 # a 1 x 16M strip passes the pixel limit; no vision processor wants it
@@ -30,6 +33,8 @@ _READ_LIMIT = MAX_IMAGE_BYTES + 1
 def load_image(obj, field: str) -> Image.Image:
     """`obj` (a PIL image or encoded bytes) decoded whole, in RGB; a ValueError naming `field` if it is
     not an image, is truncated or corrupt, or is too large."""
+    if Image is None:
+        raise ValueError(f"{field}: reading images needs Pillow, which is not installed (pip install pillow)")
     if isinstance(obj, Image.Image):
         image = obj
     elif isinstance(obj, (bytes, bytearray, memoryview)):
