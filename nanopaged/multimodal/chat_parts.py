@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from nanopaged.engine.input_processor import CHAT_ROLES, render_chat
-from nanopaged.multimodal.media import check_image_count, image_from_url, images_per_prompt, load_image
+from nanopaged.multimodal.media import check_image_count, image_bytes_from_url, images_per_prompt, load_images
 from nanopaged.validation import encodes_as_utf8
 
 IMAGE_PARTS = ("image_url", "image_pil", "image")      # a content part's type that carries an image
@@ -29,19 +29,20 @@ def chat_prompt(tokenizer, conversation, config, chat_template: str | None = Non
     messages = conversation.get("messages") if isinstance(conversation, dict) else conversation
     if not holds_images(messages):
         return render_chat(tokenizer, conversation, chat_template)
-    counted = sum(_is_image(p) for m in messages if isinstance(m, dict) and isinstance(m["content"], list)
+    counted = sum(_is_image(p) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
                   for p in m["content"])
     check_image_count(counted, images_per_prompt(config.limit_mm_per_prompt), "messages")
-    images = []
-    messages = [_message(m, i, images, config.allowed_local_media_path) for i, m in enumerate(messages)]
+    sources = []                 # (encoded bytes or a PIL image, its field), in order
+    messages = [_message(m, i, sources, config.allowed_local_media_path) for i, m in enumerate(messages)]
+    images = load_images(sources, "messages")
     # The processor's template first, as vLLM: a VLM's tokenizer may carry a text-only one.
     template = chat_template or folder_chat_template(config.model)
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
                                              chat_template=template)
     except Exception as e:       # jinja's TypeError, TemplateError, ...: a text model's template meets a list
-        raise ValueError(f"messages: the model's chat template cannot render image parts (is it a vision-language "
-                         f"model's?): {type(e).__name__}: {e}") from None
+        raise ValueError(f"messages: the chat template cannot render image parts (is this a vision-language "
+                         f"model?): {type(e).__name__}: {e}") from None
     return {"prompt": text, "multi_modal_data": {"image": images}}
 
 
@@ -55,9 +56,9 @@ def _is_image(part) -> bool:
     return isinstance(part, dict) and part.get("type") in IMAGE_PARTS
 
 
-def _message(m, i: int, images: list, allowed_local_media_path: str | None) -> dict:
+def _message(m, i: int, sources: list, allowed_local_media_path: str | None) -> dict:
     """The message as a multimodal template reads it: content always a list of parts (a string becomes
-    one text part, vLLM's "openai" content format); each image part {"type": "image"}, its image appended."""
+    one text part, vLLM's "openai" content format); each image part {"type": "image"}, its source appended."""
     if not isinstance(m, dict) or "role" not in m or "content" not in m:
         raise ValueError(f"messages[{i}]: a chat message is a dict with 'role' and 'content', got {m!r:.200}")
     if m["role"] not in CHAT_ROLES:
@@ -67,12 +68,12 @@ def _message(m, i: int, images: list, allowed_local_media_path: str | None) -> d
         content = [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise ValueError(f"messages[{i}].content must be a string or a list of parts, got {content!r:.200}")
-    parts = [_part(p, f"messages[{i}].content[{j}]", images, allowed_local_media_path)
+    parts = [_part(p, f"messages[{i}].content[{j}]", sources, allowed_local_media_path)
              for j, p in enumerate(content)]
     return {**m, "content": parts}
 
 
-def _part(part, where: str, images: list, allowed_local_media_path: str | None) -> dict:
+def _part(part, where: str, sources: list, allowed_local_media_path: str | None) -> dict:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         if not encodes_as_utf8(part["text"]):
@@ -82,9 +83,10 @@ def _part(part, where: str, images: list, allowed_local_media_path: str | None) 
         spec = part.get("image_url")
         if not isinstance(spec, dict):
             raise ValueError(f"{where}.image_url must be an object {{'url': ...}}, got {spec!r:.200}")
-        images.append(image_from_url(spec.get("url"), allowed_local_media_path, f"{where}.image_url"))
+        where = f"{where}.image_url"
+        sources.append((image_bytes_from_url(spec.get("url"), allowed_local_media_path, where), where))
     elif kind in ("image_pil", "image"):
-        images.append(load_image(part.get(kind), f"{where}.{kind}"))
+        sources.append((part.get(kind), f"{where}.{kind}"))
     else:
         raise ValueError(f"{where} must be a text part {{'type': 'text', 'text': ...}} or an image part (type "
                          f"{' | '.join(IMAGE_PARTS)}), got {part!r:.200}")

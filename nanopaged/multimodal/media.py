@@ -23,6 +23,9 @@ except ImportError:             # Pillow is needed for images only: a text-only 
 MAX_IMAGE_PIXELS = 4096 * 4096        # a decoded image holds at most 48 MiB of RGB
 MAX_IMAGE_SIDE = 8192                 # a 1 x 16M strip passes the pixel limit; no vision processor wants it
 MAX_IMAGE_BYTES = 20 * 1024 * 1024    # encoded, checked before decoding (OpenAI's own limit per image)
+# A prompt's images together: a few dozen well-compressed images fit a request body, and each could decode to
+# MAX_IMAGE_PIXELS; their headers are summed before any is decoded.
+MAX_PROMPT_PIXELS = 4 * MAX_IMAGE_PIXELS
 # vLLM V1's default (vLLM V0 had 1): a vLLM script that sends several images in one prompt runs unchanged.
 DEFAULT_IMAGES_PER_PROMPT = 999
 # What a file too large to be an image could cost, read before it is refused: one byte past the limit.
@@ -33,6 +36,29 @@ _READ_LIMIT = MAX_IMAGE_BYTES + 1
 def load_image(obj, field: str) -> Image.Image:
     """`obj` (a PIL image or encoded bytes) decoded whole, in RGB; a ValueError naming `field` if it is
     not an image, is truncated or corrupt, or is too large."""
+    image = open_image(obj, field)
+    try:
+        image.load()                        # a lazily opened image (Image.open) is decoded now
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"{field} is refused by Pillow as a decompression bomb: {e}") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:    # what Pillow's decoders raise on bad data
+        raise ValueError(f"{field} is truncated or corrupt: {type(e).__name__}: {e}") from None
+    return to_rgb(image)
+
+
+def load_images(items: list[tuple[object, str]], field: str) -> list[Image.Image]:
+    """One prompt's images, given as (image, its field): every header is read and their pixels summed before
+    any is decoded, so a prompt of many small files that each claim a large image costs nothing."""
+    opened = [(open_image(obj, where), where) for obj, where in items]
+    total = sum(image.width * image.height for image, _ in opened)
+    if total > MAX_PROMPT_PIXELS:
+        raise ValueError(f"{field}: its {len(opened)} images hold {total:,} pixels together; at most "
+                         f"{MAX_PROMPT_PIXELS:,} per prompt are allowed")
+    return [load_image(image, where) for image, where in opened]
+
+
+def open_image(obj, field: str) -> Image.Image:
+    """`obj` as a PIL image whose size, read from its header, is checked; no pixel decoded yet."""
     if Image is None:
         raise ValueError(f"{field}: reading images needs Pillow, which is not installed (pip install pillow)")
     if isinstance(obj, Image.Image):
@@ -42,13 +68,7 @@ def load_image(obj, field: str) -> Image.Image:
     else:
         raise ValueError(f"{field} must be a PIL image or encoded image bytes, got {type(obj).__name__}")
     check_image_size(image.size, field)
-    try:
-        image.load()                        # a lazily opened image (Image.open) is decoded now
-    except Image.DecompressionBombError as e:
-        raise ValueError(f"{field} is refused by Pillow as a decompression bomb: {e}") from None
-    except (OSError, SyntaxError, ValueError, EOFError) as e:    # what Pillow's decoders raise on bad data
-        raise ValueError(f"{field} is truncated or corrupt: {type(e).__name__}: {e}") from None
-    return to_rgb(image)
+    return image
 
 
 def _open(data: bytes, field: str) -> Image.Image:

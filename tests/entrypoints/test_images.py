@@ -121,12 +121,14 @@ def test_anthropic_image_blocks_become_images_and_bad_ones_are_named():
     good = anthropic_api.to_chat_body(body({"type": "base64", "media_type": "image/png", "data":
                                             base64.b64encode(png((0, 255, 0))).decode()}))
     text, image = good["messages"][0]["content"]
-    assert text == {"type": "text", "text": "Look:"} and image["image"].getpixel((0, 0)) == (0, 255, 0)
+    assert text == {"type": "text", "text": "Look:"} and load_image(image["image"], "x").getpixel((0, 0)) == (0, 255, 0)
     for source, match in [({"type": "url", "url": "https://x/a.png"}, "this engine never fetches"),
                           ({"type": "base64", "media_type": "image/png", "data": "@@"}, "base64 is not valid"),
                           ({"type": "base64", "media_type": "text/plain", "data": "aGk="}, "media type must be image/"),
+                          ({"type": "base64", "media_type": "image/png", "data": "R0lGODlhAQABAAAAACw="},
+                           "not an image"),
                           ({"type": "base64", "media_type": "image/png",
-                            "data": base64.b64encode(truncated_png()).decode()}, "truncated or corrupt"),
+                            "data": base64.b64encode(png(size=(9000, 1))).decode()}, "9000x1 pixels"),
                           ({"type": "file", "file_id": "f"}, "source must be")]:
         with pytest.raises(OpenAIError) as e:
             anthropic_api.to_chat_body(body(source))
@@ -134,11 +136,20 @@ def test_anthropic_image_blocks_become_images_and_bad_ones_are_named():
         assert match in e.value.message
 
 
-def test_an_anthropic_image_on_a_text_model_is_a_400(engine_loop):
-    body = anthropic_api.to_chat_body({"max_tokens": 3, "messages": [{"role": "user", "content": [
+def anthropic_body(*pngs: bytes) -> dict:
+    return anthropic_api.to_chat_body({"max_tokens": 3, "system": "Look.", "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": base64.b64encode(png()).decode()}}]}]})
-    assert refusal(engine_loop, body).param == "messages"
+                                     "data": base64.b64encode(data).decode()}} for data in pngs]}]})
+
+
+def test_an_anthropic_image_on_a_text_model_is_a_400(engine_loop):
+    assert refusal(engine_loop, anthropic_body(png())).param == "messages"
+
+
+def test_a_truncated_anthropic_image_is_a_400_when_decoded_with_the_prompts_others(engine_loop):
+    error = refusal(engine_loop, anthropic_body(png(), truncated_png()))
+    assert "truncated or corrupt" in error.message and error.param == "messages[1].content[1].image"
+
 
 
 # ---- across the engine core's socket --------------------------------------------------------------

@@ -83,8 +83,10 @@ def test_more_images_than_the_limit_are_refused_before_any_is_loaded(tokenizer, 
 
 
 @pytest.mark.parametrize("part, match", [
-    ({"type": "image_url", "image_url": {"url": "https://x/a.png"}}, r"messages\[1\]\.content\[1\]\.image_url: .*never fetches"),
-    ({"type": "image_url", "image_url": "data:image/png;base64,AAAA"}, r"messages\[1\]\.content\[1\]\.image_url must be an object"),
+    ({"type": "image_url", "image_url": {"url": "https://x/a.png"}},
+     r"messages\[1\]\.content\[1\]\.image_url: .*never fetches"),
+    ({"type": "image_url", "image_url": "data:image/png;base64,AAAA"},
+     r"messages\[1\]\.content\[1\]\.image_url must be an object"),
     ({"type": "image_pil", "image_pil": "not an image"}, r"messages\[1\]\.content\[1\]\.image_pil must be a PIL image"),
     ({"type": "image", "image": b"GIF89a broken"}, r"messages\[1\]\.content\[1\]\.image is not an image"),
     ({"type": "video_url", "video_url": {}}, r"messages\[1\]\.content\[1\] must be a text part"),
@@ -105,6 +107,12 @@ def test_llm_chat_hands_generate_the_rendered_text_and_the_images(tiny_model_dir
                                            {"type": "text", "text": "What color?"}]}], chat_template=TEMPLATE)
     assert seen[0]["prompt"] == "<user><image>What color?|<assistant>"
     assert [im.getpixel((0, 0)) for im in seen[0]["multi_modal_data"]["image"]] == [BLUE]
+
+
+def test_a_message_without_content_beside_an_image_is_a_value_error(tokenizer, tiny_model_dirs):
+    conversation = two_images() + [{"role": "user"}]
+    with pytest.raises(ValueError, match=r"messages\[2\]: a chat message is a dict with 'role' and 'content'"):
+        chat_prompt(tokenizer, conversation, settings(tiny_model_dirs["llama"]), TEMPLATE)
 
 
 def test_a_template_that_cannot_render_parts_is_a_value_error(tokenizer, tiny_model_dirs):

@@ -13,8 +13,8 @@ import pytest
 from PIL import Image, ImageFile
 
 from nanopaged.multimodal import media
-from nanopaged.multimodal.media import (MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, check_image_count, image_from_url,
-                                        images_per_prompt, load_image, png_bytes)
+from nanopaged.multimodal.media import (MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_PROMPT_PIXELS, check_image_count,
+                                        image_from_url, images_per_prompt, load_image, load_images, png_bytes)
 
 FIELD = "messages[0].content[1].image_url"
 
@@ -113,6 +113,17 @@ def test_a_zero_size_image_is_refused():
 
 def test_encoded_bytes_past_the_limit_are_refused_before_decoding():
     refused(b"\0" * (MAX_IMAGE_BYTES + 1), f"at most {MAX_IMAGE_BYTES:,} are allowed")
+
+
+def test_a_prompts_images_are_summed_from_their_headers_before_any_is_decoded(monkeypatch):
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: pytest.fail("decoded before the sum was checked"))
+    bombs = [(png_header_only(4096, 4096), f"messages[0].content[{j}]") for j in range(5)]
+    assert 5 * 4096 * 4096 > MAX_PROMPT_PIXELS >= 4 * 4096 * 4096
+    with pytest.raises(ValueError, match=r"messages: its 5 images hold 83,886,080 pixels together; at most 67,108,864"):
+        load_images(bombs, "messages")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\] is truncated or corrupt"):
+        load_images(bombs[:4], "messages")      # four fit: decoding starts (and these files hold no pixels)
 
 
 def test_more_images_than_the_limit_are_refused_and_the_default_is_vllms():

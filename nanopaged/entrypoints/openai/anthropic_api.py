@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from nanopaged.entrypoints.openai.protocol import OpenAIError, only_fields, shown
-from nanopaged.multimodal.media import image_from_url
+from nanopaged.multimodal.media import image_bytes_from_url, open_image
 
 FIELDS = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k",
           "stream", "tools", "tool_choice", "metadata"}
@@ -117,8 +117,9 @@ def _blocks(role: str, blocks: list, i: int) -> list[dict]:
 
 
 def _image(block: dict, where: str) -> dict:
-    """An image block's base64 source, decoded and checked here, so that an error names this request's field;
-    the chat route takes the decoded image as an {"type": "image", "image": ...} part."""
+    """An image block's base64 source as an {"type": "image", "image": ...} part: its media type, base64 and header
+    checked here, so that an error names this request's field; its pixels are decoded with the prompt's other
+    images (multimodal/chat_parts.py)."""
     source = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "url":
@@ -128,7 +129,8 @@ def _image(block: dict, where: str) -> dict:
         raise OpenAIError(f"{where}.source must be {{'type': 'base64', 'media_type': 'image/...', 'data': ...}}, "
                           f"got {shown(source)}", param="messages")
     try:
-        image = image_from_url(f"data:{source['media_type']};base64,{source['data']}", None, f"{where}.source")
+        data = image_bytes_from_url(f"data:{source['media_type']};base64,{source['data']}", None, f"{where}.source")
+        image = open_image(data, f"{where}.source")
     except ValueError as e:
         raise OpenAIError(str(e), param="messages") from None
     return {"type": "image", "image": image}
