@@ -3,8 +3,9 @@
 Every image of a prompt passes `load_image` before any processor sees it: a PIL image, or encoded bytes
 (PNG, JPEG, WebP, ... whatever Pillow reads). Its size is read from the header and checked before a pixel is
 decoded, so a small file that claims a huge image (a decompression bomb) costs nothing; then it is decoded
-whole, so a truncated file fails here, not in a processor. `image_from_url` reads what a chat message's
-image_url names: a data: URL, or a local file under the one folder the server allows; never the network.
+whole, so a truncated file fails here, not in a processor. `load_images` does the same for a prompt's images
+together, their headers summed first. `image_from_url` reads what a chat message's image_url names: a data:
+URL, or a local file under the one folder the server allows; never the network.
 vLLM: vllm/multimodal/image.py and vllm/multimodal/utils.py (MediaConnector). docs/08_server.md.
 """
 from __future__ import annotations
