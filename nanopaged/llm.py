@@ -42,6 +42,7 @@ from nanopaged.sampling_params import RequestOutputKind, SamplingParams
 from nanopaged.validation import per_prompt
 from nanopaged.vllm_compat import check_priority
 from nanopaged.worker.hybrid_runner import HybridModelRunner
+from nanopaged.worker.vision_runner import VisionLanguageModelRunner
 from nanopaged.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,9 @@ class LLM:
         it (each rank has cores // N threads, so no governor); the workers stop when this LLM is deleted.
         No extension that rewrites the model runs across ranks (each refuses tensor parallelism)."""
         if config.tensor_parallel_size == 1:
-            return (HybridModelRunner if config.model_config.hybrid else ModelRunner)(config, stages)
+            m = config.model_config
+            kind = HybridModelRunner if m.hybrid else VisionLanguageModelRunner if m.vision else ModelRunner
+            return kind(config, stages)
         assert not stages, f"model stages {[s.name for s in stages]} under tensor parallelism"
         from nanopaged.extras.tensor_parallel import TensorParallelRunner   # torch.distributed only when used
         runner = TensorParallelRunner(config)
