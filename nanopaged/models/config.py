@@ -40,6 +40,11 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
 # a vision-language checkpoint read for its language model alone: architecture -> the language model's, which
 # config.json's text_config describes; its weights carry this prefix, and the vision tower's are skipped
 LANGUAGE_MODEL_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+# a sequence-classification checkpoint (runner="pooling" only: pooling/config.py): the causal LM's layers under a
+# `score` head, (num_labels, hidden), no bias, in place of lm_head (models/loader.py); architecture -> that LM's
+CLASSIFICATION_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM",
+                                "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+                                "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM": qwen3_5_hybrid,       # config.json -> HybridConfig (models/hybrid.py)
                         "GraniteMoeHybridForCausalLM": granite_hybrid}
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -69,6 +74,8 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates (the rest pass)
     attn_output_gate: bool = False      # q_proj also yields a gate: attention's output x sigmoid(gate) (Qwen3.5)
     language_model_of: str | None = None  # read from this vision-language checkpoint, its language model only
+    num_labels: int | None = None       # a *ForSequenceClassification: its classes (None: a causal LM)
+    id2label: dict[int, str] | None = None   # class index -> its name, from config.json
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -89,10 +96,13 @@ class ModelConfig:
                            language_model_of=archs[0])
         if not isinstance(archs, list):
             raise ValueError(f"'architectures' must be a list of class names, got {archs!r}")
+        if archs and archs[0] in CLASSIFICATION_ARCHITECTURES:      # its decoder, as a causal LM's, and its labels
+            base = cls.from_dict({**cfg, "architectures": [CLASSIFICATION_ARCHITECTURES[archs[0]]]}, eos_token_ids)
+            return replace(base, architecture=archs[0], **_labels(cfg))
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported model architecture {arch!r}; nanopaged runs "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"{', '.join([*SUPPORTED_ARCHITECTURES, *CLASSIFICATION_ARCHITECTURES])}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only 'silu'")
         window = cfg.get("sliding_window")
@@ -152,6 +162,18 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; nanopaged supports "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     return float(theta), (None if rope_type == "default" else {**params, "rope_type": rope_type})
+
+
+def _labels(cfg: dict) -> dict:
+    """num_labels and id2label as transformers reads them: num_labels, else id2label's size, else 2."""
+    id2label = cfg.get("id2label") or {}
+    if not isinstance(id2label, dict):
+        raise ValueError(f"'id2label' must map class indices to names, got {id2label!r}")
+    num_labels = cfg.get("num_labels", len(id2label) or 2)
+    if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 1:
+        raise ValueError(f"field 'num_labels' must be a positive integer, got {num_labels!r}")
+    labels = {int(k): str(v) for k, v in id2label.items()} if id2label else {i: f"LABEL_{i}" for i in range(num_labels)}
+    return {"num_labels": num_labels, "id2label": labels}
 
 
 def _moe(cfg: dict, arch: str) -> MoEConfig | None:
