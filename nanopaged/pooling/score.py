@@ -7,7 +7,7 @@
                              cross-encoder's activation (sigmoid unless config.json names another)
     an embedding model       the cosine similarity of the two texts' embeddings (each text embedded once)
 
-Each answer is a ScoringRequestOutput; `pairs` and `pair_prompt` serve /score and /rerank too.
+Each answer is a ScoringRequestOutput; `pairs`, `pair_prompt` and `cosine` serve /score and /rerank too.
 """
 from __future__ import annotations
 
@@ -30,22 +30,22 @@ def score(llm, data_1, data_2, truncate_prompt_tokens: int | None = None, use_tq
     data_1, data_2 = pairs(data_1, data_2)
     if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
         raise ValueError(f"pooling_params must be one PoolingParams, got {type(pooling_params).__name__}")
+    params = pooling_params or PoolingParams()
+    if truncate_prompt_tokens is not None:
+        params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
     if config.model_config.num_labels is None:
-        return cosine_scores(llm, data_1, data_2, truncate_prompt_tokens, use_tqdm, pooling_params, lora_request)
-    tokenizer, limit = llm.get_tokenizer(), truncation(truncate_prompt_tokens, config.max_model_len)
-    prompts = [pair_prompt(tokenizer, a, b, limit) for a, b in zip(data_1 * len(data_2) if len(data_1) == 1
-                                                                     else data_1, data_2)]
-    outputs = pool(llm, "LLM.score", "score", prompts, pooling_params, use_tqdm, lora_request)
+        return cosine_scores(llm, data_1, data_2, use_tqdm, params, lora_request)
+    tokenizer = llm.get_tokenizer()
+    prompts = [pair_prompt(tokenizer, a, b) for a, b in zip(data_1 * len(data_2) if len(data_1) == 1 else data_1,
+                                                            data_2)]
+    outputs = pool(llm, "LLM.score", "score", prompts, params, use_tqdm, lora_request)
     return [ScoringRequestOutput(o.request_id, ScoringOutput(o.pooled.item()), o.prompt_token_ids, o.finished,
                                  o.num_cached_tokens) for o in outputs]
 
 
-def cosine_scores(llm, data_1, data_2, truncate_prompt_tokens, use_tqdm, pooling_params, lora_request):
+def cosine_scores(llm, data_1, data_2, use_tqdm, params, lora_request):
     """Each text embedded once, then cosine(data_1's, data_2's) per pair; a pair's prompt_token_ids are the
     two prompts' with the pad token between them where the tokenizer has one (as vLLM shows them)."""
-    params = pooling_params or PoolingParams()
-    if truncate_prompt_tokens is not None:
-        params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
     embedded = pool(llm, "LLM.score", "embed", data_1 + data_2, params, use_tqdm, lora_request)
     firsts, seconds = embedded[:len(data_1)], embedded[len(data_1):]
     pad = llm.get_tokenizer().pad_token_id
@@ -74,16 +74,9 @@ def pairs(data_1, data_2, names: tuple[str, str] = ("data_1", "data_2")) -> tupl
     return sides[0], sides[1]
 
 
-def truncation(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
-    """The most tokens a pair may keep: None (all), k, or -1 for the context (vLLM's values)."""
-    if truncate_prompt_tokens is None:
-        return None
-    PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)       # its range check, by name
-    return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-
-
-def pair_prompt(tokenizer, text_1: str, text_2: str, max_length: int | None = None) -> dict:
-    """The pair as the tokenizer joins one (its special tokens, its pair template), cut to max_length as
-    vLLM's tokenizer call cuts it (truncation=True)."""
-    cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
-    return {"prompt_token_ids": tokenizer(text=text_1, text_pair=text_2, **cut)["input_ids"]}
+def pair_prompt(tokenizer, text_1: str, text_2: str) -> dict:
+    """The pair as the tokenizer joins one (its special tokens, its pair template). truncate_prompt_tokens
+    then keeps the joined prompt's last k tokens, as for any prompt (vLLM cuts the pair in the tokenizer
+    call instead; nanopaged's API servers share one tokenizer between threads, and a truncating call
+    changes its state)."""
+    return {"prompt_token_ids": tokenizer(text=text_1, text_pair=text_2)["input_ids"]}
