@@ -198,8 +198,7 @@ class LLM:
         """vLLM's PoolingRequestOutput per prompt: a classifier's scores for every token (pooling/tasks.py)."""
         return reward(self, prompts, pooling_params, use_tqdm, lora_request)
 
-    def encode(self, prompts, pooling_params=None, use_tqdm: bool = True, lora_request=None,
-               pooling_task: str | None = None) -> list:
+    def encode(self, prompts, pooling_params=None, use_tqdm: bool = True, lora_request=None, pooling_task=None) -> list:
         """vLLM's PoolingRequestOutput per prompt, for any task the model runs (pooling/tasks.py)."""
         return encode(self, prompts, pooling_params, use_tqdm, lora_request, pooling_task)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nanopaged.models.classifier import CLASSIFICATION_ARCHITECTURES, labels
 from nanopaged.models.hybrid import HybridConfig, granite_hybrid, qwen3_5_hybrid
 from nanopaged.models.shipped_int8 import shipped_int8
 
@@ -40,11 +41,6 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
 # a vision-language checkpoint read for its language model alone: architecture -> the language model's, which
 # config.json's text_config describes; its weights carry this prefix, and the vision tower's are skipped
 LANGUAGE_MODEL_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
-# a sequence-classification checkpoint (runner="pooling" only: pooling/config.py): the causal LM's layers under a
-# `score` head, (num_labels, hidden), no bias, in place of lm_head (models/loader.py); architecture -> that LM's
-CLASSIFICATION_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM",
-                                "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
-                                "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM": qwen3_5_hybrid,       # config.json -> HybridConfig (models/hybrid.py)
                         "GraniteMoeHybridForCausalLM": granite_hybrid}
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -96,9 +92,9 @@ class ModelConfig:
                            language_model_of=archs[0])
         if not isinstance(archs, list):
             raise ValueError(f"'architectures' must be a list of class names, got {archs!r}")
-        if archs and archs[0] in CLASSIFICATION_ARCHITECTURES:      # its decoder, as a causal LM's, and its labels
+        if archs and archs[0] in CLASSIFICATION_ARCHITECTURES:    # its decoder as the LM's (models/classifier.py)
             base = cls.from_dict({**cfg, "architectures": [CLASSIFICATION_ARCHITECTURES[archs[0]]]}, eos_token_ids)
-            return replace(base, architecture=archs[0], **_labels(cfg))
+            return replace(base, architecture=archs[0], **labels(cfg))
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported model architecture {arch!r}; nanopaged runs "
@@ -162,18 +158,6 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; nanopaged supports "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     return float(theta), (None if rope_type == "default" else {**params, "rope_type": rope_type})
-
-
-def _labels(cfg: dict) -> dict:
-    """num_labels and id2label as transformers reads them: num_labels, else id2label's size, else 2."""
-    id2label = cfg.get("id2label") or {}
-    if not isinstance(id2label, dict):
-        raise ValueError(f"'id2label' must map class indices to names, got {id2label!r}")
-    num_labels = cfg.get("num_labels", len(id2label) or 2)
-    if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 1:
-        raise ValueError(f"field 'num_labels' must be a positive integer, got {num_labels!r}")
-    labels = {int(k): str(v) for k, v in id2label.items()} if id2label else {i: f"LABEL_{i}" for i in range(num_labels)}
-    return {"num_labels": num_labels, "id2label": labels}
 
 
 def _moe(cfg: dict, arch: str) -> MoEConfig | None:

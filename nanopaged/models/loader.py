@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.nn import functional as F
+
+from nanopaged.models.classifier import classification_head
 
 # checkpoint name part -> (fused module name, shard index)
 PACKED = {
@@ -36,7 +37,7 @@ def load_weights(model: nn.Module, folder: str | Path, read=None) -> None:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {folder}")
-    _classification_head(model)
+    classification_head(model)                # a classifier's score head in place of lm_head (models/classifier.py)
     params = dict(model.named_parameters())   # a tied lm_head appears once, as embed_tokens
     loaded: set[tuple[str, int | None]] = set()
     scales: dict[str, torch.Tensor] = {}      # int8 weights' scales per output row (models/shipped_int8.py)
@@ -57,29 +58,6 @@ def load_weights(model: nn.Module, folder: str | Path, read=None) -> None:
     if missing:
         raise ValueError(f"weights missing from {folder}: {', '.join(missing[:5])}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-
-
-def _classification_head(model: nn.Module) -> None:
-    """A *ForSequenceClassification checkpoint (models/config.py: num_labels) ships `score.weight`,
-    (num_labels, hidden), no bias, and no lm_head: the model takes that head in place of its own
-    (the pooling extension's pooler applies it: pooling/extension.py)."""
-    cfg = getattr(model, "config", None)
-    if getattr(cfg, "num_labels", None) is None or hasattr(model, "score"):
-        return
-    model.score = ScoreHead(cfg.hidden_size, cfg.num_labels, model.model.embed_tokens.weight.device)
-    model.lm_head = nn.Identity()
-
-
-class ScoreHead(nn.Module):
-    """A classifier's head, (num_labels, hidden), no bias. Float32, as vLLM keeps it (its logits decide a
-    softmax); not an nn.Linear, so no fast path packs it into the model's dtype."""
-
-    def __init__(self, hidden_size: int, num_labels: int, device) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_labels, hidden_size, dtype=torch.float32, device=device))
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:      # (..., hidden) -> (..., num_labels)
-        return F.linear(hidden.float(), self.weight)
 
 
 def weight_bytes(folder: str | Path, dtype: torch.dtype) -> int:

@@ -115,7 +115,8 @@ def test_pooling_defaults_to_the_token_task(cross, embedder):
     [reward] = cross.llm.reward([{"prompt_token_ids": PROMPTS[1]}], use_tqdm=False)
     [d] = body["data"]
     assert d["object"] == "pooling" and body["id"].startswith("pool-")
-    assert len(d["data"]) == len(PROMPTS[1]) and close([row[0] for row in d["data"]], reward.outputs.data[:, 0].tolist())
+    assert len(d["data"]) == len(PROMPTS[1])
+    assert close([row[0] for row in d["data"]], reward.outputs.data[:, 0].tolist())
     status, body = embedder.post("/pooling", {"input": "Hello world"})      # an embedding model: token_embed
     [rows] = embedder.llm.encode(["Hello world"], pooling_task="token_embed", use_tqdm=False)
     assert status == 200 and len(body["data"][0]["data"]) == rows.outputs.data.shape[0]
