@@ -1,6 +1,6 @@
 """vLLM's other pooling tasks (runner="pooling"): classify, reward, score, encode.
 
-Tiny random Llama- and Qwen2ForSequenceClassification models, saved with save_pretrained, against
+Tiny random Llama-, Qwen2- and Qwen3ForSequenceClassification models, saved with save_pretrained, against
 transformers in float32: classify's probabilities are softmax(logits), in a batch of prompts of
 different lengths and across chunked prefill; reward is a classifier's per-token scores; a cross-encoder's
 score is sigmoid of its logit on the tokenizer's pair encoding; an embedding model's is the cosine of the
@@ -42,6 +42,7 @@ def classifiers(tiny_model_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("classifiers")
     return {"llama": save_classifier(tiny_model_dirs["llama"], root / "llama", 3),
             "qwen2": save_classifier(tiny_model_dirs["qwen2"], root / "qwen2", 3),
+            "qwen3": save_classifier(tiny_model_dirs["qwen3"], root / "qwen3", 2),
             "cross": save_classifier(tiny_model_dirs["qwen2"], root / "cross", 1)}
 
 
@@ -80,7 +81,7 @@ def cross(classifiers):
 
 
 # ---- classify ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("budget", [None, 5])                  # 5: several chunks per prompt, side by side
 def test_classify_probabilities_equal_transformers_softmax(classifiers, name, budget):
     llm = LLM(classifiers[name], runner="pooling", **SETTINGS, max_num_batched_tokens=budget)
@@ -88,7 +89,7 @@ def test_classify_probabilities_equal_transformers_softmax(classifiers, name, bu
     outputs = llm.classify(tokens(PROMPTS), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outputs):
         assert isinstance(out, ClassificationRequestOutput) and out.prompt_token_ids == prompt
-        assert out.outputs.num_classes == 3
+        assert out.outputs.num_classes == (2 if name == "qwen3" else 3)
         expected = torch.softmax(hf_logits(classifiers[name], prompt), dim=-1)
         torch.testing.assert_close(torch.tensor(out.outputs.probs), expected, atol=1e-5, rtol=0)
     assert_all_blocks_free(llm)
