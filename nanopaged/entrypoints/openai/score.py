@@ -66,9 +66,9 @@ def register_score(app: FastAPI, engine_loop, models, body_limits: BodyLimits) -
         _, documents = checked_pairs(query, documents, ("query", "documents"))
         scores, outputs = await score_pairs(engine_loop, config, body, [query], documents, lora_request)
         ranked = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n if top_n > 0 else None]
+        counts = usage(outputs)
         return {"id": "rerank-" + uuid.uuid4().hex, "model": body.get("model") or models.name,
-                "usage": {"prompt_tokens": usage(outputs)["prompt_tokens"],
-                          "total_tokens": usage(outputs)["total_tokens"]},
+                "usage": {"prompt_tokens": counts["prompt_tokens"], "total_tokens": counts["total_tokens"]},
                 "results": [{"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]}
                             for i in ranked]}
 
