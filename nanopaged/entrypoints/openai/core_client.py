@@ -45,6 +45,7 @@ from nanopaged.entrypoints.openai.protocol import OpenAIError, field_named, in_r
 from nanopaged.multimodal.chat_parts import chat_prompt
 from nanopaged.multimodal.media import png_bytes
 from nanopaged.pooling.processors import PooledRequestOutput, PoolingInputProcessor
+from nanopaged.pooling_params import PoolingParams
 
 logger = logging.getLogger("nanopaged.entrypoints.serve")
 WATCH_MS = 200            # how often the socket thread looks at its parent while nothing arrives
@@ -235,7 +236,7 @@ class CoreClient:
                 self._refuse(submission, OpenAIError(str(e)))
                 return
             try:
-                pooling = r.kind == "embedding"          # r.params are PoolingParams (openai/embeddings.py)
+                pooling = isinstance(r.params, PoolingParams)   # the pooling routes' (embeddings.py, classify.py, ...)
                 prompt, images = submission.media.get(rid, (None, []))
                 wire = m.encode(m.AddRequest(rid, samples[0].prompt_token_ids,
                                              {} if pooling else m.params_to_wire(r.params), samples[0].cache_salt,
