@@ -13,12 +13,9 @@ import logging
 from nanopaged.engine.extension import Extension
 from nanopaged.engine.overlap import without_async_scheduling
 from nanopaged.multimodal.encoder_outputs import EncoderOutputs
-from nanopaged.multimodal.input_processor import MultiModalInputProcessor
+from nanopaged.multimodal.input_processor import MultiModalInputProcessor, encoder_limits
 
 logger = logging.getLogger(__name__)
-# Encoder rows a step may compute and the cache keeps, unless set: the largest image the two families make at
-# their processors' default sizes (Qwen2.5-VL's max_pixels) fits, so no default image is refused.
-DEFAULT_ENCODER_ROWS = 16384
 
 
 class MultiModal(Extension):
@@ -38,9 +35,7 @@ class MultiModal(Extension):
         if config.device == "cuda" and not config.enforce_eager:
             logger.info("a vision-language model runs without CUDA graphs: its steps take image rows as input")
             config.enforce_eager = True
-        budget = config.max_num_encoder_input_tokens or max(config.max_num_batched_tokens, DEFAULT_ENCODER_ROWS)
-        config.max_num_encoder_input_tokens = budget
-        config.encoder_cache_size = config.encoder_cache_size or budget
+        config.max_num_encoder_input_tokens, config.encoder_cache_size = encoder_limits(config)
 
     @classmethod
     def wanted(cls, config) -> bool:

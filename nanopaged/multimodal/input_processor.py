@@ -14,6 +14,7 @@ from nanopaged.engine.input_processor import InputProcessor
 from nanopaged.multimodal.media import check_image_count, images_per_prompt, load_images
 
 MODALITIES = ("image",)
+DEFAULT_ENCODER_ROWS = 16384
 
 
 class MultiModalInputProcessor(InputProcessor):
@@ -55,13 +56,20 @@ class MultiModalInputProcessor(InputProcessor):
         return prompt["prompt"], images
 
     def _check_sizes(self, placed) -> None:
-        cfg = self.config
-        most = min(cfg.max_num_encoder_input_tokens, cfg.encoder_cache_size)
+        budget, cache_size = encoder_limits(self.config)
         for i, image in enumerate(placed):
-            if image.num_embeds > most:
+            if image.num_embeds > min(budget, cache_size):
                 raise ValueError(f"image {i} gives {image.num_embeds} encoder rows, more than one step may encode "
-                                 f"(max_num_encoder_input_tokens={cfg.max_num_encoder_input_tokens}, "
-                                 f"encoder_cache_size={cfg.encoder_cache_size}): send a smaller image or raise both")
+                                 f"(max_num_encoder_input_tokens={budget}, encoder_cache_size={cache_size}): "
+                                 "send a smaller image or raise both")
+
+
+def encoder_limits(config) -> tuple[int, int]:
+    """(encoder rows a step may compute, rows the cache keeps): the settings, or by default as many as the
+    largest image the two families make at their processors' default sizes (Qwen2.5-VL's max_pixels), so
+    no default image is refused, and at least a step's token budget."""
+    budget = config.max_num_encoder_input_tokens or max(config.max_num_batched_tokens, DEFAULT_ENCODER_ROWS)
+    return budget, config.encoder_cache_size or budget
 
 
 def image_hash(image) -> str:
