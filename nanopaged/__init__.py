@@ -22,7 +22,8 @@ The package (each folder's __init__.py indexes its own files):
     structured_output/   outputs held to a JSON schema, a regex, choices or a grammar
     spec_decode/         speculative decoding: drafts, verified in one pass
     lora/                LoRA adapters, many in one step
-    pooling/             embeddings: LLM(model, runner="pooling").embed
+    pooling/             embeddings, classification, rewards and scores: LLM(model, runner="pooling")
+    multimodal/          images for vision-language models: checked, processed, encoded once, cached
     extras/              beam search, tensor parallelism, Ray Data
     entrypoints/         `nanopaged serve` and its processes
 
