@@ -85,6 +85,8 @@ class EngineConfig:
     pooler_config: dict | None = None       # pooling: {"pooling_type": LAST|MEAN|CLS, "normalize"}; None: the model's
     max_num_encoder_input_tokens: int | None = None   # images: encoder rows one step may compute (multimodal/)
     encoder_cache_size: int | None = None   # images: encoder rows kept for reuse; None for both: resolved per model
+    allowed_local_media_path: str | None = None   # the one folder image paths and file:// URLs may be read from
+    limit_mm_per_prompt: dict | None = None       # {"image": N}: images a prompt may hold (multimodal/media.py)
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
     gguf_file: str | None = field(init=False, default=None)     # quantization="gguf": the file's path
 
@@ -115,6 +117,7 @@ class EngineConfig:
         for name in ("batch_invariant", "async_scheduling"):
             if getattr(self, name) is not None:
                 check_bool(name, getattr(self, name))
+        check_media_settings(self)
         self.tokenizer = check_model_folder(self.model, self.tokenizer)
         self.model_config = ModelConfig.from_folder(self.model)
         self._resolve_defaults()
@@ -186,6 +189,26 @@ def check_model_folder(model: str, tokenizer: str | None = None) -> str:
     if not any((Path(tokenizer) / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"{what} {tokenizer!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     return tokenizer
+
+
+def check_media_settings(cfg: "EngineConfig") -> None:
+    """allowed_local_media_path names a folder ("" is vLLM's unset); limit_mm_per_prompt counts images
+    (another modality only at 0, as vLLM scripts write to turn one off)."""
+    if cfg.allowed_local_media_path == "":
+        cfg.allowed_local_media_path = None
+    path = cfg.allowed_local_media_path
+    if path is not None and (not isinstance(path, str) or not Path(path).is_dir()):
+        raise ValueError(f"allowed_local_media_path={path!r} is not a folder; give an existing folder, or None "
+                         "to read no local files")
+    limit = cfg.limit_mm_per_prompt
+    if limit is None:
+        return
+    if not isinstance(limit, dict):
+        raise ValueError(f"limit_mm_per_prompt must be a dict such as {{'image': 2}}, got {limit!r}")
+    others = sorted(k for k, v in limit.items() if k != "image" and v != 0)
+    if others:
+        raise ValueError(f"limit_mm_per_prompt={limit!r}: nanopaged takes images only; {others} may only be 0")
+    check_range("limit_mm_per_prompt['image']", limit.get("image"), 0, integer=True, optional=True)
 
 
 def check_quantization(cfg: "EngineConfig") -> str | None:

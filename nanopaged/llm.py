@@ -29,12 +29,13 @@ from nanopaged.config import EngineConfig
 from nanopaged.cpu.features import bf16_matrix_units
 from nanopaged.cpu.thread_governor import ThreadGovernor
 from nanopaged.engine.chat_tools import chat_with_tools
-from nanopaged.engine.input_processor import PromptType, render_chat
+from nanopaged.engine.input_processor import PromptType
 from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.engine.stats import EngineStats, ProgressBar
 from nanopaged.extras.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from nanopaged.models.demo_model import DEMO_MODEL, demo_model_path, gguf_folder
 from nanopaged.models.pipeline import ModelStage
+from nanopaged.multimodal.chat_parts import chat_prompt
 from nanopaged.outputs import RequestOutput
 from nanopaged.pooling.embed import embed
 from nanopaged.sampling_params import RequestOutputKind, SamplingParams
@@ -124,15 +125,16 @@ class LLM:
              use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
              tools: list[dict] | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them; the arguments
-        in vLLM's order (`lora_request` as in generate; `tools`: OpenAI's function tools, for the template)."""
+        in vLLM's order (`lora_request` as in generate; `tools`: OpenAI's function tools, for the template).
+        A content may be a list of parts, images among them (multimodal/chat_parts.py)."""
         one = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
         if not isinstance(conversations, (list, tuple)):
             raise ValueError(f"messages must be a conversation or a list of them, got {type(messages).__name__}")
         if tools is not None:            # checked, with each assistant's tool calls (engine/chat_tools.py)
             conversations = [chat_with_tools(conv, tools) for conv in conversations]
-        tokenizer = self.llm_engine.tokenizer
-        prompts = [render_chat(tokenizer, conv, chat_template) for conv in conversations]
+        engine = self.llm_engine
+        prompts = [chat_prompt(engine.tokenizer, conv, engine.config, chat_template) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -9,7 +9,8 @@ never code run. vLLM: vllm/v1/engine/__init__.py (EngineCoreRequest, EngineCoreO
 
 API server -> engine core                    engine core -> API server
     Hello        (once, so the core knows it)     Accepted / Refused   (each AddRequest)
-    AddRequest   (token ids, never text)          Outputs              (each step: new token ids)
+    AddRequest   (token ids; with images, the      Outputs              (each step: new token ids)
+                  prompt's text and the images)
     Abort        (client gone, stop string)       Figures              (the /metrics gauges and counts)
     Adapter      (read or drop a LoRA adapter)    AdapterDone          (each Adapter)
 supervisor -> engine core: ClientGone (an API server died: abort its requests), Shutdown.
@@ -42,6 +43,9 @@ class AddRequest(msgspec.Struct, tag=True):
     lora: list | None = None          # [name, int id, path]
     pooling: dict | None = None       # an embedding request: PoolingParams' fields (params is then {})
     prefix_keys: list[bytes] = []     # data parallelism: the router's keys of its first blocks (dp_router.py)
+    # A prompt with images: its text and its images, encoded (PNG), for the core's processor to place them.
+    prompt: str | None = None
+    images: list[bytes] = []
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -139,6 +139,8 @@ class EngineCore:
     def check(self, message: m.AddRequest):
         """On a check thread: the engine's own checks and preparation (nothing is queued here)."""
         prompt = {"prompt_token_ids": message.prompt_token_ids}
+        if message.images:           # the processor places the images' tokens from the text (chat_parts.py)
+            prompt = {"prompt": message.prompt, "multi_modal_data": {"image": list(message.images)}}
         if message.cache_salt is not None:
             prompt["cache_salt"] = message.cache_salt
         params = (m.pooling_from_wire(message.pooling) if message.pooling is not None

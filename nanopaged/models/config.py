@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from nanopaged.models.hybrid import HybridConfig, granite_hybrid, qwen3_5_hybrid
 from nanopaged.models.shipped_int8 import shipped_int8
+from nanopaged.models.vision_config import idefics3_vision
 
 if TYPE_CHECKING:
     from nanopaged.models.moe import MoEConfig
@@ -40,6 +41,9 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
 # a vision-language checkpoint read for its language model alone: architecture -> the language model's, which
 # config.json's text_config describes; its weights carry this prefix, and the vision tower's are skipped
 LANGUAGE_MODEL_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+# a vision-language model run whole, images and all (multimodal/): architecture -> its language model's
+VISION_LANGUAGE_MODELS = {"Idefics3ForConditionalGeneration": "LlamaForCausalLM",
+                          "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
 HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM": qwen3_5_hybrid,       # config.json -> HybridConfig (models/hybrid.py)
                         "GraniteMoeHybridForCausalLM": granite_hybrid}
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -68,8 +72,9 @@ class ModelConfig:
     hybrid: HybridConfig | None = None  # linear-attention layers beside attention ones (models/hybrid.py)
     partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates (the rest pass)
     attn_output_gate: bool = False      # q_proj also yields a gate: attention's output x sigmoid(gate) (Qwen3.5)
+    mrope_section: tuple[int, ...] | None = None   # M-RoPE: head_dim / 2 frequencies cut into (t, h, w) sections
     language_model_of: str | None = None  # read from this vision-language checkpoint, its language model only
-    vision: dict | None = None          # a vision-language model's vision config (its images: multimodal/)
+    vision: dict | None = None          # a vision-language model's vision config, its tower and connector (multimodal/)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -88,6 +93,8 @@ class ModelConfig:
                     "architectures": [LANGUAGE_MODEL_OF[archs[0]]]}
             return replace(cls.from_dict(text, eos_token_ids or _as_tuple(text.get("eos_token_id"))),
                            language_model_of=archs[0])
+        if isinstance(archs, list) and archs and archs[0] in VISION_LANGUAGE_MODELS:    # the tower beside the text
+            return _vision_language(cls, cfg, archs[0], eos_token_ids)
         if not isinstance(archs, list):
             raise ValueError(f"'architectures' must be a list of class names, got {archs!r}")
         arch = archs[0]
@@ -142,6 +149,28 @@ class ModelConfig:
     @property
     def num_attention_layers(self) -> int:
         return len(self.hybrid.attention_layers) if self.hybrid else self.num_hidden_layers
+
+
+def _vision_language(cls, cfg: dict, arch: str, eos_token_ids: tuple[int, ...]) -> ModelConfig:
+    """Its language model (text_config in transformers 5's files, the top level in the hub's older Qwen2.5-VL
+    ones; the head tied as the top level says, as transformers reads it) and its vision numbers."""
+    text = dict(cfg.get("text_config") or cfg)
+    text.update(architectures=[VISION_LANGUAGE_MODELS[arch]], tie_word_embeddings=cfg.get("tie_word_embeddings", False))
+    if arch == "Idefics3ForConditionalGeneration":
+        language = cls.from_dict(text, eos_token_ids or _as_tuple(text.get("eos_token_id")))
+        return replace(language, architecture=arch, vision=idefics3_vision(cfg, language.vocab_size))
+    # Qwen2.5-VL: M-RoPE's sections out of the rope dict (whose older type "mrope" means the default)
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section, rope_type = rope.pop("mrope_section", None), rope.pop("type", None) or rope.get("rope_type", "default")
+    if not isinstance(section, list) or len(section) != 3 or not isinstance(cfg.get("vision_config"), dict):
+        raise ValueError(f"{arch} needs a vision_config object and three mrope_section sizes in its rope dict; got "
+                         f"vision_config {type(cfg.get('vision_config')).__name__}, mrope_section {section!r}")
+    text.update(rope_parameters={**rope, "rope_type": "default" if rope_type == "mrope" else rope_type},
+                rope_scaling=None)
+    language = cls.from_dict(text, eos_token_ids or _as_tuple(text.get("eos_token_id")))
+    if sum(section) != language.head_dim // 2:
+        raise ValueError(f"mrope_section {section} must add up to head_dim / 2 = {language.head_dim // 2}")
+    return replace(language, architecture=arch, vision=cfg["vision_config"], mrope_section=tuple(section))
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:

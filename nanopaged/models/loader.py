@@ -76,11 +76,13 @@ LANGUAGE_MODEL_PREFIX, NOT_THE_LANGUAGE_MODEL = "model.language_model.", ("model
 
 def _load_file(file: Path, params, loaded, model, read, scales) -> None:
     text_only = getattr(getattr(model, "config", None), "language_model_of", None)
+    # checkpoint name prefix -> ours: a text-only reading's, or a model's laid out unlike its checkpoint (idefics3.py)
+    prefixes = {LANGUAGE_MODEL_PREFIX: "model."} if text_only else getattr(model, "checkpoint_prefixes", {})
     with safe_open(str(file), framework="pt") as f:
         for stored in f.keys():
             if stored.endswith("rotary_emb.inv_freq") or (text_only and stored.startswith(NOT_THE_LANGUAGE_MODEL)):
                 continue                   # recomputed, never a real weight; or not the language model's
-            name = stored.replace(LANGUAGE_MODEL_PREFIX, "model.", 1) if text_only else stored
+            name = next((new + stored[len(old):] for old, new in prefixes.items() if stored.startswith(old)), stored)
             if name.endswith(".weight_scale"):
                 scales[name.removesuffix("_scale")] = read(f, stored)
                 continue

@@ -1,6 +1,6 @@
 """`POST /v1/messages`: Anthropic's Messages API, as a translation of the chat route.
 
-A Claude-style client sends `system`, `messages` of content blocks (text, tool_use, tool_result),
+A Claude-style client sends `system`, `messages` of content blocks (text, image, tool_use, tool_result),
 `max_tokens`, `stop_sequences`, sampling fields and `tools`; it reads back a message of content
 blocks with a `stop_reason`, or, streamed, Anthropic's events (message_start, content_block_start,
 content_block_delta, content_block_stop, message_delta, message_stop). nanopaged has one chat
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 from nanopaged.entrypoints.openai.protocol import OpenAIError, only_fields, shown
+from nanopaged.multimodal.media import image_bytes_from_url, open_image
 
 FIELDS = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k",
           "stream", "tools", "tool_choice", "metadata"}
@@ -83,13 +84,17 @@ def _messages(messages) -> list[dict]:
 
 
 def _blocks(role: str, blocks: list, i: int) -> list[dict]:
-    """A message's content blocks as OpenAI messages: text joined; an assistant's tool_use blocks as its
-    tool_calls; a user's tool_result blocks as `tool` messages, before the user's own text."""
-    texts, calls, results = [], [], []
-    for block in blocks:
+    """A message's content blocks as OpenAI messages: text joined (with a user's images, the parts in order);
+    an assistant's tool_use blocks as its tool_calls; a user's tool_result blocks as `tool` messages, before
+    the user's own text."""
+    texts, calls, results, parts = [], [], [], []
+    for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            parts.append(_image(block, f"messages[{i}].content[{j}]"))
         elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str):
             calls.append({"id": str(block.get("id", "")), "type": "function",
                           "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
@@ -101,12 +106,34 @@ def _blocks(role: str, blocks: list, i: int) -> list[dict]:
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
         else:
             raise OpenAIError(f"messages[{i}]: a {role} message takes text"
-                              f"{', tool_use' if role == 'assistant' else ', tool_result'} blocks; got {shown(block)}",
-                              param="messages")
+                              f"{', tool_use' if role == 'assistant' else ', image, tool_result'} blocks; got "
+                              f"{shown(block)}", param="messages")
     text = "\n".join(texts)
     if role == "assistant":
         return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
+    if len(parts) > len(texts):                  # images: the parts, in order (multimodal/chat_parts.py)
+        return results + [{"role": "user", "content": parts}]
     return results + ([{"role": "user", "content": text}] if texts or not results else [])
+
+
+def _image(block: dict, where: str) -> dict:
+    """An image block's base64 source as an {"type": "image", "image": ...} part: its media type, base64 and header
+    checked here, so that an error names this request's field; its pixels are decoded with the prompt's other
+    images (multimodal/chat_parts.py)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "url":
+        raise OpenAIError(f"{where}.source: a url source is refused; this engine never fetches: send the image "
+                          "as {'type': 'base64', 'media_type': 'image/png', 'data': ...}", param="messages")
+    if kind != "base64" or not isinstance(source.get("media_type"), str) or not isinstance(source.get("data"), str):
+        raise OpenAIError(f"{where}.source must be {{'type': 'base64', 'media_type': 'image/...', 'data': ...}}, "
+                          f"got {shown(source)}", param="messages")
+    try:
+        data = image_bytes_from_url(f"data:{source['media_type']};base64,{source['data']}", None, f"{where}.source")
+        image = open_image(data, f"{where}.source")
+    except ValueError as e:
+        raise OpenAIError(str(e), param="messages") from None
+    return {"type": "image", "image": image}
 
 
 def _text_of(blocks: list, where: str) -> str:

@@ -36,12 +36,14 @@ import torch
 import zmq
 
 from nanopaged.core.request import Request, SampledToken
-from nanopaged.engine.input_processor import InputProcessor, render_chat
+from nanopaged.engine.input_processor import InputProcessor
 from nanopaged.engine.output_processor import OutputProcessor
 from nanopaged.entrypoints import core_messages as m
 from nanopaged.entrypoints.openai.engine_loop import (INPUT_THREADS, Submission, _post,
                                                       _refuse_past_context, _settle, drain)
 from nanopaged.entrypoints.openai.protocol import OpenAIError, field_named, in_request_terms
+from nanopaged.multimodal.chat_parts import chat_prompt
+from nanopaged.multimodal.media import png_bytes
 from nanopaged.pooling.processors import PooledRequestOutput, PoolingInputProcessor
 
 logger = logging.getLogger("nanopaged.entrypoints.serve")
@@ -123,10 +125,13 @@ class CoreClient:
         what needs the engine (a grammar, an adapter) and may still refuse."""
         r = submission.request
         try:
-            prompts = ([render_chat(self.tokenizer, conv) for conv in r.prompts] if r.kind == "chat"
+            prompts = ([chat_prompt(self.tokenizer, conv, self.config) for conv in r.prompts] if r.kind == "chat"
                        else r.prompts)
             batches = [self.input_processor.process(rid, p, r.params)
                        for rid, p in zip(submission.request_ids, prompts)]
+            for rid, p in zip(submission.request_ids, prompts):    # images cross the socket as plain bytes
+                if isinstance(p, dict) and p.get("multi_modal_data"):
+                    submission.media[rid] = (p["prompt"], [png_bytes(i) for i in p["multi_modal_data"]["image"]])
             if r.max_tokens_given:
                 _refuse_past_context(batches, r, self.config.max_model_len)
         except ValueError as e:
@@ -231,11 +236,13 @@ class CoreClient:
                 return
             try:
                 pooling = r.kind == "embedding"          # r.params are PoolingParams (openai/embeddings.py)
+                prompt, images = submission.media.get(rid, (None, []))
                 wire = m.encode(m.AddRequest(rid, samples[0].prompt_token_ids,
                                              {} if pooling else m.params_to_wire(r.params), samples[0].cache_salt,
                                              m.lora_to_wire(r.lora_request),
                                              m.params_to_wire(r.params) if pooling else None,
-                                             submission.prefix_keys if rid == submission.request_ids[0] else []))
+                                             submission.prefix_keys if rid == submission.request_ids[0] else [],
+                                             prompt, images))
             except (TypeError, ValueError, OverflowError) as e:   # a value MessagePack cannot carry: its fault
                 self.outputs.abort(rid)
                 self.outputs.aborted.clear()

@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from nanopaged.core.request import Request
-from nanopaged.engine.input_processor import render_chat
 from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.entrypoints.core_messages import figures_of
 from nanopaged.entrypoints.openai.protocol import OpenAIError, ParsedRequest, field_named, in_request_terms
+from nanopaged.multimodal.chat_parts import chat_prompt
 from nanopaged.outputs import RequestOutput
 
 logger = logging.getLogger("nanopaged.entrypoints.serve")
@@ -59,6 +59,7 @@ class Submission:
     error: BaseException | None = None        # ends the results once the pending outputs are read
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     prefix_keys: list = field(default_factory=list)   # data parallelism: its first prompt's keys (dp_router.py)
+    media: dict = field(default_factory=dict)         # engine core: request id -> (prompt text, images as PNG bytes)
 
     def __post_init__(self) -> None:
         if self.accepted is None:
@@ -148,8 +149,8 @@ class EngineLoop:
         changes the engine, is left to the engine thread."""
         r, engine = submission.request, self.engine
         try:
-            prompts = ([render_chat(engine.tokenizer, conv) for conv in r.prompts] if r.kind == "chat"
-                       else r.prompts)
+            prompts = ([chat_prompt(engine.tokenizer, conv, engine.config) for conv in r.prompts]
+                       if r.kind == "chat" else r.prompts)
             batches = [engine.process_request(rid, p, r.params, lora_request=r.lora_request)
                        for rid, p in zip(submission.request_ids, prompts)]
             if r.max_tokens_given:

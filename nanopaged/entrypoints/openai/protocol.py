@@ -233,6 +233,9 @@ def field_named(message: str, max_tokens_field: str = "max_tokens",
     """The request field an engine error is about (its messages start with the field's name)."""
     if message.startswith(("LoRA adapter", "lora_request", "lora_int_id")):   # the adapter `model` named
         return "model"
+    part = re.match(r"messages\[\d+\]\.content\[\d+\](\.\w+)?", message)   # an image or a content part
+    if part:
+        return part.group()
     first = re.match(r"[a-z_]*", message).group()
     if first == "max_tokens":
         return max_tokens_field
