@@ -38,10 +38,13 @@ from nanopaged.models.pipeline import ModelStage
 from nanopaged.multimodal.chat_parts import chat_prompt
 from nanopaged.outputs import RequestOutput
 from nanopaged.pooling.embed import embed
+from nanopaged.pooling.score import score
+from nanopaged.pooling.tasks import classify, encode, reward
 from nanopaged.sampling_params import RequestOutputKind, SamplingParams
 from nanopaged.validation import per_prompt
 from nanopaged.vllm_compat import check_priority
 from nanopaged.worker.hybrid_runner import HybridModelRunner
+from nanopaged.worker.vision_runner import VisionLanguageModelRunner
 from nanopaged.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -78,7 +81,9 @@ class LLM:
         it (each rank has cores // N threads, so no governor); the workers stop when this LLM is deleted.
         No extension that rewrites the model runs across ranks (each refuses tensor parallelism)."""
         if config.tensor_parallel_size == 1:
-            return (HybridModelRunner if config.model_config.hybrid else ModelRunner)(config, stages)
+            m = config.model_config
+            kind = HybridModelRunner if m.hybrid else VisionLanguageModelRunner if m.vision else ModelRunner
+            return kind(config, stages)
         assert not stages, f"model stages {[s.name for s in stages]} under tensor parallelism"
         from nanopaged.extras.tensor_parallel import TensorParallelRunner   # torch.distributed only when used
         runner = TensorParallelRunner(config)
@@ -189,6 +194,23 @@ class LLM:
     def embed(self, prompts, pooling_params=None, use_tqdm: bool = True, lora_request=None) -> list:
         """vLLM's EmbeddingRequestOutput per prompt, with runner="pooling" (nanopaged/pooling/embed.py)."""
         return embed(self, prompts, pooling_params, use_tqdm, lora_request)
+
+    def classify(self, prompts, pooling_params=None, use_tqdm: bool = True, lora_request=None) -> list:
+        """vLLM's ClassificationRequestOutput per prompt, from a *ForSequenceClassification (pooling/tasks.py)."""
+        return classify(self, prompts, pooling_params, use_tqdm, lora_request)
+
+    def reward(self, prompts, pooling_params=None, use_tqdm: bool = True, lora_request=None) -> list:
+        """vLLM's PoolingRequestOutput per prompt: a classifier's scores for every token (pooling/tasks.py)."""
+        return reward(self, prompts, pooling_params, use_tqdm, lora_request)
+
+    def encode(self, prompts, pooling_params=None, use_tqdm: bool = True, lora_request=None, pooling_task=None) -> list:
+        """vLLM's PoolingRequestOutput per prompt, for any task the model runs (pooling/tasks.py)."""
+        return encode(self, prompts, pooling_params, use_tqdm, lora_request, pooling_task)
+
+    def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params=None, lora_request=None) -> list:
+        """vLLM's ScoringRequestOutput per pair: a cross-encoder's, or embeddings' cosine (pooling/score.py)."""
+        return score(self, data_1, data_2, truncate_prompt_tokens, use_tqdm, pooling_params, lora_request)
 
     def get_stats(self) -> dict:
         return self.stats.as_dict()

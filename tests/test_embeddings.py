@@ -215,7 +215,7 @@ def test_generate_on_a_pooling_llm_names_the_runner(last_llm):
 
 @pytest.mark.parametrize("params, field", [
     (dict(dimensions=0), "dimensions"), (dict(dimensions=1.5), "dimensions"), (dict(normalize="yes"), "normalize"),
-    (dict(task="classify"), "task"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens")])
+    (dict(task="generate"), "task"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens")])
 def test_bad_pooling_params_name_the_field(params, field):
     with pytest.raises(ValueError, match=field):
         PoolingParams(**params)

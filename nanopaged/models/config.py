@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nanopaged.models.classifier import CLASSIFICATION_ARCHITECTURES, labels
 from nanopaged.models.hybrid import HybridConfig, granite_hybrid, qwen3_5_hybrid
 from nanopaged.models.shipped_int8 import shipped_int8
 from nanopaged.models.vision_config import idefics3_vision
@@ -75,6 +76,8 @@ class ModelConfig:
     mrope_section: tuple[int, ...] | None = None   # M-RoPE: head_dim / 2 frequencies cut into (t, h, w) sections
     language_model_of: str | None = None  # read from this vision-language checkpoint, its language model only
     vision: dict | None = None          # a vision-language model's vision config, its tower and connector (multimodal/)
+    num_labels: int | None = None       # a *ForSequenceClassification: its classes (None: a causal LM)
+    id2label: dict[int, str] | None = None   # class index -> its name, from config.json
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -97,10 +100,13 @@ class ModelConfig:
             return _vision_language(cls, cfg, archs[0], eos_token_ids)
         if not isinstance(archs, list):
             raise ValueError(f"'architectures' must be a list of class names, got {archs!r}")
+        if archs and archs[0] in CLASSIFICATION_ARCHITECTURES:    # its decoder as the LM's (models/classifier.py)
+            base = cls.from_dict({**cfg, "architectures": [CLASSIFICATION_ARCHITECTURES[archs[0]]]}, eos_token_ids)
+            return replace(base, architecture=archs[0], **labels(cfg))
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported model architecture {arch!r}; nanopaged runs "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"{', '.join([*SUPPORTED_ARCHITECTURES, *CLASSIFICATION_ARCHITECTURES])}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only 'silu'")
         window = cfg.get("sliding_window")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import AutoProcessor
 
 from nanopaged.models.config import ModelConfig
 from nanopaged.models.llama import LlamaForCausalLM
@@ -68,6 +69,11 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         self.connector = Idefics3Connector(vision["hidden_size"], cfg.hidden_size, cfg.vision["scale_factor"])
 
     # ---- prompt processing (no weights) --------------------------------------------------------------
+    @staticmethod
+    def load_processor(folder: str):
+        """The folder's Idefics3Processor: transformers' image splitting, resizing and placeholder expansion."""
+        return AutoProcessor.from_pretrained(folder)
+
     @staticmethod
     def process(processor, prompt: str, images: list) -> MultiModalPrompt:
         """The prompt's token ids with every `<image>` expanded by the folder's processor (AutoProcessor), and

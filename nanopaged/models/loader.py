@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanopaged.models.classifier import classification_head
+
 # checkpoint name part -> (fused module name, shard index)
 PACKED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -35,6 +37,7 @@ def load_weights(model: nn.Module, folder: str | Path, read=None) -> None:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {folder}")
+    classification_head(model)                # a classifier's score head in place of lm_head (models/classifier.py)
     params = dict(model.named_parameters())   # a tied lm_head appears once, as embed_tokens
     loaded: set[tuple[str, int | None]] = set()
     scales: dict[str, torch.Tensor] = {}      # int8 weights' scales per output row (models/shipped_int8.py)

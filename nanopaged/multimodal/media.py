@@ -16,10 +16,7 @@ import io
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-try:
-    from PIL import Image, UnidentifiedImageError
-except ImportError:             # Pillow is needed for images only: a text-only install runs without it
-    Image, UnidentifiedImageError = None, OSError
+from PIL import Image, UnidentifiedImageError
 
 MAX_IMAGE_PIXELS = 4096 * 4096        # a decoded image holds at most 48 MiB of RGB
 MAX_IMAGE_SIDE = 8192                 # a 1 x 16M strip passes the pixel limit; no vision processor wants it
@@ -60,8 +57,6 @@ def load_images(items: list[tuple[object, str]], field: str) -> list[Image.Image
 
 def open_image(obj, field: str) -> Image.Image:
     """`obj` as a PIL image whose size, read from its header, is checked; no pixel decoded yet."""
-    if Image is None:
-        raise ValueError(f"{field}: reading images needs Pillow, which is not installed (pip install pillow)")
     if isinstance(obj, Image.Image):
         image = obj
     elif isinstance(obj, (bytes, bytearray, memoryview)):

@@ -3,7 +3,9 @@
 The pooling type and the normalisation come, in this order, from the `pooler_config` setting, the
 model folder's sentence-transformers files (modules.json names a Pooling module whose config.json
 sets one `pooling_mode_*`, and maybe a Normalize module), or vLLM's default for a decoder LLM (the
-last token, normalised: vllm/model_executor/models/adapters.py, as_embedding_model). No torch.
+last token, normalised: vllm/model_executor/models/adapters.py, as_embedding_model). A sequence-
+classification model (models/config.py: num_labels) pools the same way and adds its head's activations,
+read from config.json as vLLM reads them (vllm/model_executor/layers/pooler.py). No torch.
 """
 from __future__ import annotations
 
@@ -15,13 +17,23 @@ from pathlib import Path
 from nanopaged.validation import check_bool, check_choice
 
 logger = logging.getLogger(__name__)
-RUNNERS = ("auto", "generate", "pooling")      # vLLM's; auto: generate (every model here is a causal LM)
+RUNNERS = ("auto", "generate", "pooling")      # vLLM's; auto: pooling for a classifier, else generate
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # sentence-transformers' Pooling modes -> vLLM's pooling types (vllm/transformers_utils/config.py)
 ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
                     "pooling_mode_cls_token": "CLS"}
+# the tasks a pooling model runs (vLLM's supported_tasks): the first is a request's without one
+EMBEDDING_TASKS = ("embed", "token_embed")
+CLASSIFIER_TASKS = ("classify", "token_classify", "score")
 ST_POOLING, ST_NORMALIZE = "sentence_transformers.models.Pooling", "sentence_transformers.models.Normalize"
 ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+# a classifier's activation for classify and reward, by config.json's problem_type (transformers' loss for it);
+# "classify": softmax over two or more labels, sigmoid over one (vLLM: PoolerClassify)
+PROBLEM_TYPES = {None: "classify", "single_label_classification": "classify",
+                 "multi_label_classification": "sigmoid", "regression": "identity"}
+# a cross-encoder's activation for score, named as sentence-transformers names it (default: sigmoid)
+CROSS_ENCODER_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
+                             "torch.nn.modules.linear.Identity": "identity"}
 
 
 @dataclass
@@ -29,13 +41,41 @@ class PoolerConfig:
     pooling_type: str = "LAST"             # LAST | MEAN | CLS (the first token)
     normalize: bool = True                 # L2-normalise the pooled vector, unless a request says otherwise
     matryoshka_dimensions: list[int] | None = None   # None: no Matryoshka training; []: any size
+    classify_activation: str | None = None   # a classifier's, for classify and reward: classify | sigmoid | identity
+    score_activation: str | None = None      # a classifier's, for score: sigmoid | identity
+
+
+def model_tasks(model_config) -> tuple[str, ...]:
+    return EMBEDDING_TASKS if model_config.num_labels is None else CLASSIFIER_TASKS
+
+
+def check_task(task: str, model_config) -> None:
+    """A ValueError naming the task and the model's kind, for a task this model does not run (vLLM refuses
+    the same: an embedding model classifies nothing, a classifier embeds nothing)."""
+    tasks, arch = model_tasks(model_config), model_config.architecture
+    if task not in tasks:
+        kind = ("an embedding model (a causal LM with runner='pooling')" if model_config.num_labels is None
+                else "a sequence-classification model")
+        wanted = ("a sequence-classification model (*ForSequenceClassification)" if task in CLASSIFIER_TASKS
+                  else "an embedding model (a *ForCausalLM with runner='pooling')")
+        raise ValueError(f"task={task!r} needs {wanted}; {arch} is {kind} and runs {list(tasks)} "
+                         f"(vLLM: this task's API is not supported by this model)")
+    if task == "score" and model_config.num_labels != 1:
+        raise ValueError(f"task='score' needs a cross-encoder, a classifier of num_labels=1; {arch} has "
+                         f"num_labels={model_config.num_labels} (vLLM: the Scoring API is only enabled for "
+                         "num_labels == 1)")
 
 
 def check_pooling(config) -> None:
     """Resolve `runner` and `pooler_config` of an EngineConfig (called from its __post_init__)."""
     check_choice("runner", config.runner, RUNNERS)
+    classifier = config.model_config.num_labels is not None
     if config.runner == "auto":
-        config.runner = "generate"
+        config.runner = "pooling" if classifier else "generate"
+    if classifier and config.runner == "generate":
+        raise ValueError(f"{config.model_config.architecture} is a sequence-classification model: it runs with "
+                         "runner='pooling' only (LLM.classify, LLM.reward, LLM.score; vLLM: --runner pooling), "
+                         "not runner='generate'")
     if config.runner == "generate":
         if config.pooler_config is not None:
             raise ValueError(f"pooler_config={config.pooler_config!r} needs runner='pooling'")
@@ -49,7 +89,8 @@ def check_pooling(config) -> None:
     if not isinstance(given, dict) or not set(given) <= {"pooling_type", "normalize"}:
         raise ValueError(f"pooler_config must be a dict with 'pooling_type' and/or 'normalize', got {given!r}")
     folder = sentence_transformers_pooling(Path(config.model)) or {}
-    pooler = PoolerConfig(**{**folder, **given}, matryoshka_dimensions=matryoshka(Path(config.model)))
+    pooler = PoolerConfig(**{**folder, **given}, matryoshka_dimensions=matryoshka(Path(config.model)),
+                          **(classifier_activations(Path(config.model)) if classifier else {}))
     pooler.pooling_type = str(pooler.pooling_type).upper()
     check_choice("pooler_config's pooling_type", pooler.pooling_type, POOLING_TYPES)
     check_bool("pooler_config's normalize", pooler.normalize)
@@ -95,6 +136,22 @@ def matryoshka(folder: Path) -> list[int] | None:
     if dims is not None:
         return list(dims)
     return [] if cfg.get("is_matryoshka") else None
+
+
+def classifier_activations(folder: Path) -> dict:
+    """classify_activation and score_activation from config.json (vLLM: get_classification_activation_function,
+    get_cross_encoder_activation_function); one nanopaged does not run is refused by name."""
+    cfg = _read_json(folder / "config.json")
+    problem_type = cfg.get("problem_type")
+    if problem_type not in PROBLEM_TYPES:
+        raise ValueError(f"problem_type={problem_type!r} in {folder / 'config.json'}: nanopaged runs "
+                         f"{[t for t in PROBLEM_TYPES if t]}")
+    name = (cfg.get("sentence_transformers") or {}).get("activation_fn") or cfg.get(
+        "sbert_ce_default_activation_function") or "torch.nn.modules.activation.Sigmoid"
+    if name not in CROSS_ENCODER_ACTIVATIONS:
+        raise ValueError(f"the cross-encoder activation {name!r} in {folder / 'config.json'}: nanopaged runs "
+                         f"{list(CROSS_ENCODER_ACTIVATIONS)}")
+    return {"classify_activation": PROBLEM_TYPES[problem_type], "score_activation": CROSS_ENCODER_ACTIVATIONS[name]}
 
 
 def _read_json(path: Path):

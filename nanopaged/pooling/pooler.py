@@ -1,4 +1,4 @@
-"""The pooler: a pooling request's hidden states, chunk by chunk, become one vector.
+"""The pooler: a pooling request's hidden states, chunk by chunk, become one vector, or one row per token.
 
 It sits in the engine's token-selection seat (engine/llm_engine.py: TokenSelection). The runner
 hands it every row of the step (`read_every_row`) and the model's "logits" are its hidden states
@@ -9,7 +9,11 @@ longer than the step's budget comes in several chunks (chunked prefill):
     LAST   the hidden state of the prompt's last token, in its final chunk
     MEAN   the sum over every chunk, divided by the prompt's length at the end
     CLS    the hidden state of position 0, in its first chunk
+    ALL    every position's hidden state (the token tasks: token_embed, token_classify), chunk after chunk
 
+Then the task's head (vLLM's pooler heads): embed normalises (and cuts to `dimensions`); classify,
+score and token_classify apply a classifier's `score` linear and its activation (softmax or sigmoid,
+as config.json says: pooling/config.py), unless the request says use_activation=False.
 A request whose prompt is complete gets its vector, and one placeholder token in place of a sampled
 one: it carries the request through `Scheduler.update` and `check_stop` (max_tokens=1) to its finish,
 which frees its blocks. vLLM: vllm/model_executor/layers/pooler.py. docs/04_scheduler.md, "Pooling".
@@ -21,10 +25,16 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from torch import nn
+
 from nanopaged.core.request import Request, SampledToken
+from nanopaged.pooling_params import TOKEN_TASKS
 from nanopaged.worker.model_runner import ModelInput, ModelRunnerOutput
 
 PLACEHOLDER = SampledToken(0)     # never shown: EmbeddingRequestOutput has no tokens
+# a classifier's activations by name (pooling/config.py); "classify": vLLM's PoolerClassify
+ACTIVATIONS = {"classify": lambda x: torch.sigmoid(x) if x.shape[-1] < 2 else torch.softmax(x, dim=-1),
+               "sigmoid": torch.sigmoid, "identity": lambda x: x}
 
 
 def read_every_row(out, inputs: ModelInput) -> None:
@@ -35,9 +45,12 @@ def read_every_row(out, inputs: ModelInput) -> None:
 
 
 class Pooler:
-    def __init__(self, pooling_type: str, normalize: bool) -> None:
-        self.pooling_type, self.normalize = pooling_type, normalize
-        self.partial: dict[Request, torch.Tensor] = {}     # a request's vector so far (MEAN: its sum)
+    def __init__(self, config, classifier: nn.Module | None = None) -> None:
+        """`config`: the PoolerConfig (pooling/config.py); `classifier`: a classification model's score head."""
+        self.pooling_type, self.normalize, self.classifier = config.pooling_type, config.normalize, classifier
+        self.activations = {"classify": config.classify_activation, "token_classify": config.classify_activation,
+                            "score": config.score_activation}
+        self.partial: dict[Request, torch.Tensor | list] = {}   # a request's vector so far (MEAN: its sum; ALL: rows)
         self.finished: dict[str, torch.Tensor] = {}        # request id -> its vector, this step only
 
     def __call__(self, runner_output: ModelRunnerOutput) -> dict[Request, list[SampledToken]]:
@@ -55,7 +68,11 @@ class Pooler:
     def _take(self, request: Request, rows: torch.Tensor, first: int) -> None:
         """Rows for positions [first, first + len(rows)) of the prompt."""
         last = first + rows.shape[0] == request.num_prompt_tokens
-        if self.pooling_type == "LAST" and last:
+        if request.sampling_params.pooling_params.task in TOKEN_TASKS:
+            # first == 0: a new prompt or a recomputed one (a token task's blocks never hit the prefix cache)
+            assert first == 0 or request in self.partial, "rows continue only from the request's own chunks"
+            self.partial[request] = (self.partial[request] if first > 0 else []) + [rows.float().clone()]
+        elif self.pooling_type == "LAST" and last:
             self.partial[request] = rows[-1].float()
         elif self.pooling_type == "CLS" and first == 0:
             self.partial[request] = rows[0].float().clone()       # not a view keeping the step's rows
@@ -66,15 +83,29 @@ class Pooler:
             self.partial[request] = rows.float().sum(0) + (0 if before is None else before)
 
     def _finish(self, request: Request) -> torch.Tensor:
-        """The pooled vector, cut to `dimensions` and normalised as the request asks (vLLM's order)."""
-        vector = self.partial.pop(request)
-        if self.pooling_type == "MEAN":
-            vector = vector / request.num_prompt_tokens
-        params = request.sampling_params.pooling_params
+        """The pooled vector (a token task: its rows), through the task's head, flat (processors.py)."""
+        pooled, params = self.partial.pop(request), request.sampling_params.pooling_params
+        if params.task in TOKEN_TASKS:
+            pooled = torch.cat(pooled)                         # (num_prompt_tokens, hidden)
+        elif self.pooling_type == "MEAN":
+            pooled = pooled / request.num_prompt_tokens
+        head = self._embed if params.task in ("embed", "token_embed") else self._classify
+        return head(pooled, params).flatten().cpu()
+
+    def _embed(self, pooled: torch.Tensor, params) -> torch.Tensor:
+        """Cut to `dimensions`, then normalised as the request asks (vLLM's order); a token task row by row."""
         if params.dimensions is not None:
-            vector = vector[:params.dimensions]
+            pooled = pooled[..., :params.dimensions]
         normalize = self.normalize if params.normalize is None else params.normalize
-        return (F.normalize(vector, p=2, dim=-1) if normalize else vector).cpu()
+        return F.normalize(pooled, p=2, dim=-1) if normalize else pooled
+
+    def _classify(self, pooled: torch.Tensor, params) -> torch.Tensor:
+        """The score head's logits, (num_labels,) or (tokens, num_labels), and the task's activation."""
+        with torch.inference_mode():                        # as the forward pass: the rows are inference tensors
+            logits = self.classifier(pooled)                # float32 (models/loader.py: ScoreHead)
+        if params.use_activation is False:
+            return logits
+        return ACTIVATIONS[self.activations[params.task]](logits)
 
     # ---- the rest of the token-selection seat -------------------------------------------------
     def add(self, samples: list[Request]) -> None:

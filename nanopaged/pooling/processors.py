@@ -15,12 +15,14 @@ import torch
 from nanopaged.engine.input_processor import InputProcessor
 from nanopaged.engine.output_processor import OutputProcessor
 from nanopaged.outputs import RequestOutput
+from nanopaged.pooling.config import check_task, model_tasks
 from nanopaged.pooling.pooler import Pooler
 from nanopaged.pooling_params import PoolingParams
 from nanopaged.sampling_params import RequestOutputKind, SamplingParams
 
-NOT_GENERATING = ("this engine runs runner='pooling': it embeds (LLM.embed, /v1/embeddings) and does not generate "
-                  "text; load the model with runner='generate' (vLLM: --runner generate) to generate")
+NOT_GENERATING = ("this engine runs runner='pooling': it pools (LLM.embed, classify, reward, score; /v1/embeddings, "
+                  "/classify, /pooling, /score, /rerank) and does not generate text; load the model with "
+                  "runner='generate' (vLLM: --runner generate) to generate")
 
 
 @dataclass
@@ -31,7 +33,9 @@ class PrefillOnly(SamplingParams):
 
 @dataclass
 class PooledRequestOutput(RequestOutput):
-    pooled: torch.Tensor | None = None      # (hidden_size,) or (dimensions,), float32, on the CPU
+    # float32, on the CPU, one flat vector: (hidden_size,), (dimensions,) or (num_labels,); a token task's rows
+    # one after another, len(prompt_token_ids) of them (so the record and the wire keep one shape)
+    pooled: torch.Tensor | None = None
 
 
 class PoolingInputProcessor(InputProcessor):
@@ -41,11 +45,14 @@ class PoolingInputProcessor(InputProcessor):
         super().__init__(config, tokenizer, num_kv_blocks)
         pooler = config.pooler_config
         self.hidden_size, self.matryoshka_dimensions = config.model_config.hidden_size, pooler.matryoshka_dimensions
+        self.model_config = config.model_config
 
     def process(self, request_id: str, prompt, params=None):
         params = params if params is not None else PoolingParams()
         if not isinstance(params, PoolingParams):
             raise ValueError(f"{NOT_GENERATING} (got {type(params).__name__})")
+        params = params.for_task(params.task or model_tasks(self.model_config)[0])
+        check_task(params.task, self.model_config)
         params.verify(self.hidden_size, self.matryoshka_dimensions)
         return super().process(request_id, prompt, PrefillOnly(
             max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,

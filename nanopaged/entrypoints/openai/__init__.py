@@ -11,6 +11,9 @@
     tool_parsers.py  tool calls found in the text, whole or streamed (hermes, llama3_json)
     tokenize.py      /tokenize and /detokenize
     embeddings.py    /v1/embeddings (a pooling engine)
+    classify.py      /classify and /pooling (a pooling engine's other tasks)
+    score.py         /score and /rerank (a cross-encoder's pair scores, or embeddings' cosine)
+    pooling_requests.py  what the pooling routes share: the runner's check, one submission of pooling requests
     anthropic_api.py /v1/messages: Anthropic's Messages API as a translation of the chat route
     app.py           the FastAPI routes and Server-Sent Events
     metrics.py       /metrics: Prometheus figures with vLLM's names, from the engine's figures

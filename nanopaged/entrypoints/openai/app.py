@@ -21,12 +21,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from nanopaged.entrypoints.openai import anthropic_api
+from nanopaged.entrypoints.openai.classify import register_classify
 from nanopaged.entrypoints.openai.embeddings import register_embeddings
 from nanopaged.entrypoints.openai.engine_loop import EngineLoop, Submission
 from nanopaged.entrypoints.openai.limits import BodyLimits, ClientLeft, RequireApiKey, log_client_left, read_body
 from nanopaged.entrypoints.openai.metrics import ServerMetrics
 from nanopaged.entrypoints.openai.protocol import (OpenAIError, ParsedRequest, parse_body, parse_lora_update,
                                                    parse_request, requested_model)
+from nanopaged.entrypoints.openai.score import register_score
 from nanopaged.entrypoints.openai.responses import ResponseBuilder
 from nanopaged.entrypoints.openai.served_models import ServedModels
 from nanopaged.entrypoints.openai.tokenize import detokenize, tokenize
@@ -95,6 +97,8 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedMod
         return await serve(request, "completion")
 
     register_embeddings(app, engine_loop, models, body_limits)          # POST /v1/embeddings (embeddings.py)
+    register_classify(app, engine_loop, models, body_limits)            # POST /classify, /pooling (classify.py)
+    register_score(app, engine_loop, models, body_limits)               # /score, /rerank and aliases (score.py)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

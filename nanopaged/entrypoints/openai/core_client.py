@@ -43,8 +43,11 @@ from nanopaged.entrypoints.openai.engine_loop import (INPUT_THREADS, Submission,
                                                       _refuse_past_context, _settle, drain)
 from nanopaged.entrypoints.openai.protocol import OpenAIError, field_named, in_request_terms
 from nanopaged.multimodal.chat_parts import chat_prompt
+from nanopaged.multimodal.input_processor import MultiModalInputProcessor
 from nanopaged.multimodal.media import png_bytes
 from nanopaged.pooling.processors import PooledRequestOutput, PoolingInputProcessor
+from nanopaged.pooling_params import PoolingParams
+from nanopaged.worker.vision_runner import VISION_LANGUAGE_MODELS
 
 logger = logging.getLogger("nanopaged.entrypoints.serve")
 WATCH_MS = 200            # how often the socket thread looks at its parent while nothing arrives
@@ -67,6 +70,9 @@ class CoreClient:
         self.input_processor = InputProcessor(config, tokenizer, num_kv_blocks)
         if config.runner == "pooling":           # PoolingParams in, as the engine core's own processor takes them
             self.input_processor = PoolingInputProcessor(config, tokenizer, num_kv_blocks)
+        if config.model_config.vision is not None:     # images: expanded here to count and check the tokens
+            model_class = VISION_LANGUAGE_MODELS[config.model_config.architecture]
+            self.input_processor = MultiModalInputProcessor(self.input_processor, model_class)
         self.outputs = OutputProcessor(tokenizer, [self._core_stopped])   # socket thread only, from here on
         self.core_stops = weakref.WeakKeyDictionary()          # sample -> its length when the core stopped it
         self.routes: dict[str, Submission] = {}                # request id -> its submission
@@ -235,7 +241,7 @@ class CoreClient:
                 self._refuse(submission, OpenAIError(str(e)))
                 return
             try:
-                pooling = r.kind == "embedding"          # r.params are PoolingParams (openai/embeddings.py)
+                pooling = isinstance(r.params, PoolingParams)   # the pooling routes' (embeddings.py, classify.py, ...)
                 prompt, images = submission.media.get(rid, (None, []))
                 wire = m.encode(m.AddRequest(rid, samples[0].prompt_token_ids,
                                              {} if pooling else m.params_to_wire(r.params), samples[0].cache_salt,

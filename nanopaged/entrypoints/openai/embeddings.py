@@ -22,6 +22,7 @@ from nanopaged.entrypoints.openai.engine_loop import EngineLoop, Submission
 from nanopaged.entrypoints.openai.limits import BodyLimits, read_body
 from nanopaged.entrypoints.openai.protocol import (OpenAIError, ParsedRequest, only_fields, parse_body,
                                                    prompt_forms, requested_model, shown)
+from nanopaged.pooling.config import check_task
 from nanopaged.pooling_params import PoolingParams
 
 EMBEDDING_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
@@ -63,6 +64,10 @@ def register_embeddings(app: FastAPI, engine_loop, models, body_limits: BodyLimi
 def parse_embedding_request(body: dict, models, config) -> tuple[ParsedRequest, str]:
     """(the requests' prompts and PoolingParams, the encoding format); OpenAIError naming the field."""
     only_fields(body, EMBEDDING_FIELDS)
+    try:
+        check_task("embed", config.model_config)          # a classifier embeds nothing (vLLM refuses it too)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="model") from None
     lora_request = requested_model(body.get("model"), models.name, models.adapters)
     prompts = prompt_forms(body.get("input"), "input", non_empty_text=True)
     encoding = body.get("encoding_format") or "float"
@@ -72,7 +77,7 @@ def parse_embedding_request(body: dict, models, config) -> tuple[ParsedRequest, 
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise OpenAIError(f"user must be a string, got {shown(body['user'])}", param="user")
     try:
-        params = PoolingParams(dimensions=body.get("dimensions"))
+        params = PoolingParams(dimensions=body.get("dimensions"), task="embed")
         params.verify(config.model_config.hidden_size, config.pooler_config.matryoshka_dimensions)
     except ValueError as e:
         raise OpenAIError(str(e), param="dimensions") from None
