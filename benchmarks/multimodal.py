@@ -68,7 +68,8 @@ def run_multimodal(args, model_dir: str, settings: dict) -> dict:
     params = greedy(args.output_len[1])
     ours, model_config, resolved = nanopaged_chat(model_dir, settings, conversations, warm, params)
     out = {"settings": {"model": model_dir, "random_weights": args.random_weights, "num_requests": len(which),
-                        "distinct_images": len(set(which)), "image_sizes": IMAGE_SIZES, "max_tokens": params.max_tokens,
+                        "distinct_images": len(set(which)), "max_tokens": params.max_tokens,
+                        "image_sizes": [IMAGE_SIZES[i % len(IMAGE_SIZES)] for i in range(args.num_images)],
                         "seed": args.seed, "threads": torch.get_num_threads(), **resolved},
            "engine": ours}
     if "vllm" in args.peers:
