@@ -22,7 +22,8 @@ The package (each folder's __init__.py indexes its own files):
     structured_output/   outputs held to a JSON schema, a regex, choices or a grammar
     spec_decode/         speculative decoding: drafts, verified in one pass
     lora/                LoRA adapters, many in one step
-    pooling/             embeddings: LLM(model, runner="pooling").embed
+    pooling/             embeddings, classification, rewards and scores: LLM(model, runner="pooling")
+    multimodal/          images for vision-language models: checked, processed, encoded once, cached
     extras/              beam search, tensor parallelism, Ray Data
     entrypoints/         `nanopaged serve` and its processes
 
@@ -47,7 +48,8 @@ from nanopaged.llm import LLM  # noqa: E402
 from nanopaged.lora.request import LoRARequest  # noqa: E402
 from nanopaged.models.demo_model import DEMO_MODEL  # noqa: E402
 from nanopaged.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from nanopaged.pooling.outputs import EmbeddingRequestOutput  # noqa: E402
+from nanopaged.pooling.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,  # noqa: E402
+                                       PoolingRequestOutput, ScoringRequestOutput)
 from nanopaged.pooling_params import PoolingParams  # noqa: E402
 from nanopaged.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from nanopaged.structured_output.params import StructuredOutputsParams  # noqa: E402
@@ -55,5 +57,5 @@ from nanopaged.structured_output.params import StructuredOutputsParams  # noqa: 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
            "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "DEMO_MODEL",
            "TextPrompt", "TokensPrompt", "StructuredOutputsParams", "LoRARequest", "PoolingParams",
-           "EmbeddingRequestOutput"]
+           "EmbeddingRequestOutput", "ClassificationRequestOutput", "PoolingRequestOutput", "ScoringRequestOutput"]
 __version__ = "0.1.0"

@@ -43,7 +43,8 @@ NOT_IMPLEMENTED = [
     (("generation_config",), ("auto",), "reads the EOS ids of the model folder's generation_config.json"),
     (("model_impl",), ("auto",), "has one implementation of each model (models/llama.py)"),
     (("convert", "task"), (None, "auto", "generate", "none"),
-     "generates or embeds (runner='pooling'; task='embed' and convert='embed' say the same), no other task"),
+     "generates or pools (runner='pooling'; task='embed', 'classify', 'score' or 'reward' and convert='embed' or "
+     "'classify' say the same), no other task"),
     (("override_pooler_config",), (None,), "takes pooler_config (vLLM's newer name)"),
     (("override_attention_dtype",), (None,), "computes attention in the model's dtype"),
     (("logprobs_mode",), ("raw_logprobs",), "reports logprobs of the raw model distribution (vLLM's default)"),
@@ -186,11 +187,14 @@ def _among(value, accepted: tuple) -> bool:
     return any(isinstance(value, bool) == isinstance(a, bool) and value == a for a in accepted)
 
 
+POOLING_TASKS = ("embed", "embedding", "classify", "score", "reward")   # vLLM's tasks that mean runner='pooling'
+
+
 def engine_settings(kwargs: dict, own: set[str]) -> dict:
     """The EngineConfig settings that `kwargs` (nanopaged's settings and vLLM's engine arguments) ask
     for; a ValueError for an argument that asks for what nanopaged does not do, or that nobody knows."""
     settings, unknown = {}, []
-    if kwargs.get("task") in ("embed", "embedding") or kwargs.get("convert") == "embed":   # vLLM's other names
+    if kwargs.get("task") in POOLING_TASKS or kwargs.get("convert") in ("embed", "classify"):   # vLLM's other names
         kwargs = {**kwargs, "task": None, "convert": None, "runner": kwargs.get("runner") or "pooling"}
     for name, value in kwargs.items():
         if name in own:

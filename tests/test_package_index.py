@@ -39,4 +39,5 @@ def test_each_package_index_names_nothing_its_folder_lacks(package):
 def test_the_index_rule_sees_every_package_and_reads_an_entry():
     """The rule above would pass vacuously if it found no packages or parsed no entries."""
     assert {"nanopaged", "core", "cpu", "entrypoints", "openai", "tensor_parallel"} <= {p.name for p in PACKAGES}
-    assert {"block_pool.py", "request.py", "scheduler.py", "state_pages.py"} == indexed(ROOT / "nanopaged" / "core")
+    assert {"block_pool.py", "request.py", "scheduler.py", "state_pages.py",
+            "encoder_cache.py"} == indexed(ROOT / "nanopaged" / "core")

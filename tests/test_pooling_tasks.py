@@ -214,6 +214,8 @@ def test_a_classifier_runs_with_runner_pooling_only(classifiers):
                                          "runner='pooling' only"):
         LLM(classifiers["qwen2"], **SETTINGS)                  # the default runner: generate
     assert LLM(classifiers["qwen2"], runner="auto", **SETTINGS).llm_engine.config.runner == "pooling"   # as vLLM
+    for task in ("classify", "score", "reward"):                 # vLLM's older way to say it
+        assert LLM(classifiers["qwen2"], task=task, **SETTINGS).llm_engine.config.runner == "pooling"
 
 
 def test_an_embedding_model_refuses_the_classifier_tasks_by_name(tiny_model_dirs):

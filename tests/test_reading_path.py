@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # they use, in the order a request meets it, then the packages' __init__ files (their indexes).
 READING_PATH = [
     "nanopaged/core/block_pool.py", "nanopaged/core/request.py", "nanopaged/core/scheduler.py",
-    "nanopaged/core/state_pages.py", "nanopaged/worker/model_runner.py", "nanopaged/attention/metadata.py", "nanopaged/attention/torch_backend.py",
+    "nanopaged/core/state_pages.py", "nanopaged/core/encoder_cache.py", "nanopaged/worker/model_runner.py", "nanopaged/attention/metadata.py", "nanopaged/attention/torch_backend.py",
     "nanopaged/models/llama.py", "nanopaged/engine/llm_engine.py", "nanopaged/engine/extension.py",
     "nanopaged/extensions.py", "nanopaged/llm.py",
     "nanopaged/config.py", "nanopaged/validation.py", "nanopaged/cpu/features.py", "nanopaged/cpu/choose.py",
@@ -85,6 +85,15 @@ LOADED = [
     # a hybrid (linear-attention layers beside attention): its config, layers, reference rule and runner
     "nanopaged/models/hybrid.py", "nanopaged/models/qwen3_5.py", "nanopaged/models/gated_delta_rule.py",
     "nanopaged/models/granite_hybrid.py", "nanopaged/models/mamba2.py", "nanopaged/worker/hybrid_runner.py",
+    # images: the extension (its input processor, the checks of an image, the runner's half of the encoder cache,
+    # chat's image parts), the two vision-language models and their runner
+    "nanopaged/multimodal/extension.py", "nanopaged/multimodal/input_processor.py", "nanopaged/multimodal/media.py",
+    "nanopaged/multimodal/placeholders.py", "nanopaged/multimodal/encoder_outputs.py",
+    "nanopaged/multimodal/chat_parts.py", "nanopaged/multimodal/__init__.py",
+    "nanopaged/models/vision_config.py", "nanopaged/models/idefics3.py", "nanopaged/models/siglip.py",
+    "nanopaged/models/qwen2_5_vl.py", "nanopaged/models/qwen2_5_vl_vision.py", "nanopaged/worker/vision_runner.py",
+    # the other pooling tasks: a classifier's head, LLM.classify / reward / encode / score
+    "nanopaged/models/classifier.py", "nanopaged/pooling/tasks.py", "nanopaged/pooling/score.py",
 ]
 CHOOSE_IMPORTS = [p for p in FAST_PATH if p != "nanopaged/cpu/attention.py"]
 TABLES = READING_PATH + FAST_PATH + CPP_SOURCES + LOADED   # the three tables the documents print, in order
@@ -116,10 +125,15 @@ TABLES = READING_PATH + FAST_PATH + CPP_SOURCES + LOADED   # the three tables th
 # DeltaNet, Granite 4.0-H's Mamba-2) and their runner loaded by every call, run only for a hybrid; their
 # decode token in C++, csrc/recurrent.cpp compiled on every host and cpu/recurrent.py imported by the choice;
 # the torch backend's decode gathering only the slots in use where blocks are large, as a hybrid's are; a
-# vision-language checkpoint read for its language model: the config's LANGUAGE_MODEL_OF, the loader's prefixes)
-LINE_BUDGET = 4700
-DEFAULT_LINE_BUDGET = 7500
-LOADED_BUDGET = 6025
+# vision-language checkpoint read for its language model: the config's LANGUAGE_MODEL_OF, the loader's prefixes);
+# 4,975, 7,775 and 7,575 until images and the other pooling tasks (58: the encoder cache, core's half, run for
+# every model: which images a step encodes within its budget, which it keeps, an image's hash in the block hash,
+# a chunk cut before an image it cannot encode; a model taking inputs_embeds; the config's encoder and media
+# settings and its vision-language and classifier readings; LLM's classify, reward, encode and score; the
+# images' extension, two vision-language models with their runner, and a classifier's head loaded by every call)
+LINE_BUDGET = 4975
+DEFAULT_LINE_BUDGET = 7775
+LOADED_BUDGET = 7575
 # The design card's three parts: the block manager, the scheduler, the model runner with the
 # torch attention it calls (the metadata it builds, the reference backend).
 THREE_PARTS = {
@@ -128,12 +142,14 @@ THREE_PARTS = {
     "model runner + torch attention": ["nanopaged/worker/model_runner.py", "nanopaged/attention/metadata.py",
                                        "nanopaged/attention/torch_backend.py"],
 }
-THREE_PARTS_BUDGET = 1090     # 1,000 until async scheduling's placeholder token (54): the request counts one, and
+THREE_PARTS_BUDGET = 1115     # 1,000 until async scheduling's placeholder token (54): the request counts one, and
                               # the scheduler's update in two halves, so a step can be scheduled between them; 1,025
                               # until a hybrid's state pages (57): the request's pages, a block's snapshot and
                               # the pool's count of snapshot pages it can take back, the scheduler's calls into
                               # core/state_pages.py, the metadata's pages per request; the torch backend's
-                              # decode reading only the slots in use of a large block
+                              # decode reading only the slots in use of a large block; 1,090 until images (58):
+                              # the request's encoder inputs, the scheduler's calls into core/encoder_cache.py
+                              # and the block hash's image keys, the runner's inputs_embeds
 # Words of every extension: a name holding one in the block pool, the scheduler, the runner or the
 # engine step means an extension's logic lives there instead of behind a hook.
 EXTENSION_WORDS = ("beam", "graph", "stats", "statistic", "bench", "triton", "flash", "demo", "fuse", "quant",

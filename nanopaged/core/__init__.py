@@ -4,4 +4,5 @@
     request.py      one sequence: the two counters and its block table
     scheduler.py    one token budget per step, chunked prefill, preemption by recompute, fork
     state_pages.py  a hybrid model's state: pages beside the block table, kept at block boundaries
+    encoder_cache.py  a prompt's images: which a step encodes, within its budget, and which stay cached
 """

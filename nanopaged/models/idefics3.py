@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoProcessor
 
 from nanopaged.models.config import ModelConfig
 from nanopaged.models.llama import LlamaForCausalLM
@@ -72,6 +71,8 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     @staticmethod
     def load_processor(folder: str):
         """The folder's Idefics3Processor: transformers' image splitting, resizing and placeholder expansion."""
+        # here, not at the top: transformers' processing modules import its modeling code and torch's compiler
+        from transformers import AutoProcessor
         return AutoProcessor.from_pretrained(folder)
 
     @staticmethod

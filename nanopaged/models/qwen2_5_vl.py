@@ -13,19 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor
-
 from nanopaged.models.config import ModelConfig
 from nanopaged.models.llama import LlamaForCausalLM, LlamaModel, RotaryEmbedding
 from nanopaged.models.qwen2_5_vl_vision import VisionTransformer
 from nanopaged.multimodal.placeholders import ImageInput, MultiModalPrompt
-
-
-class ImageProcessor(Qwen2_5_VLProcessor):
-    """Qwen2_5_VLProcessor with no video processor: images and text only."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs) -> None:
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -74,7 +65,13 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     def load_processor(folder: str):
         """The folder's processor for images: transformers' AutoProcessor also builds Qwen2.5-VL's video processor,
         which needs torchvision; images need only the image processor and the tokenizer."""
-        return ImageProcessor(AutoImageProcessor.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
+        # here, not at the top: transformers' processing modules import its modeling code and torch's compiler
+        from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor
+
+        class ImagesOnly(Qwen2_5_VLProcessor):
+            def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs) -> None:
+                super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+        return ImagesOnly(AutoImageProcessor.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
 
     @staticmethod
     def process(processor, prompt: str, images: list) -> MultiModalPrompt:

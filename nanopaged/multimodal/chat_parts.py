@@ -34,6 +34,9 @@ def chat_prompt(tokenizer, conversation, config, chat_template: str | None = Non
     check_image_count(counted, images_per_prompt(config.limit_mm_per_prompt), "messages")
     sources = []                 # (encoded bytes or a PIL image, its field), in order
     messages = [_message(m, i, sources, config.allowed_local_media_path) for i, m in enumerate(messages)]
+    if config.model_config.vision is None:      # each part checked and read above, none decoded
+        raise ValueError(f"messages: {config.model_config.architecture} is a text-only model and takes no images "
+                         "(a vision-language model's folder does)")
     images = load_images(sources, "messages")
     # The processor's template first, as vLLM: a VLM's tokenizer may carry a text-only one.
     template = chat_template or folder_chat_template(config.model)

@@ -25,11 +25,18 @@ class MultiModal(Extension):
     def check_config(cls, config) -> None:
         if config.model_config.vision is None:
             return
-        for name, value, off in (("runner", config.runner, "generate"),
-                                 ("tensor_parallel_size", config.tensor_parallel_size, 1)):
-            if value != off:
-                raise ValueError(f"the vision-language model {config.model_config.architecture} runs with "
-                                 f"{name}={off!r} only (got {value!r})")
+        spec = config.speculative_config
+        method = spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
+        refused = {"runner='pooling'": config.runner != "generate",
+                   f"tensor_parallel_size={config.tensor_parallel_size}": config.tensor_parallel_size != 1,
+                   # w8a8 rotates the hidden states, and the encoder's rows would come in unrotated
+                   "quantization='w8a8'": config.quantization == "w8a8",
+                   "enable_lora=True (adapters are read for text models' layers)": config.enable_lora,
+                   "a draft model (it reads no images; ngram and suffix drafts run)": method == "draft_model"}
+        for what, is_set in refused.items():
+            if is_set:
+                raise ValueError(f"the vision-language model {config.model_config.architecture} cannot run with "
+                                 f"{what}")
         without_async_scheduling(config, "a vision-language model", "a step's images are encoded before its "
                                  "forward pass, from the scheduler's decisions of that very step")
         if config.device == "cuda" and not config.enforce_eager:

@@ -4,7 +4,8 @@ the engine core's socket as plain bytes and come out as the same pixels (core_me
 import asyncio
 import base64
 import io
-import shutil
+import pathlib
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +23,10 @@ from nanopaged.entrypoints.openai.engine_loop import EngineLoop, Submission  # n
 from nanopaged.entrypoints.openai.protocol import OpenAIError, parse_request  # noqa: E402
 from nanopaged.multimodal.media import load_image  # noqa: E402
 
-# A template that renders parts, as a vision-language model's does, so the engine's own refusal is what speaks.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "models"))
+from vlm_fixtures import tiny_idefics3  # noqa: E402
+
+# A template that renders parts, as a vision-language model's does.
 PARTS_TEMPLATE = ("{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>"
                   "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endfor %}")
 
@@ -59,13 +63,18 @@ def media_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine_loop(tiny_model_dirs, media_dir, tmp_path_factory):
-    """A text model whose folder's chat template renders parts, as a vision-language model's folder does."""
-    folder = tmp_path_factory.mktemp("parts_template") / "llama"
-    shutil.copytree(tiny_model_dirs["llama"], folder)
-    (folder / "chat_template.jinja").write_text(PARTS_TEMPLATE)
-    llm = LLM(str(folder), block_size=4, num_kv_blocks=64,
+def engine_loop(media_dir, tmp_path_factory):
+    """A tiny vision-language model (Idefics3), so that every image is read and decoded."""
+    folder = tiny_idefics3(tmp_path_factory.mktemp("idefics3"))
+    llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=256,
               allowed_local_media_path=str(media_dir / "allowed"), limit_mm_per_prompt={"image": 2})
+    return EngineLoop(llm.llm_engine)
+
+
+@pytest.fixture(scope="module")
+def text_loop(tiny_model_dirs, media_dir):
+    llm = LLM(tiny_model_dirs["llama"], block_size=4, num_kv_blocks=64,
+              allowed_local_media_path=str(media_dir / "allowed"))
     return EngineLoop(llm.llm_engine)
 
 
@@ -108,10 +117,10 @@ def test_a_local_file_without_the_flag_is_a_400_naming_the_flag(tiny_model_dirs,
     assert error.param == "messages[0].content[1].image_url" and "allowed_local_media_path" in error.message
 
 
-def test_a_text_model_refuses_a_good_image_with_a_400(engine_loop, media_dir):
+def test_a_text_model_refuses_a_good_image_with_a_400(text_loop, media_dir):
     for url in (data_url(png()), str(media_dir / "allowed" / "red.png"), f"file://{media_dir}/allowed/red.png"):
-        error = refusal(engine_loop, chat(url))
-        assert error.param == "messages" and ("multi_modal_data" in error.message or "takes no images" in error.message)
+        error = refusal(text_loop, chat(url))
+        assert error.param == "messages" and "LlamaForCausalLM is a text-only model and takes no images" in error.message
 
 
 def test_anthropic_image_blocks_become_images_and_bad_ones_are_named():
@@ -142,8 +151,9 @@ def anthropic_body(*pngs: bytes) -> dict:
                                      "data": base64.b64encode(data).decode()}} for data in pngs]}]})
 
 
-def test_an_anthropic_image_on_a_text_model_is_a_400(engine_loop):
-    assert refusal(engine_loop, anthropic_body(png())).param == "messages"
+def test_an_anthropic_image_on_a_text_model_is_a_400(text_loop):
+    error = refusal(text_loop, anthropic_body(png()))
+    assert error.param == "messages" and "takes no images" in error.message
 
 
 def test_a_truncated_anthropic_image_is_a_400_when_decoded_with_the_prompts_others(engine_loop):
@@ -158,7 +168,8 @@ def test_the_api_server_sends_a_prompts_images_as_png_bytes(tiny_model_dirs, tmp
     taken = []
     client = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(tiny_model_dirs["llama"], local_files_only=True),
                              config=SimpleNamespace(model=str(tmp_path), allowed_local_media_path=None,
-                                                    limit_mm_per_prompt=None),
+                                                    limit_mm_per_prompt=None,
+                                                    model_config=SimpleNamespace(vision={}, architecture="VLM")),
                              input_processor=SimpleNamespace(process=lambda rid, p, params: taken.append(p) or []))
     client.tokenizer.chat_template = PARTS_TEMPLATE
     loop = asyncio.new_event_loop()

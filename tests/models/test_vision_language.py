@@ -6,6 +6,8 @@ positions). Each under what changes how the engine computes: one and two images,
 requests, chunked prefill cutting through an image, preemption (the encoder output recomputed or reused),
 prefix hits with the same image and misses with another; shared images encoded once; bad images refused.
 """
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -165,3 +167,34 @@ def test_the_default_bfloat16_path_is_close_to_transformers_in_bfloat16(vlm):
                 for l in out.logits]
         theirs.append((out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), tops))
     check_logprobs_close(ours, theirs)
+
+
+def test_ngram_drafts_verified_over_an_image_prompt_change_no_token(vlm):
+    family, folder = vlm
+    requests = [mm(family, [image(40)], "repeat repeat repeat"), mm(family, [image(41), image(40)])]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in make_llm(folder).generate(requests, params, use_tqdm=False)]
+    spec = make_llm(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    assert [o.outputs[0].token_ids for o in spec.generate(requests, params, use_tqdm=False)] == plain
+    assert spec.get_stats()["spec_decode"]["num_draft_tokens"] > 0        # drafts were verified
+
+
+@pytest.mark.parametrize("setting, says", [
+    ({"runner": "pooling"}, "runner='pooling'"),
+    ({"quantization": "w8a8"}, "quantization='w8a8'"),
+    ({"enable_lora": True}, "enable_lora=True"),
+    ({"async_scheduling": True}, "async_scheduling=True cannot run with a vision-language model"),
+])
+def test_what_a_vision_language_model_cannot_run_with_is_refused_by_name(vlm, setting, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        make_llm(vlm[1], **setting)
+
+
+def test_a_text_model_refuses_images_by_name(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32")
+    with pytest.raises(ValueError, match="LlamaForCausalLM is a text-only model and takes no images"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"image": image(1)}}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="takes no images"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}],
+                 GREEDY, use_tqdm=False)
