@@ -8,6 +8,7 @@
     python bench.py --random-weights olmoe-1b-7b --peers vllm   # a mixture of experts (benchmarks/moe.py)
     python bench.py --workload overlap           # async scheduling on vs off: each step's phases (benchmarks/overlap.py)
     python bench.py --workload ray               # a dataset through Ray Data replicas (benchmarks/ray_data.py)
+    python bench.py --workload multimodal        # chat requests with shared images, vs vLLM (benchmarks/multimodal.py)
 
 Throughput follows nano-vllm's bench.py: seeded random token-id prompts, input and output
 lengths uniform in a range, `ignore_eos=True`, one warm-up, then output tokens / wall time
@@ -31,7 +32,8 @@ import torch
 from benchmarks.figures import PUBLISHED, overhead_figures, ratios, target_figures
 from benchmarks.machine import machine_info, versions
 from benchmarks.memory import memory_figures
-from benchmarks.models import MOE_CONFIGS, RANDOM_CONFIGS, resolve_model, vocab_limit
+from benchmarks.models import MOE_CONFIGS, RANDOM_CONFIGS, VLM_CONFIGS, resolve_model, vocab_limit
+from benchmarks.multimodal import run_multimodal
 from benchmarks.nanopaged_run import batch_invariance_cost, quantized_vs_dense, resolved_settings, run_nanopaged
 from benchmarks.noise import noise_figures
 from benchmarks.overlap import run_overlap
@@ -39,8 +41,9 @@ from benchmarks.hybrid import run_hybrid
 from benchmarks.peers import PEERS, hf_device_dtype, run_peer
 from benchmarks.lora import run_lora
 from benchmarks.moe import run_moe
-from benchmarks.report import (plot, print_cascade, print_hybrid, print_lora, print_moe, print_overlap,
-                               print_shared_prefix, print_sharing, print_spec, print_structured, print_table)
+from benchmarks.report import (plot, print_cascade, print_hybrid, print_lora, print_moe, print_multimodal,
+                               print_overlap, print_shared_prefix, print_sharing, print_spec, print_structured,
+                               print_table)
 from benchmarks.quality import quality_figures, text_ids
 from benchmarks.roofline import kernel_peak_flops, roofline_figures
 from benchmarks.single_stream import single_stream_figures, single_stream_length
@@ -60,11 +63,13 @@ DEFAULTS = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))
 # nano-vllm's bench.py: 256 requests, lengths uniform in 100..1024 (a GPU-sized run).
 PRESETS = {"nano-vllm": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))}
 WORKLOADS = ("throughput", "shared-prefix", "cascade", "sharing", "structured", "spec", "lora", "moe", "overlap",
-             "hybrid", "serve", "ray")      # serve: benchmarks/serve.py, ray: benchmarks/ray_data.py, each its own flags
+             "hybrid", "multimodal", "serve", "ray")      # serve: benchmarks/serve.py, ray: benchmarks/ray_data.py, each its own flags
 # shared-prefix: each request = one system prompt (--prefix-len) + its own question.
 SHARED_PREFIX_DEFAULTS = dict(num_requests=64, input_len=(16, 48), output_len=(8, 16), prefix_len=256)
 # cascade: decode steps of 32 rows on one 1,024-token prefix, shared blocks read once or not.
 CASCADE_DEFAULTS = dict(num_requests=32, input_len=(16, 48), output_len=(64, 64), prefix_len=1024)
+# multimodal: 16 chat requests sharing 4 images, each answered with exactly --output-len's MAX tokens.
+MULTIMODAL_DEFAULTS = {**DEFAULTS, "num_requests": 16, "output_len": (32, 32)}
 # The other workloads: how each runs and how it prints.
 OTHER_WORKLOADS = {"shared-prefix": (run_shared_prefix, print_shared_prefix),
                    "cascade": (run_cascade, print_cascade),
@@ -74,7 +79,8 @@ OTHER_WORKLOADS = {"shared-prefix": (run_shared_prefix, print_shared_prefix),
                    "lora": (run_lora, print_lora),
                    "moe": (run_moe, print_moe),
                    "overlap": (run_overlap, print_overlap),
-                   "hybrid": (run_hybrid, print_hybrid)}
+                   "hybrid": (run_hybrid, print_hybrid),
+                   "multimodal": (run_multimodal, print_multimodal)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,7 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "moe (a mixture of experts against its active-weight floor: benchmarks/moe.py, the workload "
                         "of --random-weights olmoe-1b-7b and qwen3-30b-a3b-12l); overlap (async scheduling on vs "
                         "off: benchmarks/overlap.py); hybrid (a hybrid's K/V and state per request, and a prefix "
-                        "hit's time to first token: benchmarks/hybrid.py)")
+                        "hit's time to first token: benchmarks/hybrid.py); multimodal (chat requests sharing "
+                        "images, vs vLLM: benchmarks/multimodal.py, the workload of --random-weights smolvlm-256m)")
+    p.add_argument("--num-images", type=int, default=4,
+                   help="multimodal: the images the requests draw from, each used at least once (default 4)")
     p.add_argument("--overlap-requests", type=int, default=256,
                    help="overlap: requests of 16 output tokens in its third workload (default 256)")
     p.add_argument("--prefix-len", type=int,
@@ -125,8 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"output tokens, uniform; default {DEFAULTS['output_len']}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="a local Hugging Face folder (default: the demo model)")
-    p.add_argument("--random-weights", choices=sorted({*RANDOM_CONFIGS, *MOE_CONFIGS}), metavar="CONFIG",
-                   help=f"build a model with random weights: {', '.join([*RANDOM_CONFIGS, *MOE_CONFIGS])}")
+    p.add_argument("--random-weights", choices=sorted({*RANDOM_CONFIGS, *MOE_CONFIGS, *VLM_CONFIGS}),
+                   metavar="CONFIG", help="build a model with random weights: "
+                                          f"{', '.join([*RANDOM_CONFIGS, *MOE_CONFIGS, *VLM_CONFIGS])}")
     p.add_argument("--peers", "--peer",
                    help=f"comma-separated, from {', '.join(PEERS)}; 'none' for none (default hf,hf-paged; "
                         "spec: none, vllm the one it takes)")
@@ -182,7 +192,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
 
     # A trace flag given on the command line wins over the preset, the preset over DEFAULTS.
-    defaults = {"shared-prefix": SHARED_PREFIX_DEFAULTS, "cascade": CASCADE_DEFAULTS}.get(args.workload, DEFAULTS)
+    if args.random_weights in VLM_CONFIGS:
+        args.workload = "multimodal"
+    if args.workload == "multimodal" and not (args.model or args.random_weights):
+        args.random_weights = "smolvlm-256m"
+    defaults = {"shared-prefix": SHARED_PREFIX_DEFAULTS, "cascade": CASCADE_DEFAULTS,
+                "multimodal": MULTIMODAL_DEFAULTS}.get(args.workload, DEFAULTS)
     for name, value in {**defaults, **PRESETS.get(args.preset, {})}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -191,12 +206,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.workload == "moe" and args.random_weights not in MOE_CONFIGS:
         p.error(f"--workload moe takes --random-weights {' or '.join(MOE_CONFIGS)}")
     if args.peers is None:
-        args.peers = "none" if args.workload in ("spec", "lora", "moe") else "hf,hf-paged"
+        args.peers = {"spec": "none", "lora": "none", "moe": "none", "multimodal": "vllm"}.get(args.workload,
+                                                                                              "hf,hf-paged")
     args.peers = [] if args.peers == "none" else [x.strip() for x in args.peers.split(",") if x.strip()]
     for peer in args.peers:
         if peer not in PEERS:
             p.error(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
-    if args.workload in ("spec", "lora", "moe") and set(args.peers) - {"vllm"}:
+    if args.workload in ("spec", "lora", "moe", "multimodal") and set(args.peers) - {"vllm"}:
         p.error(f"--workload {args.workload} takes --peers vllm or none, got {','.join(args.peers)}")
     for name in ("ngram_k", "suffix_k", "concurrency"):
         try:
@@ -226,6 +242,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {lo} {hi}")
     if args.num_requests < 1:
         p.error(f"--num-requests must be >= 1, got {args.num_requests}")
+    if not 1 <= args.num_images <= args.num_requests:
+        p.error(f"--num-images needs 1 <= IMAGES <= --num-requests ({args.num_requests}), got {args.num_images}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     if args.model and args.random_weights:

@@ -1,6 +1,6 @@
 """The model every engine loads: --model, the demo model, or random weights of a named shape (dense,
-or a mixture of experts at OLMoE's or Qwen3-30B-A3B's shape, written a layer at a time so the writer
-never holds the model); and the spec workload's draft model, cut from the target. Folders made here
+a mixture of experts at OLMoE's or Qwen3-30B-A3B's shape, written a layer at a time so the writer
+never holds the model, or SmolVLM's vision-language shape); and the spec workload's draft model, cut from the target. Folders made here
 are written once into the cache (cache_dir()/bench)."""
 from __future__ import annotations
 
@@ -23,9 +23,13 @@ from nanopaged.models.config import ModelConfig
 # Random-weight models for machines with no model files: the shapes are data
 # (benchmarks/data/model_shapes.json), weights drawn once and cached. Dense: qwen3-0.6b is
 # nano-vllm's benchmark shape. Mixtures of experts for the moe workload (benchmarks/moe.py): OLMoE's
-# and Qwen3-30B-A3B's (12 of its layers). tiny-qwen3 and tiny-olmoe are for tests.
+# and Qwen3-30B-A3B's (12 of its layers). Vision-language for the multimodal workload: SmolVLM-256M's.
+# tiny-qwen3, tiny-olmoe and tiny-smolvlm are for tests.
 SHAPES = json.loads((DATA / "model_shapes.json").read_text())
-RANDOM_CONFIGS, MOE_CONFIGS = SHAPES["dense"], SHAPES["moe"]
+RANDOM_CONFIGS, MOE_CONFIGS, VLM_CONFIGS = SHAPES["dense"], SHAPES["moe"], SHAPES["vision"]
+# Idefics3's markers: the global image, a tile's grid place, around an image, an image token; a turn's end.
+IDEFICS3_TOKENS = (["<global-img>"] + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+                   + ["<fake_token_around_image>", "<image>", "<end_of_utterance>"])
 
 
 def write_random_moe(name: str, folder: Path) -> None:
@@ -84,6 +88,8 @@ def build_random_model(name: str) -> Path:
     """A Hugging Face folder with `name`'s shape and random weights, made once and cached; its tokenizer
     is trained in-process (no download), the model keeps its own vocabulary for its true cost."""
     folder = cache_dir() / "bench" / f"{name}-random-v2"   # v2: its own tokenizer
+    if name in VLM_CONFIGS:
+        return write_once(folder, f"random weights for {name}", lambda tmp: write_random_vlm(name, tmp))
     if name not in RANDOM_CONFIGS:                         # a mixture of experts, written layer by layer
         return write_once(folder, f"random weights for {name}", lambda tmp: write_random_moe(name, tmp))
 
@@ -98,6 +104,28 @@ def build_random_model(name: str) -> Path:
         train_tokenizer(4096, model_max_length=cfg["max_position_embeddings"]).save_pretrained(tmp)
 
     return write_once(folder, f"random weights for {name}", write)
+
+
+def write_random_vlm(name: str, folder: Path) -> None:
+    """An Idefics3ForConditionalGeneration of `name`'s shape with random weights, its Idefics3Processor (SmolVLM's
+    image sizes) and tokenizer (SmolLM2's, or the tiny one, with Idefics3's markers) and SmolVLM's chat template."""
+    from transformers import (AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration,
+                              Idefics3ImageProcessorPil, Idefics3Processor)
+    shape = VLM_CONFIGS[name]
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_path()) if shape["tokenizer"] == "smollm2" \
+        else train_tokenizer(512)
+    tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
+    template = (DATA / "smolvlm_chat_template.jinja").read_text().rstrip("\n")
+    tokenizer.chat_template = template
+    p = shape["processor"]
+    images = Idefics3ImageProcessorPil(**{k: v for k, v in p.items() if k != "image_seq_len"})
+    text = {**shape["text_config"], "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    config = Idefics3Config(text_config=text, vision_config=shape["vision_config"], scale_factor=shape["scale_factor"],
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                            tie_word_embeddings=shape["tie_word_embeddings"], pad_token_id=2)
+    torch.manual_seed(0)
+    Idefics3ForConditionalGeneration(config).save_pretrained(folder, safe_serialization=True)
+    Idefics3Processor(images, tokenizer, image_seq_len=p["image_seq_len"], chat_template=template).save_pretrained(folder)
 
 
 def write_once(folder: Path, what: str, write: Callable[[Path], None]) -> Path:

@@ -254,6 +254,27 @@ def print_hybrid(r: dict) -> None:
           f"{r['ttft_speedup']:.1f}x; target (issue 57) >= 5x {verdict(r['ttft_speedup'] >= 5)}")
 
 
+def print_multimodal(r: dict) -> None:
+    s, e, mm = r["settings"], r["engine"], r["engine"]["multimodal"]
+    print(f"\nmultimodal: {s['random_weights'] or s['model']}, {s['num_requests']} chat requests (a question, then one "
+          f"of {s['distinct_images']} images of {', '.join(f'{w}x{h}' for w, h in s['image_sizes'])} pixels), "
+          f"{s['max_tokens']} tokens out each, greedy; {s['threads']} threads, {s['dtype']}; {host(r['machine'])}")
+    rows = {"nanopaged": e}
+    if "vllm" in r:
+        rows[f"vLLM CPU {r['vllm'].get('version', '')}"] = f"not run: {r['vllm']['error']}" if "error" in r["vllm"] \
+            else r["vllm"]
+    table(("engine", 18), [("out tok/s", 11, ".1f"), ("TTFT mean s", 13, ".2f"), ("TTFT p50 s", 12, ".2f"),
+                           ("prompt tok", 12, ",d"), ("load s", 8, ".0f")],
+          {k: v if isinstance(v, str) else [v["output_tokens_per_s"], v["ttft"]["mean_s"], v["ttft"]["p50_s"],
+                                            v["prompt_tokens"], v["load_s"]] for k, v in rows.items()})
+    lookups = mm["encoder_calls"] + mm["encoder_hits"]
+    print(f"nanopaged's encoder: {mm['encoder_calls']} calls for {s['distinct_images']} distinct images, "
+          f"{mm['encoder_hits']} cache hits ({mm['encoder_hits'] / max(lookups, 1):.0%} of lookups), "
+          f"{mm['encoder_seconds']:.1f} s encoding; TTFT: from the call's start (all requests at once)")
+    for name, t in r["targets"].items():
+        print(f"target {name}: {t['value']:.3g} {verdict(t['met'])}")
+
+
 def print_lora(r: dict) -> None:
     s = r["settings"]
     print(f"\nLoRA adapters mixed in one batch: {trace_line(s)}, greedy; rank {s['rank']} on all seven "

@@ -26,8 +26,12 @@ def main(path_in: str, path_out: str) -> None:
     llm = LLM(job["model"], dtype=job["dtype"], max_num_seqs=job["max_num_seqs"],
               max_num_batched_tokens=job["max_num_batched_tokens"], max_model_len=job["max_model_len"],
               kv_cache_memory_bytes=job["kv_cache_bytes"], enable_prefix_caching=job.get("enable_prefix_caching", True),
-              seed=0, **({"speculative_config": spec, "disable_log_stats": False} if spec else {}), **lora)
+              seed=0, **({"speculative_config": spec, "disable_log_stats": False} if spec else {}), **lora,
+              **({"limit_mm_per_prompt": {"image": 1}, "disable_log_stats": False} if "conversations" in job else {}))
     load = time.perf_counter() - load
+    if "conversations" in job:
+        open(path_out, "w").write(json.dumps({"vllm": vllm.__version__, "load_s": load, **chat_run(llm, job)}))
+        return
     if adapters:
         open(path_out, "w").write(json.dumps({"vllm": vllm.__version__, "load_s": load,
                                               **lora_runs(llm, job, adapters)}))
@@ -60,6 +64,19 @@ def timed(llm, generate, prompts, lens, c: int, spec) -> dict:
     return {"wall_s": time.perf_counter() - start, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
             "spec_decode": counters_since(spec_counters(llm), before) if spec else None}
+
+
+def chat_run(llm, job: dict) -> dict:
+    """The multimodal workload's conversations after its warm-up one: wall time, tokens, and each request's time
+    from the call's start to its first token (its stats: arrival wall time + latency to the first token)."""
+    from vllm import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+    llm.chat(job["warmup"], params, use_tqdm=False)
+    start, clock = time.time(), time.perf_counter()
+    outs = llm.chat(job["conversations"], params, use_tqdm=False)
+    return {"wall_s": time.perf_counter() - clock, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+            "ttft_s": [o.metrics.arrival_time + o.metrics.first_token_latency - start for o in outs]}
 
 
 def spec_runs(llm, job: dict, generate, spec) -> dict:

@@ -359,8 +359,9 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
 # blank lines); what the modules read at run time from benchmarks/data/ (prompts, schemas, shapes, targets)
 # is not. Issue 52 asks for 3,000; what is left after its cut (4,063) holds every workload issues 26 to 56 asked
 # for (the spec workload alone is about 900 lines, serve's about 640), and it rises only with a workload an issue
-# asks for: 4,140 with the hybrid workload (57).
-LINE_BUDGET = 4_140
+# asks for: 4,140 with the hybrid workload (57), 4,335 with the multimodal one (SmolVLM's random folder, its chat
+# trace of shared images, vLLM's chat run and the table: about 180 lines).
+LINE_BUDGET = 4_335
 
 
 def test_benchmarks_stays_within_its_line_budget():
