@@ -115,9 +115,6 @@ class EncoderCache:
             del self.users[key]
             self.unused[key] = self.entries[key]
 
-    def _room(self) -> int:
-        return self.num_free + sum(self.unused.values())
-
     def _make_room(self, size: int, frees: list[str]) -> None:
         while self.num_free < size:
             key, _ = self.unused.popitem(last=False)
