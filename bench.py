@@ -242,7 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {lo} {hi}")
     if args.num_requests < 1:
         p.error(f"--num-requests must be >= 1, got {args.num_requests}")
-    if not 1 <= args.num_images <= args.num_requests:
+    if args.workload == "multimodal" and not 1 <= args.num_images <= args.num_requests:
         p.error(f"--num-images needs 1 <= IMAGES <= --num-requests ({args.num_requests}), got {args.num_images}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
