@@ -21,17 +21,22 @@ class EncoderOutputs:
 
     def __call__(self, out, inputs) -> None:
         for key in out.encoder_frees:
-            del self.outputs[key]
+            self.outputs.pop(key, None)
         for request, i in out.encoder_inputs:
-            image = request.encoder_inputs[i]
-            if image.hash not in self.outputs:         # two requests with one image in one step: once
-                start = time.perf_counter()
-                self.outputs[image.hash] = self.model.encode_image(image.data.data)
-                self.seconds += time.perf_counter() - start
+            self._output(request.encoder_inputs[i])
         spans = list(self._spans(out, inputs.meta))
         self._embed(inputs, spans)
         if getattr(self.model, "mrope", False):
             inputs.positions = mrope_positions(inputs.positions, spans)
+
+    def _output(self, image) -> torch.Tensor:
+        """The image's rows, encoded now if they are not held: the step that should have encoded them may
+        have failed after the scheduler counted them in (two requests with one image: encoded once)."""
+        if image.hash not in self.outputs:
+            start = time.perf_counter()
+            self.outputs[image.hash] = self.model.encode_image(image.data.data)
+            self.seconds += time.perf_counter() - start
+        return self.outputs[image.hash]
 
     @staticmethod
     def _spans(out, meta):
@@ -49,7 +54,7 @@ class EncoderOutputs:
                          if start <= image.offset + off < end]
                 if taken:
                     rows += [row + position - start for position, _ in taken]
-                    pieces.append(self.outputs[image.hash][[j for _, j in taken]])
+                    pieces.append(self._output(image)[[j for _, j in taken]])
         if rows:
             embeds = self.model.embed_input_ids(inputs.input_ids)
             embeds[rows] = torch.cat(pieces).to(embeds.dtype)

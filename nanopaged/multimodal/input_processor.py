@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 
 from nanopaged.core.encoder_cache import EncoderInput
-from nanopaged.engine.input_processor import InputProcessor
+from nanopaged.engine.input_processor import MAX_CHARS_PER_TOKEN, InputProcessor
 from nanopaged.multimodal.media import check_image_count, images_per_prompt, load_images
 
 MODALITIES = ("image",)
@@ -48,6 +48,8 @@ class MultiModalInputProcessor(InputProcessor):
         if not isinstance(data, dict) or not set(data) <= set(MODALITIES):
             raise ValueError(f"multi_modal_data must be a dict with the keys {list(MODALITIES)}, got "
                              f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        if len(prompt["prompt"]) > self.config.max_model_len * MAX_CHARS_PER_TOKEN:
+            self._encode(prompt["prompt"])      # refuses a text far past the context from its start alone
         given = data.get("image", [])
         given = list(given) if isinstance(given, (list, tuple)) else [given]
         check_image_count(len(given), images_per_prompt(self.config.limit_mm_per_prompt), "multi_modal_data['image']")

@@ -198,3 +198,26 @@ def test_a_text_model_refuses_images_by_name(tiny_model_dirs):
     with pytest.raises(ValueError, match="takes no images"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}],
                  GREEDY, use_tqdm=False)
+
+
+def test_a_text_far_past_the_context_beside_an_image_is_refused_before_the_processor_runs(vlm, monkeypatch):
+    family, folder = vlm
+    llm = make_llm(folder, max_model_len=256)
+    processor = llm.llm_engine.input_processor
+    monkeypatch.setattr(processor, "process_images", lambda *a: pytest.fail("the processor ran"))
+    with pytest.raises(ValueError, match="the prompt has at least"):
+        llm.generate(mm(family, [image(1)], "word " * 20_000), GREEDY, use_tqdm=False)
+
+
+def test_a_step_that_fails_while_encoding_leaves_no_hole_in_the_encoder_cache(vlm):
+    """The scheduler counted the image in before the step failed: the next request with it still gets its rows."""
+    family, folder = vlm
+    want = tokens(make_llm(folder), [mm(family, [image(50)])])
+    llm = make_llm(folder)
+    model = llm.llm_engine.runner.model
+    encode = model.encode_image
+    model.encode_image = lambda data: (_ for _ in ()).throw(RuntimeError("the encoder failed"))
+    with pytest.raises(RuntimeError, match="the encoder failed"):
+        llm.generate(mm(family, [image(50)]), GREEDY, use_tqdm=False)
+    model.encode_image = encode
+    assert tokens(llm, [mm(family, [image(50)])]) == want
