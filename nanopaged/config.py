@@ -71,6 +71,7 @@ class EngineConfig:
     cpu_linear: str = "auto"                # CPU: packed (oneDNN) | dpbf16 | amx (nanopaged's) | reference (F.linear)
     cpu_kernels: str = "auto"               # CPU: fused (C++ layer kernels) | reference (torch ops); auto: fused with packed linears
     tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
+    enable_expert_parallel: bool = False    # a mixture of experts under tensor parallelism: E/N whole experts a rank
     speculative_config: dict | None = None  # ngram, suffix or draft_model drafts, verified in one pass (spec_decode/)
     quantization: str | None = None         # CPU: gguf | int4 | int8 | w8a8 (cpu/quantized_linear.py); None: off
     quantization_group_size: int = 32       # int4 / int8: input features per scale (gguf: the file's 32)
@@ -104,7 +105,8 @@ class EngineConfig:
         check_range("seed", self.seed, *SEED_RANGE, integer=True)
         check_range("max_logprobs", self.max_logprobs, 0, MAX_LOGPROBS, integer=True)
         check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, lo_open=True)
-        for name in ("enable_prefix_caching", "enforce_eager", "disable_cascade_attn", "enable_lora"):
+        for name in ("enable_prefix_caching", "enforce_eager", "disable_cascade_attn", "enable_lora",
+                     "enable_expert_parallel"):
             check_bool(name, getattr(self, name))
         check_choice("prefix_hash", self.prefix_hash, tuple(HASH_FUNCTIONS))
         check_choice("attention_backend", self.attention_backend, ("auto", *ATTENTION_BACKENDS))
@@ -121,7 +123,7 @@ class EngineConfig:
         self.tokenizer = check_model_folder(self.model, self.tokenizer)
         self.model_config = ModelConfig.from_folder(self.model)
         self._resolve_defaults()
-        check_tensor_parallel(self.model_config, self.tensor_parallel_size, self.device)
+        check_tensor_parallel(self.model_config, self.tensor_parallel_size, self.device, self.enable_expert_parallel)
         if self.tensor_parallel_size > 1:
             if self.async_scheduling:
                 raise ValueError("async_scheduling=True with tensor_parallel_size > 1 is not supported: the ranks' "
@@ -239,14 +241,22 @@ def check_quantization(cfg: "EngineConfig") -> str | None:
     return find_gguf(cfg.model)
 
 
-def check_tensor_parallel(m: ModelConfig, size: int, device: str) -> None:
+def check_tensor_parallel(m: ModelConfig, size: int, device: str, expert_parallel: bool = False) -> None:
     """Before any process starts: every rank must get whole heads and an equal share of the MLP
-    (Megatron's split, the paper's section 4.6), an equal share of every expert's MLP too,
-    and on CUDA a device of its own."""
+    (Megatron's split, the paper's section 4.6), an equal share of every expert's MLP too, or with
+    expert parallelism an equal number of whole experts; and on CUDA a device of its own."""
+    if expert_parallel and size == 1:
+        raise ValueError("enable_expert_parallel=True needs tensor_parallel_size > 1 (it places the experts "
+                         "across the tensor-parallel ranks); got tensor_parallel_size=1")
+    if expert_parallel and m.moe is None:
+        raise ValueError("enable_expert_parallel=True needs a mixture-of-experts model; this one is dense "
+                         "(its config.json has no num_experts)")
     widths = {"num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_key_value_heads}
     if m.moe is None or m.moe.dense_layers:       # some layer has a dense MLP of intermediate_size
         widths["intermediate_size"] = m.intermediate_size
-    if m.moe is not None:                         # each expert is split as a dense MLP is
+    if expert_parallel:                           # E/N whole experts on each rank
+        widths["num_experts"] = m.moe.num_experts
+    elif m.moe is not None:                       # each expert is split as a dense MLP is
         widths["moe_intermediate_size"] = m.moe.intermediate_size
     for name, value in widths.items():
         if value % size:

@@ -92,10 +92,12 @@ NOT_IMPLEMENTED = [
     (("distributed_executor_backend",), (None, "mp"), "runs tensor-parallel ranks as processes of its own"),
     (("disable_custom_all_reduce",), ANY, "all-reduces with torch.distributed"),
     (("ray_workers_use_nsight",), (False,), "does not use Ray"),
-    (("enable_expert_parallel", "enable_eplb"), (False,), "runs dense models only (no mixture of experts)"),
-    (("eplb_config", "all2all_backend"), (None, {}), "runs dense models only (no mixture of experts)"),
-    (("expert_placement_strategy",), ("linear",), "runs dense models only (no mixture of experts)"),
-    (("num_redundant_experts",), (0,), "runs dense models only (no mixture of experts)"),
+    # enable_expert_parallel is a setting (extras/tensor_parallel/layers.py: ExpertParallelMoeBlock)
+    (("enable_eplb",), (False,), "has no expert load balancer: each rank keeps its contiguous share of the experts"),
+    (("eplb_config",), (None, {}), "has no expert load balancer: each rank keeps its contiguous share of the experts"),
+    (("all2all_backend",), (None, {}), "sums the ranks' experts with the MoE block's one all-reduce (no all-to-all)"),
+    (("expert_placement_strategy",), ("linear",), "places experts contiguously only (rank r: [r E/N, (r+1) E/N))"),
+    (("num_redundant_experts",), (0,), "has no expert load balancer, so no redundant experts"),
     (("eplb_window_size", "eplb_step_interval", "eplb_log_balancedness"), ANY, "has no expert load balancer"),
     # ---- LoRA: enable_lora, max_loras, max_lora_rank and max_cpu_loras are settings (lora/)
     (("enable_lora_bias",), (False,), "refuses adapters with trained biases"),
@@ -167,7 +169,7 @@ NOT_IMPLEMENTED_SAMPLING = {
     "thinking_token_budget": ((None, -1), "budget of reasoning tokens"),
     "repetition_detection": ((None,), "stopping at repeated n-grams"),
     "trace_decode_token_ids": ((None,), "replaying of given tokens"),
-    "routed_experts_prompt_start": ((0,), "expert routing data (it runs dense models)"),
+    "routed_experts_prompt_start": ((0,), "expert routing data per token (get_stats()[\"moe\"] counts per expert)"),
     "extra_args": (ANY, "code that reads them: no built-in sampling does (nor vLLM's)"),
     "skip_clone": (ANY, "copies to skip: it never clones SamplingParams"),
 }

@@ -29,10 +29,13 @@ RENAMED = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w2": "down_proj", "w3"
 STACKED_EXPERTS = ("gate_up_proj", "down_proj")
 
 
-def load_weights(model: nn.Module, folder: str | Path, read=None) -> None:
+def load_weights(model: nn.Module, folder: str | Path, read=None, rename=None) -> None:
     """`read(f, name)`: what to load of checkpoint tensor `name` in the open file `f`; by default
-    all of it (the tensor-parallel loader reads one rank's slice)."""
+    all of it (the tensor-parallel loader reads one rank's slice). `rename(name)`: the model's name
+    for it, or None to leave it unread; by default the name itself (under expert parallelism a
+    rank's own experts are numbered from 0, and the others' are not its to read)."""
     read = read or (lambda f, name: f.get_tensor(name))
+    rename = rename or (lambda name: name)
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -43,7 +46,7 @@ def load_weights(model: nn.Module, folder: str | Path, read=None) -> None:
     scales: dict[str, torch.Tensor] = {}      # int8 weights' scales per output row (models/shipped_int8.py)
     for file in files:
         try:
-            _load_file(file, params, loaded, model, read, scales)
+            _load_file(file, params, loaded, model, read, rename, scales)
         except ValueError as e:
             raise ValueError(f"{file}: {e}") from e
         except Exception as e:   # a truncated or foreign file fails in safetensors' own way
@@ -77,7 +80,7 @@ def weight_bytes(folder: str | Path, dtype: torch.dtype) -> int:
 LANGUAGE_MODEL_PREFIX, NOT_THE_LANGUAGE_MODEL = "model.language_model.", ("model.visual.", "mtp.")
 
 
-def _load_file(file: Path, params, loaded, model, read, scales) -> None:
+def _load_file(file: Path, params, loaded, model, read, rename, scales) -> None:
     text_only = getattr(getattr(model, "config", None), "language_model_of", None)
     # checkpoint name prefix -> ours: a text-only reading's, or a model's laid out unlike its checkpoint (idefics3.py)
     prefixes = {LANGUAGE_MODEL_PREFIX: "model."} if text_only else getattr(model, "checkpoint_prefixes", {})
@@ -86,6 +89,9 @@ def _load_file(file: Path, params, loaded, model, read, scales) -> None:
             if stored.endswith("rotary_emb.inv_freq") or (text_only and stored.startswith(NOT_THE_LANGUAGE_MODEL)):
                 continue                   # recomputed, never a real weight; or not the language model's
             name = next((new + stored[len(old):] for old, new in prefixes.items() if stored.startswith(old)), stored)
+            name = rename(name)
+            if name is None:
+                continue                   # not this model's to hold (another rank's expert)
             if name.endswith(".weight_scale"):
                 scales[name.removesuffix("_scale")] = read(f, stored)
                 continue

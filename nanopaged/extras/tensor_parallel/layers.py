@@ -12,7 +12,9 @@ vocab_parallel_embedding.py):
                              vocabulary; the embedding all-reduces (one rank holds each token's
                              row, the others add zeros), the head gathers logits on rank 0
     experts                  each expert split like a dense MLP, its down_proj not reduced; the
-                             router replicated, and one all-reduce of the block's sum (vLLM's FusedMoE)
+                             router replicated, and one all-reduce of the block's sum (vLLM's FusedMoE);
+                             or, with enable_expert_parallel, E/N whole experts a rank, the same one
+                             all-reduce (ExpertParallelMoeBlock)
 
 Each rank's model is built from a config with 1/N of the heads, KV heads, MLP width and
 vocabulary (`rank_config`), so the plain nn.Linear layers already have a rank's shapes;
@@ -34,11 +36,17 @@ from nanopaged.models.llama import RMSNorm
 from nanopaged.models.moe import MoEConfig, SparseMoeBlock
 
 
-def rank_config(m: ModelConfig, world_size: int) -> ModelConfig:
+def rank_config(m: ModelConfig, world_size: int, expert_parallel: bool = False) -> ModelConfig:
     """The model one rank builds: 1/N of the heads, KV heads, MLP width and every expert's width
     (the config checked that N divides them), and ceil(V / N) rows of the vocabulary (the last
-    rank's tail is padding). Every rank keeps every expert: only their widths are split."""
-    moe = None if m.moe is None else dataclasses.replace(m.moe, intermediate_size=m.moe.intermediate_size // world_size)
+    rank's tail is padding). Every rank keeps every expert: only their widths are split. With
+    expert parallelism a rank builds E/N experts at full width instead, never all E (parallelize
+    gives it the router over all E)."""
+    moe = m.moe
+    if moe is not None and expert_parallel:
+        moe = dataclasses.replace(moe, num_experts=moe.num_experts // world_size)
+    elif moe is not None:
+        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world_size)
     return dataclasses.replace(
         m, num_attention_heads=m.num_attention_heads // world_size,
         num_key_value_heads=m.num_key_value_heads // world_size,
@@ -77,6 +85,33 @@ class ParallelSparseMoeBlock(SparseMoeBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(super().forward(x))
+
+
+class ExpertParallelMoeBlock(SparseMoeBlock):
+    """Expert parallelism (vLLM's enable_expert_parallel): rank r holds experts [r E/N, (r + 1) E/N)
+    whole. The router is replicated and, under tensor parallelism, so is every token's hidden state,
+    so every rank routes every token alike (global expert ids, counted on every rank); each rank runs
+    only its own experts on the tokens that chose them, and the block's one all-reduce sums the ranks.
+    That is the "all-gather + reduce" form of expert parallelism: the all-gather is already done (every
+    rank holds every token), so no all-to-all dispatches tokens (gloo has none that would help)."""
+
+    def __init__(self, hidden: int, moe: MoEConfig, group: RankGroup) -> None:
+        super().__init__(hidden, moe)       # built on the meta device; the rank's experts are adopted
+        self.group = group
+        self.first_expert = group.rank * (moe.num_experts // group.world_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:              # x: (tokens, hidden), every token
+        weights, chosen = self.route(x)
+        self.count(chosen)
+        out = torch.zeros_like(x)
+        mine = range(self.first_expert, self.first_expert + len(self.experts))
+        for expert in chosen.unique().tolist():                      # ascending, as SparseMoeBlock adds them
+            if expert not in mine:
+                continue                                             # another rank adds it
+            token, k = torch.where(chosen == expert)
+            y = self.experts[expert - self.first_expert](x[token]) * weights[token, k, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        return self.group.all_reduce(out)
 
 
 class ParallelProjectionRMSNorm(RMSNorm):
@@ -125,15 +160,17 @@ class ParallelLMHead(nn.Linear):
         return None if logits is None else logits[:, :self.vocab_size]
 
 
-def parallelize(model: nn.Module, full: ModelConfig, group: RankGroup) -> None:
+def parallelize(model: nn.Module, full: ModelConfig, group: RankGroup, expert_parallel: bool = False) -> None:
     """Swap the plain layers of a model built from `rank_config` for the parallel ones, in place.
-    Each new layer adopts the old one's parameters (same shapes), so nothing is allocated twice;
-    the weights are loaded afterwards."""
+    Each new layer adopts the old one's parameters (same shapes), so nothing is allocated twice
+    (but a router over all experts, under expert parallelism); the weights are loaded afterwards."""
     for layer in model.model.layers:
         _split_pair(layer.self_attn, "qkv_proj", "o_proj", group)
         if layer.self_attn.qk_norm == "projection":
             _split_projection_norms(layer.self_attn, group)
-        if isinstance(layer.mlp, SparseMoeBlock):
+        if isinstance(layer.mlp, SparseMoeBlock) and expert_parallel:
+            layer.mlp = _place_experts(layer.mlp, full.moe, group)
+        elif isinstance(layer.mlp, SparseMoeBlock):
             layer.mlp = _split_experts(layer.mlp, group)
         else:                                 # a dense model, or a MoE model's dense layer
             _split_pair(layer.mlp, "gate_up_proj", "down_proj", group)
@@ -160,6 +197,14 @@ def _split_experts(block: SparseMoeBlock, group: RankGroup) -> ParallelSparseMoe
     for expert in block.experts:
         _split_pair(expert, "gate_up_proj", "down_proj", group, reduce_results=False)
     return _adopt(block, ParallelSparseMoeBlock, block.gate.in_features, block.moe, group)
+
+
+def _place_experts(block: SparseMoeBlock, moe: MoEConfig, group: RankGroup) -> ExpertParallelMoeBlock:
+    """The rank's E/N whole experts, as built, and a new router over all E experts (`moe`: the whole model's)."""
+    new = _adopt(block, ExpertParallelMoeBlock, block.gate.in_features, moe, group)
+    w = block.gate.weight
+    new.gate = nn.Linear(w.shape[1], moe.num_experts, bias=False, device=w.device, dtype=w.dtype)
+    return new
 
 
 def _split_projection_norms(attn: nn.Module, group: RankGroup) -> None:

@@ -25,7 +25,8 @@ from nanopaged.extras.tensor_parallel.step_message import StepInputs
 class RankRunner(ModelRunner):
     def __init__(self, config: EngineConfig, group: RankGroup) -> None:
         self.group = group
-        super().__init__(config, device=group.device, model_config=rank_config(config.model_config, group.world_size))
+        super().__init__(config, device=group.device, model_config=rank_config(config.model_config, group.world_size,
+                                                                               config.enable_expert_parallel))
         self.memory = group.gather_ints([self.weight_bytes(), self.kv_cache.nbytes])   # rank 0: per rank
 
     def load_model(self) -> nn.Module:
@@ -37,7 +38,7 @@ class RankRunner(ModelRunner):
         return run_pipeline(model, self.fast_path.stages() + self.stages).eval()
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
-        parallelize(model, self.config.model_config, self.group)
+        parallelize(model, self.config.model_config, self.group, self.config.enable_expert_parallel)
         return model
 
     def determine_num_kv_blocks(self) -> int:
