@@ -5,7 +5,9 @@ among the sparse ones), Mixtral (w1/w2/w3 names) and OLMoE (q/k norm over the wh
 pool small enough to preempt and a token budget small enough to chunk prompts; each rank holds half of
 every expert and the whole router; one all-reduce per MoE layer, not one per expert; get_stats()["moe"]
 counts on rank 0 what one process counts; an expert width N does not divide is refused by name before
-any process starts. docs/09_tensor_parallel.md.
+any process starts. With enable_expert_parallel=True (whole experts, E/N a rank) the same tokens and
+counts, each rank holding only its own experts, at full width; its refusals by name.
+docs/09_tensor_parallel.md.
 """
 import json
 import multiprocessing
@@ -17,6 +19,8 @@ import torch.distributed as dist
 
 from conftest import EOS_TOKEN_ID, _randomize, _tiny_tokenizer, make_prompts
 from nanopaged import LLM, SamplingParams
+from nanopaged.config import EngineConfig
+from nanopaged.extras.tensor_parallel.layers import rank_config
 
 # a hang guard, for a busy machine: the module's first test runs the fixture below, six LLMs, three
 # of them with two ranks
@@ -187,3 +191,113 @@ def test_experts_stacked_in_one_tensor_are_refused_by_the_shard_loader_by_name()
     with pytest.raises(ValueError, match=r"experts\.gate_up_proj: tensor parallelism reads a mixture's experts "
                                          r"stored one by one"):
         shard_of(None, "model.layers.0.mlp.experts.gate_up_proj")
+
+
+# ---- expert parallelism: whole experts, E/N a rank -------------------------------------
+@pytest.fixture(scope="module")
+def ep_results(moe_dirs):
+    """Per architecture: the workload at N = 1 and with two ranks holding half of the experts each,
+    shapes, every rank's weight bytes, and the all-reduces of one step."""
+    found = {}
+    for arch in ARCHS:
+        one = LLM(moe_dirs[arch], dtype="float32", **TIGHT)
+        ep = LLM(moe_dirs[arch], dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True, **TIGHT)
+        runner = ep.llm_engine.runner
+        found[arch] = {
+            1: run_workload(one), "ep": run_workload(ep),
+            "shapes": ({n: tuple(p.shape) for n, p in one.llm_engine.runner.model.named_parameters()},
+                       {n: tuple(p.shape) for n, p in runner.model.named_parameters()}),
+            "memory": runner.memory,
+            "all_reduces": all_reduces_in_one_step(ep),
+        }
+        runner.shutdown()
+    return found
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_with_experts_placed_across_two_ranks_equal_one_rank(ep_results, arch):
+    one, ep = ep_results[arch][1], ep_results[arch]["ep"]
+    assert ep["tokens"] == one["tokens"]
+    assert ep["stats"]["num_preemptions"] > 0                        # the pool really was too small
+    assert ep["stats"]["num_steps"] >= sum(map(len, PROMPTS)) / 20   # prompts were chunked
+    assert len({tuple(t) for t in ep["tokens"]}) > 4                 # not a vacuous comparison
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rank_0_counts_every_experts_tokens_though_it_holds_half_of_them(ep_results, arch):
+    one, ep = ep_results[arch][1]["stats"]["moe"], ep_results[arch]["ep"]["stats"]["moe"]
+    assert len(ep["tokens_per_expert"][0]) == len(one["tokens_per_expert"][0])   # all E, not E/N
+    assert ep["tokens_per_expert"] == one["tokens_per_expert"]
+
+
+def _expert(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[parts.index("experts") + 1]) if "experts" in parts else None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_rank_holds_half_of_the_experts_whole_and_the_whole_router(ep_results, arch):
+    full, rank0 = ep_results[arch]["shapes"]
+    num_experts = 1 + max(_expert(n) for n in full if _expert(n) is not None)
+    local = {n for n in rank0 if _expert(n) is not None}
+    assert {_expert(n) for n in local} == set(range(num_experts // 2))    # experts 0 .. E/2 - 1, renumbered
+    assert all(rank0[n] == full[n] for n in local)                         # each at full width
+    assert len(local) == sum(_expert(n) is not None for n in full) // 2
+    for name, shape in full.items():
+        if name.endswith("mlp.gate.weight"):                               # the router scores all E
+            assert rank0[name] == shape, name
+    expert_values = sum(torch.Size(s).numel() for n, s in full.items() if _expert(n) is not None)
+    assert sum(torch.Size(rank0[n]).numel() for n in local) == expert_values // 2
+    (w0, _), (w1, _) = ep_results[arch]["memory"]
+    assert w0 == w1 == 4 * sum(torch.Size(s).numel() for s in rank0.values())   # float32; rank 1 alike
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_experts_across_ranks_add_no_all_reduce(ep_results, arch):
+    per_layer = 2 + 2 * (arch == "olmoe")                   # as test_one_all_reduce_per_moe_layer_not_one_per_expert
+    assert ep_results[arch]["all_reduces"] == 1 + 3 * per_layer
+
+
+def _edited(moe_dirs, tmp_path, arch, **fields):
+    folder = tmp_path / arch
+    shutil.copytree(moe_dirs[arch], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **fields}))
+    return str(folder)
+
+
+def test_experts_whose_width_two_ranks_cannot_split_may_still_be_placed_whole(moe_dirs, tmp_path):
+    folder = _edited(moe_dirs, tmp_path, "mixtral", intermediate_size=47)      # Mixtral's experts' width
+    with pytest.raises(ValueError, match="must divide the model's moe_intermediate_size=47"):
+        EngineConfig(folder, dtype="float32", tensor_parallel_size=2)
+    cfg = EngineConfig(folder, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True)
+    moe = rank_config(cfg.model_config, 2, expert_parallel=True).moe
+    assert (moe.num_experts, moe.intermediate_size) == (2, 47)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"tensor_parallel_size": 1}, r"enable_expert_parallel=True needs tensor_parallel_size > 1 .*got "
+                                  r"tensor_parallel_size=1"),
+    ({"tensor_parallel_size": 2, "dense": True}, r"enable_expert_parallel=True needs a mixture-of-experts model; "
+                                                 r"this one is dense"),
+    ({"tensor_parallel_size": 2, "num_local_experts": 3}, r"tensor_parallel_size=2 must divide the model's "
+                                                          r"num_experts=3"),
+])
+def test_expert_parallelism_without_ranks_a_mixture_or_a_divisible_expert_count_is_refused_by_name(
+        moe_dirs, tiny_model_dirs, tmp_path, settings, message):
+    settings = dict(settings)
+    folder = moe_dirs["mixtral"]
+    if settings.pop("dense", False):
+        folder = tiny_model_dirs["llama"]
+    if "num_local_experts" in settings:
+        folder = _edited(moe_dirs, tmp_path, "mixtral", num_local_experts=settings.pop("num_local_experts"))
+    with pytest.raises(ValueError, match=message):
+        LLM(folder, dtype="float32", enable_expert_parallel=True, **settings)
+    assert not multiprocessing.active_children() and not dist.is_initialized()
+
+
+def test_an_expert_load_balancer_is_refused_by_name(moe_dirs):
+    with pytest.raises(ValueError, match=r"enable_eplb=True is not supported: nanopaged has no expert load balancer"):
+        LLM(moe_dirs["mixtral"], dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True,
+            enable_eplb=True)
+    assert not multiprocessing.active_children() and not dist.is_initialized()
