@@ -103,7 +103,7 @@ def results(moe_dirs):
             1: run_workload(one), 2: run_workload(two),
             "shapes": ({n: tuple(p.shape) for n, p in one.llm_engine.runner.model.named_parameters()},
                        {n: tuple(p.shape) for n, p in runner.model.named_parameters()}),
-            "memory": runner.memory,
+            "memory": runner.memory, "share_bytes": runner.share_bytes(),
             "all_reduces": all_reduces_in_one_step(two),
         }
         runner.shutdown()
@@ -207,7 +207,7 @@ def ep_results(moe_dirs):
             1: run_workload(one), "ep": run_workload(ep),
             "shapes": ({n: tuple(p.shape) for n, p in one.llm_engine.runner.model.named_parameters()},
                        {n: tuple(p.shape) for n, p in runner.model.named_parameters()}),
-            "memory": runner.memory,
+            "memory": runner.memory, "share_bytes": runner.share_bytes(),
             "all_reduces": all_reduces_in_one_step(ep),
         }
         runner.shutdown()
@@ -250,6 +250,16 @@ def test_each_rank_holds_half_of_the_experts_whole_and_the_whole_router(ep_resul
     assert sum(torch.Size(rank0[n]).numel() for n in local) == expert_values // 2
     (w0, _), (w1, _) = ep_results[arch]["memory"]
     assert w0 == w1 == 4 * sum(torch.Size(s).numel() for s in rank0.values())   # float32; rank 1 alike
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("placement", ["sliced", "whole"])
+def test_the_bytes_a_rank_checks_before_loading_are_the_bytes_it_holds(results, ep_results, arch, placement):
+    found = (results if placement == "sliced" else ep_results)[arch]
+    (w0, _), (w1, _) = found["memory"]
+    assert found["share_bytes"] == w0 == w1
+    full = results[arch]["shapes"][0]
+    assert w0 < 4 * sum(torch.Size(s).numel() for s in full.values()) * 0.6     # about half the model, not all of it
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanopaged.config import EngineConfig
+from nanopaged.config import EngineConfig, check_memory_fits
+from nanopaged.models.llama import LlamaForCausalLM
 from nanopaged.models.pipeline import ModelStage, run_pipeline
 from nanopaged.worker.model_runner import ModelRunner
 from nanopaged.extras.tensor_parallel.layers import parallelize, rank_config
@@ -33,6 +34,8 @@ class RankRunner(ModelRunner):
         """This rank's share of the model: the pipeline's tensor_parallel stage runs before its slices
         load (the parallel layers decide which); the fast path packs and fuses nothing under tensor
         parallelism (cpu/choose.py), so the rest of the pipeline is the extensions' own, if any."""
+        check_memory_fits(self.share_bytes(), self.device.type, f"rank {self.group.rank}'s share of the weights",
+                          "load a smaller model or dtype, or use more ranks")    # before a tensor is made or read
         model = run_pipeline(self.build_model(), [ModelStage("tensor_parallel", self._parallelize)]).to(self.dtype)
         load_shard(model, self.config.model, self.group.rank)
         return run_pipeline(model, self.fast_path.stages() + self.stages).eval()
@@ -40,6 +43,14 @@ class RankRunner(ModelRunner):
     def _parallelize(self, model: nn.Module) -> nn.Module:
         parallelize(model, self.config.model_config, self.group, self.config.enable_expert_parallel)
         return model
+
+    def share_bytes(self) -> int:
+        """The bytes this rank's weights will take: its model built on the meta device (no memory) and
+        parallelized, so 1/N of the split layers, the replicated ones whole, E/N whole experts under
+        expert parallelism."""
+        model = LlamaForCausalLM.build(self.model_config, self.backend, self.config.max_model_len,
+                                       torch.device("meta"), self.dtype)
+        return sum(p.nbytes for p in self._parallelize(model).parameters())
 
     def determine_num_kv_blocks(self) -> int:
         """Every rank must hold the same blocks: the smallest count any rank can afford."""
