@@ -39,9 +39,9 @@ from nanopaged.models.moe import MoEConfig, SparseMoeBlock
 def rank_config(m: ModelConfig, world_size: int, expert_parallel: bool = False) -> ModelConfig:
     """The model one rank builds: 1/N of the heads, KV heads, MLP width and every expert's width
     (the config checked that N divides them), and ceil(V / N) rows of the vocabulary (the last
-    rank's tail is padding). Every rank keeps every expert: only their widths are split. With
-    expert parallelism a rank builds E/N experts at full width instead, never all E (parallelize
-    gives it the router over all E)."""
+    rank's tail is padding). Every rank keeps every expert, only their widths split; with expert
+    parallelism a rank builds its E/N experts at full width instead, never all E (parallelize gives
+    it the router over all E)."""
     moe = m.moe
     if moe is not None and expert_parallel:
         moe = dataclasses.replace(moe, num_experts=moe.num_experts // world_size)
@@ -91,8 +91,8 @@ class ExpertParallelMoeBlock(SparseMoeBlock):
     """Expert parallelism (vLLM's enable_expert_parallel): rank r holds experts [r E/N, (r + 1) E/N)
     whole. The router is replicated and, under tensor parallelism, so is every token's hidden state,
     so every rank routes every token alike (global expert ids, counted on every rank); each rank runs
-    only its own experts on the tokens that chose them, and the block's one all-reduce sums the ranks.
-    That is the "all-gather + reduce" form of expert parallelism: the all-gather is already done (every
+    only its own experts on the tokens that chose them, and the block's one all-reduce sums the ranks
+    (every rank calls it, chosen or not: no collective depends on the routing). That is the "all-gather + reduce" form of expert parallelism: the all-gather is already done (every
     rank holds every token), so no all-to-all dispatches tokens (gloo has none that would help)."""
 
     def __init__(self, hidden: int, moe: MoEConfig, group: RankGroup) -> None:
