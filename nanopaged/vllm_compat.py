@@ -93,8 +93,8 @@ NOT_IMPLEMENTED = [
     (("disable_custom_all_reduce",), ANY, "all-reduces with torch.distributed"),
     (("ray_workers_use_nsight",), (False,), "does not use Ray"),
     # enable_expert_parallel is a setting (extras/tensor_parallel/layers.py: ExpertParallelMoeBlock)
-    (("enable_eplb",), (False,), "has no expert load balancer: each rank keeps its contiguous share of the experts"),
-    (("eplb_config",), (None, {}), "has no expert load balancer: each rank keeps its contiguous share of the experts"),
+    (("enable_eplb",), (False,), "has no expert load balancer (each rank keeps its contiguous share of the experts)"),
+    (("eplb_config",), (None, {}), "has no expert load balancer (each rank keeps its contiguous share of the experts)"),
     (("all2all_backend",), (None, {}), "sums the ranks' experts with the MoE block's one all-reduce (no all-to-all)"),
     (("expert_placement_strategy",), ("linear",), "places experts contiguously only (rank r: [r E/N, (r+1) E/N))"),
     (("num_redundant_experts",), (0,), "has no expert load balancer, so no redundant experts"),
