@@ -92,8 +92,9 @@ class ExpertParallelMoeBlock(SparseMoeBlock):
     whole. The router is replicated and, under tensor parallelism, so is every token's hidden state,
     so every rank routes every token alike (global expert ids, counted on every rank); each rank runs
     only its own experts on the tokens that chose them, and the block's one all-reduce sums the ranks
-    (every rank calls it, chosen or not: no collective depends on the routing). That is the "all-gather + reduce" form of expert parallelism: the all-gather is already done (every
-    rank holds every token), so no all-to-all dispatches tokens (gloo has none that would help)."""
+    (every rank calls it, chosen or not: no collective depends on the routing). That is the "all-gather
+    + reduce" form of expert parallelism: the all-gather is already done (every rank holds every token),
+    so no all-to-all dispatches tokens (gloo has none that would help)."""
 
     def __init__(self, hidden: int, moe: MoEConfig, group: RankGroup) -> None:
         super().__init__(hidden, moe)       # built on the meta device; the rank's experts are adopted
