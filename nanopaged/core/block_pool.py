@@ -146,8 +146,7 @@ class BlockPool:
             # the same tokens under another cache salt, or another extension's keys (an adapter), are another prefix
             keys = (request.cache_salt, *request.extra_keys) if i == 0 else ()
             # an image's content joins the keys of every block its placeholders occupy (vLLM's mm hashes)
-            keys += tuple(image.hash for image in request.encoder_inputs
-                          if image.offset < (i + 1) * bs and image.offset + image.length > i * bs)
+            keys += tuple(image.hash for image in request.encoder_inputs if image.overlaps(i * bs, (i + 1) * bs))
             hashes.append(hash_block(self.hash_fn, parent, request.token_ids(i * bs, (i + 1) * bs), keys))
         return hashes
 

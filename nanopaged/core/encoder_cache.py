@@ -35,6 +35,10 @@ class EncoderInput:
     num_embeds: int          # rows the encoder gives: what it costs in the budget and the cache
     data: object = None      # what the encoder reads; the scheduler never looks
 
+    def overlaps(self, start: int, end: int) -> bool:
+        """Does its span share a position with [start, end)?"""
+        return self.offset < end and self.offset + self.length > start
+
 
 class EncoderCache:
     def __init__(self, cache_size: int, step_budget: int) -> None:
@@ -57,12 +61,10 @@ class EncoderCache:
         """(tokens that may run, indexes of the images to encode for them); no change is made. A span the
         step cannot encode for cuts the step before it, so chunked prefill stops at the image."""
         start, budget, to_encode = request.num_computed_tokens, self.budget_left, []
-        touched = [image for image in request.encoder_inputs
-                   if image.offset < start + num_new and image.offset + image.length > start]
-        hits = {image.hash for image in touched if image.hash in self.entries}
+        touched = touching(request, num_new)
+        hits = {image.hash for _, image in touched if image.hash in self.entries}
         room = self.num_free + sum(size for key, size in self.unused.items() if key not in hits)
-        for image in touched:
-            i = request.encoder_inputs.index(image)
+        for i, image in touched:
             if image.hash in hits or any(request.encoder_inputs[j].hash == image.hash for j in to_encode):
                 continue                           # in the cache, or the same image earlier in this prompt
             if image.num_embeds > min(budget, room):
@@ -74,10 +76,7 @@ class EncoderCache:
     def take(self, request: Request, num_new: int, to_encode: list[int], out) -> None:
         """The step runs num_new tokens of the request: it reads every image they touch (hits first, so
         that making room never gives them up), and its images to encode enter the cache."""
-        start = request.num_computed_tokens
-        touched = [(i, image) for i, image in enumerate(request.encoder_inputs)
-                   if image.offset < start + num_new and image.offset + image.length > start]
-        for i, image in touched:
+        for i, image in touching(request, num_new):
             if i not in to_encode and image.hash in self.entries:
                 self.num_hits += id(request) not in self.users.get(image.hash, ())
                 self._use(image.hash, request)
@@ -120,3 +119,9 @@ class EncoderCache:
             key, _ = self.unused.popitem(last=False)
             del self.entries[key]
             frees.append(key)
+
+
+def touching(request: Request, num_new: int) -> list[tuple[int, EncoderInput]]:
+    """(index, image) of each image whose span the request's next num_new tokens reach."""
+    start = request.num_computed_tokens
+    return [(i, image) for i, image in enumerate(request.encoder_inputs) if image.overlaps(start, start + num_new)]

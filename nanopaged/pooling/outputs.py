@@ -54,28 +54,30 @@ class PoolingRequestOutput:
         """From the engine's PooledRequestOutput (nanopaged/pooling/processors.py), its flat vector as
         the task gave it; `per_token`: a token task's, one row per prompt token."""
         data = output.pooled.view(len(output.prompt_token_ids), -1) if per_token else output.pooled
-        return cls(output.request_id, PoolingOutput(data), output.prompt_token_ids, output.finished,
+        return cls(output.request_id, cls.wrap(data), output.prompt_token_ids, output.finished,
                    output.num_cached_tokens)
+
+    @staticmethod
+    def wrap(data: torch.Tensor) -> PoolingOutput:      # the task's result as `outputs` holds it
+        return PoolingOutput(data)
 
 
 @dataclass
 class EmbeddingRequestOutput(PoolingRequestOutput):
     outputs: EmbeddingOutput
 
-    @classmethod
-    def from_output(cls, output) -> "EmbeddingRequestOutput":
-        return cls(output.request_id, EmbeddingOutput(output.pooled.tolist()), output.prompt_token_ids,
-                   output.finished, output.num_cached_tokens)
+    @staticmethod
+    def wrap(data: torch.Tensor) -> EmbeddingOutput:
+        return EmbeddingOutput(data.tolist())
 
 
 @dataclass
 class ClassificationRequestOutput(PoolingRequestOutput):
     outputs: ClassificationOutput
 
-    @classmethod
-    def from_output(cls, output) -> "ClassificationRequestOutput":
-        return cls(output.request_id, ClassificationOutput(output.pooled.tolist()), output.prompt_token_ids,
-                   output.finished, output.num_cached_tokens)
+    @staticmethod
+    def wrap(data: torch.Tensor) -> ClassificationOutput:
+        return ClassificationOutput(data.tolist())
 
 
 @dataclass

@@ -18,8 +18,8 @@ import uuid
 
 from fastapi import FastAPI, Request
 
-from nanopaged.entrypoints.openai.engine_loop import EngineLoop, Submission
 from nanopaged.entrypoints.openai.limits import BodyLimits, read_body
+from nanopaged.entrypoints.openai.pooling_requests import finished, pooling_config
 from nanopaged.entrypoints.openai.protocol import (OpenAIError, ParsedRequest, only_fields, parse_body,
                                                    prompt_forms, requested_model, shown)
 from nanopaged.pooling.config import check_task
@@ -36,29 +36,11 @@ def register_embeddings(app: FastAPI, engine_loop, models, body_limits: BodyLimi
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict:
         body = await asyncio.to_thread(parse_body, await read_body(request, body_limits))
-        config = engine_loop.engine.config if isinstance(engine_loop, EngineLoop) else engine_loop.config
-        if config.runner != "pooling":
-            raise OpenAIError(f"this server runs runner={config.runner!r}: /v1/embeddings needs a model served "
-                              "with --runner pooling (vLLM: the model does not support the Embeddings API)")
+        config = pooling_config(engine_loop, "/v1/embeddings")
         parsed, encoding = parse_embedding_request(body, models, config)
         response_id = "embd-" + uuid.uuid4().hex
-        request_ids = [f"{response_id}-{i}" for i in range(len(parsed.prompts))]
-        submission = Submission(parsed, request_ids, asyncio.get_running_loop())
-        finals = {}
-        try:
-            await engine_loop.submit(submission)
-            async for output in submission.results():
-                if output.finished:
-                    finals[output.request_id] = output
-        except OpenAIError as e:
-            if e.param == "prompt":              # the engine loop's name for what this route calls input
-                e.param = "input"
-            raise
-        finally:
-            if len(finals) < len(request_ids):  # refused, failed, or the handler cancelled: nothing may linger
-                engine_loop.abort(request_ids)
-        return embedding_response([finals[rid] for rid in request_ids], encoding, response_id,
-                                  body.get("model") or models.name)
+        outputs = await finished(engine_loop, parsed, response_id, "input")   # the engine loop's prompt: input
+        return embedding_response(outputs, encoding, response_id, body.get("model") or models.name)
 
 
 def parse_embedding_request(body: dict, models, config) -> tuple[ParsedRequest, str]:

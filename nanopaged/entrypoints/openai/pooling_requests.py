@@ -47,8 +47,16 @@ async def pool(engine_loop, prompts: list, params: PoolingParams, lora_request, 
     engine loop says prompt); nothing of the requests lingers after a refusal, a failure or a cancel."""
     parsed = ParsedRequest(kind="pooling", prompts=prompts, params=params, max_tokens_given=False, stream=False,
                            include_usage=False, top_logprobs=None, lora_request=lora_request)
-    prefix = "pool-" + uuid.uuid4().hex
-    request_ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+    outputs = await finished(engine_loop, parsed, "pool-" + uuid.uuid4().hex, field)
+    if any(getattr(o, "pooled", None) is None for o in outputs):
+        raise OpenAIError("a request ended without its result (aborted)", status=500, type="internal_server_error")
+    return outputs
+
+
+async def finished(engine_loop, parsed: ParsedRequest, prefix: str, field: str) -> list:
+    """Each of the parsed prompts' final outputs, in order (request ids `prefix`-i); a refusal names `field`
+    (where the engine loop says prompt); nothing of the requests lingers after a refusal, a failure or a cancel."""
+    request_ids = [f"{prefix}-{i}" for i in range(len(parsed.prompts))]
     submission = Submission(parsed, request_ids, asyncio.get_running_loop())
     finals = {}
     try:
@@ -63,10 +71,7 @@ async def pool(engine_loop, prompts: list, params: PoolingParams, lora_request, 
     finally:
         if len(finals) < len(request_ids):
             engine_loop.abort(request_ids)
-    outputs = [finals[rid] for rid in request_ids]
-    if any(getattr(o, "pooled", None) is None for o in outputs):
-        raise OpenAIError("a request ended without its result (aborted)", status=500, type="internal_server_error")
-    return outputs
+    return [finals[rid] for rid in request_ids]
 
 
 def usage(outputs: list) -> dict:
