@@ -184,6 +184,21 @@ def test_the_conversation_is_kept_for_the_next_message(driver, processes_server)
     assert chat(driver, "And then?", max_tokens=8) == expected
 
 
+def test_a_refused_request_shows_the_server_error_and_leaves_the_conversation_as_it_was(driver, processes_server):
+    open_page(driver, processes_server)
+    by_id(driver, "max_tokens").clear()
+    by_id(driver, "max_tokens").send_keys("100000")                  # past max_model_len: a 400
+    by_id(driver, "prompt").send_keys("Hello")
+    by_id(driver, "send").click()
+    answer = wait(driver, lambda b: (b.find_elements("css selector", ".message.assistant") or [None])[-1])
+    wait(driver, lambda b: answer.get_attribute("data-state") == "error")
+    assert "max_tokens" in answer.text
+    expected = api_client(processes_server).chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Again"}], temperature=0, top_p=1,
+        max_tokens=6).choices[0].message.content
+    assert chat(driver, "Again", max_tokens=6) == expected         # the refused message was not kept
+
+
 def test_the_key_prompt_appears_and_a_wrong_key_is_asked_again(driver, in_process_server, shots):
     driver.get(in_process_server.base_url + "/")
     wait(driver, lambda b: by_id(b, "key-dialog").get_attribute("open") is not None)
