@@ -393,6 +393,7 @@ TESTS = pathlib.Path(__file__).resolve().parent
 # Files (patterns under tests/) the fast tier leaves out, and why each is slow.
 SLOW_FILES = {
     "entrypoints/test_serve*.py": "real `nanopaged serve` processes, started and stopped per module",
+    "entrypoints/test_frontend_browser.py": "headless Chromium against real `nanopaged serve` processes",
     "extras/test_ray_data.py": "a Ray cluster started, replicas in actors",
     "extras/test_tensor_parallel*.py": "rank processes (each importing torch), torchrun, several LLMs per test",
     "models/test_demo_model*.py": "the 135M demo model converted and answering against Hugging Face",

@@ -2,6 +2,7 @@
 
     serve.py           `nanopaged serve [MODEL]`: the OpenAI-compatible server's command line
     openai/            the server: routes, the engine loop, responses, /metrics
+    frontend/          the page at /: index.html, app.js, style.css (a playground and a dashboard)
     processes.py       the supervisor: opens the socket, starts, watches and stops the processes below
     engine_core.py     the engine-core process: scheduler, runner, block pool, and no text work
     dp_router.py       data parallelism: which engine core a new request goes to (--dp-routing)

@@ -86,7 +86,8 @@ def run_api_server(name: str, args, sock, addresses: list[str], lifelines: list,
         raise SystemExit(1) from None
     app = build_app(client, metrics, models, BodyLimits(args.max_request_body_bytes, args.timeout_request_body),
                     api_key=key, runtime_lora_updating=updating,
-                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                    frontend=not args.disable_frontend)
     server = uvicorn_server(args, app, lambda host, port: started.send(("started", name)))
     server.ignore_sigint = True
     # From here SIGTERM shuts the server down (before uvicorn takes the signal, it starts and stops at once);

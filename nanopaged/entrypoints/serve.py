@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "layout; with --api-server-count 1 only)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-frontend", action="store_true",
+                   help="no page at / (the playground and dashboard, docs/08_server.md: The page) and no "
+                        "/dashboard.json: a 404 there")
     add_limits(p.add_argument_group("access and limits (docs/08_server.md: Limits and access control)"))
     add_lora(p.add_argument_group("LoRA adapters, with --enable-lora (docs/08_server.md: LoRA adapters)"))
     add_tool_calling(p.add_argument_group("tool calling (docs/08_server.md: Tool calling)"))
@@ -146,8 +149,8 @@ def runtime_lora_updating(args: argparse.Namespace) -> bool:
 
 def add_limits(group) -> None:
     """What a client may do: who may ask, how much one request may send, how long it may take."""
-    group.add_argument("--api-key", help="require 'Authorization: Bearer API_KEY' on every route but /health "
-                       f"and /metrics (default: ${API_KEY_ENV} if set, else no key)")
+    group.add_argument("--api-key", help="require 'Authorization: Bearer API_KEY' on every route but /health, "
+                       f"/metrics and the page's static files (default: ${API_KEY_ENV} if set, else no key)")
     limit = dict(metavar="N", type=_positive(int))
     group.add_argument("--max-request-body-bytes", default=8 * 1024 * 1024, **limit,
                        help="a longer body is a 413, refused before it is read (default: %(default)s, 8 MiB)")
@@ -295,7 +298,8 @@ def serve_in_process(args: argparse.Namespace, key: str | None) -> None:
     engine_loop = EngineLoop(engine, metrics, hold=llm.one_call_at_a_time, stats=llm.stats)
     app = build_app(engine_loop, metrics, models, BodyLimits(args.max_request_body_bytes, args.timeout_request_body),
                     api_key=key, runtime_lora_updating=runtime_lora_updating(args),
-                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                    frontend=not args.disable_frontend)
     name, details = describe(args, key)(engine.config, engine.scheduler.block_pool.num_blocks)
 
     def started(host: str, port: int) -> None:

@@ -17,6 +17,8 @@
     anthropic_api.py /v1/messages: Anthropic's Messages API as a translation of the chat route
     app.py           the FastAPI routes and Server-Sent Events
     metrics.py       /metrics: Prometheus figures with vLLM's names, from the engine's figures
+    dashboard.py     the engine's figures over the last minutes, for the page's charts (/dashboard.json)
+    frontend.py      the page at / (its static files need no key) and its feed; --disable-frontend
 
 Needs the `serve` extra (`pip install -e '.[serve]'`: fastapi, uvicorn, prometheus-client, pyzmq,
 msgspec); nothing else in nanopaged imports this package. The command line is

@@ -24,7 +24,9 @@ from nanopaged.entrypoints.openai import anthropic_api
 from nanopaged.entrypoints.openai.classify import register_classify
 from nanopaged.entrypoints.openai.embeddings import register_embeddings
 from nanopaged.entrypoints.openai.engine_loop import EngineLoop, Submission
+from nanopaged.entrypoints.openai.frontend import PAGE_PATHS, register_frontend
 from nanopaged.entrypoints.openai.limits import BodyLimits, ClientLeft, RequireApiKey, log_client_left, read_body
+from nanopaged.entrypoints.openai.limits import OPEN_PATHS
 from nanopaged.entrypoints.openai.metrics import ServerMetrics
 from nanopaged.entrypoints.openai.protocol import (OpenAIError, ParsedRequest, parse_body, parse_lora_update,
                                                    parse_request, requested_model)
@@ -39,13 +41,16 @@ ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
 
 def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedModels, body_limits: BodyLimits,
               api_key: str | None = None, runtime_lora_updating: bool = False,
-              tool_parser: str | None = None) -> FastAPI:
+              tool_parser: str | None = None, frontend: bool = True) -> FastAPI:
     """The routes; with `api_key`, every one but /health and /metrics needs it (limits.py). The LoRA
     load and unload routes exist only with `runtime_lora_updating` on a server that serves adapters.
-    `tool_parser`: the parser of tool_choice "auto" (--enable-auto-tool-choice), or None (refused)."""
+    `tool_parser`: the parser of tool_choice "auto" (--enable-auto-tool-choice), or None (refused).
+    `frontend`: the page at / and its feed (frontend.py), whose static files need no key."""
     app = FastAPI(title="nanopaged", description="an OpenAI-compatible server on nanopaged's engine")
     if api_key is not None:
-        app.add_middleware(RequireApiKey, api_key=api_key)
+        app.add_middleware(RequireApiKey, api_key=api_key, open_paths=OPEN_PATHS + (PAGE_PATHS if frontend else ()))
+    if frontend:
+        register_frontend(app, metrics)                                 # GET /, its files, /dashboard.json
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, e: OpenAIError) -> JSONResponse:

@@ -1,6 +1,7 @@
 """The server's limits: who may ask (an API key), and how much one client may hold.
 
-    RequireApiKey          every route but /health and /metrics needs `Authorization: Bearer KEY` (401)
+    RequireApiKey          every route but /health, /metrics and the page's files needs
+                           `Authorization: Bearer KEY` (401)
     read_body              application/json only (415), at most N bytes (413, refused before it is
                            read), within T seconds (408); a client that leaves mid-upload is one log line
     H11WithHeadTimeout     uvicorn's h11 protocol with a deadline for each request's line and headers
@@ -41,16 +42,16 @@ class ClientLeft(Exception):
 
 # ---- who may ask ------------------------------------------------------------------------------
 class RequireApiKey:
-    """ASGI middleware: a request for any path but OPEN_PATHS must carry `Authorization: Bearer
-    KEY` (or Anthropic's `x-api-key: KEY`), else it is a 401 with OpenAI's error body, before any
-    route (or body) is read."""
+    """ASGI middleware: a request for any path but `open_paths` (OPEN_PATHS; app.py adds the page's static
+    files, frontend.py) must carry `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`), else it
+    is a 401 with OpenAI's error body, before any route (or body) is read."""
 
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
+    def __init__(self, app, api_key: str, open_paths: tuple[str, ...] = OPEN_PATHS) -> None:
+        self.app, self.open_paths = app, open_paths
         self.key_digest = hashlib.sha256(api_key.encode("utf-8")).digest()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.authorized(Headers(scope=scope)):
+        if scope["type"] != "http" or scope["path"] in self.open_paths or self.authorized(Headers(scope=scope)):
             await self.app(scope, receive, send)
             return
         error = OpenAIError("a missing or wrong API key: send the header 'Authorization: Bearer <key>' "

@@ -22,6 +22,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from nanopaged.entrypoints.core_messages import Figures
+from nanopaged.entrypoints.openai.dashboard import FiguresHistory
 
 PREFIX = "nanopaged:"
 # Seconds; wide enough for a 2-core CPU and a GPU alike.
@@ -70,6 +71,7 @@ class ServerMetrics:
         self.engine_generation_tokens = Counter(PREFIX + "engine_generation_tokens", "Tokens generated, per "
                                                 "engine core.", **label)
         self.extension_counters: dict = {}          # an extension's counters, each made at its first figures
+        self.history = FiguresHistory()             # the totals over the last minutes, for the page (dashboard.py)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -135,6 +137,7 @@ class ServerMetrics:
         for name, (help_text, total) in figures.counters.items():
             self._count(name, help_text, total, old.counters.get(name, (None, None))[1])
         self.seen = figures
+        self.history.add(figures)
 
     def _count(self, name: str, help_text: str, total, was) -> None:
         """An extension's counter (speculative decoding's are vLLM's four): moved by what its total grew; a
