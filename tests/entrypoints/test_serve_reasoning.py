@@ -32,7 +32,7 @@ SETTINGS = dict(block_size=16, num_kv_blocks=64, max_num_seqs=8, dtype="float32"
 QWEN3_TEMPLATE = """\
 {%- for message in messages %}
 {%- if message.role == 'assistant' and message.tool_calls %}{{- '<|im_start|>assistant\\n' + (message.content or '') }}
-{%- for tool_call in message.tool_calls %}{{- '\\n<tool_call>\\n{"name": "' + tool_call.function.name + '", "arguments": ' + tool_call.function.arguments + '}\\n</tool_call>' }}{%- endfor %}
+{%- for tool_call in message.tool_calls %}{{- '\\n<tool_call>\\n{"name": "' + tool_call.function.name + '", "arguments": ' + (tool_call.function.arguments | tojson) + '}\\n</tool_call>' }}{%- endfor %}
 {{- '<|im_end|>\\n' }}
 {%- elif message.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
 {%- else %}{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}
