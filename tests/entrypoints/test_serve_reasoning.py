@@ -5,8 +5,8 @@ generation prompt ends `<think>\\n\\n</think>\\n\\n`: the chat route takes no ch
 A random model never writes a tag of its own, so its output is forced by a regex into
 `<think>...</think>answer`; the prompt closed the reasoning, so the constraint holds from the first
 token. The server's chat answer then carries the thinking as `reasoning_content`, whole and streamed
-(the deltas add up to the whole). In the engine, a constraint waits for the answer: a prompt that
-leaves the reasoning open gets free text, one that closed it gets the constrained text.
+(the deltas add up to the whole); a tool call is read from the answer alone; offline, LLM.chat returns
+the raw text. The engine's side: tests/structured_output/test_reasoning_constraint.py.
 docs/08_server.md, "Reasoning output".
 """
 import json
@@ -106,54 +106,39 @@ def test_an_unknown_reasoning_parser_stops_the_server_at_start(qwen3_dir):
         start(qwen3_dir, "--engine-in-process", "--reasoning-parser", "granite")
 
 
-# ---- the engine: a constraint holds the answer only ----------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
 @pytest.fixture(scope="module")
-def deepseek_llm(qwen3_dir):
-    return LLM(qwen3_dir, reasoning_parser="deepseek_r1", **SETTINGS)
+def tool_server(qwen3_dir):
+    """The default layout (an engine core and an API server), with hermes reading "auto" tool calls."""
+    with start(qwen3_dir, "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser",
+               "hermes") as s:
+        yield s
 
 
-DIGITS = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[0-9]{12}"))
-
-
-def test_a_constraint_waits_while_the_prompt_leaves_the_reasoning_open(deepseek_llm):
-    text = deepseek_llm.generate(["Question: why?\n<think>\n"], DIGITS)[0].outputs[0].text
-    assert not re.fullmatch("[0-9]{12}", text)       # still reasoning: free text
-
-
-def test_a_constraint_holds_from_the_start_once_the_prompt_closed_the_reasoning(deepseek_llm):
-    text = deepseek_llm.generate(["Question: why?\n<think>\n\n</think>\n\n"], DIGITS)[0].outputs[0].text
-    assert re.fullmatch("[0-9]{12}", text)
-
-
-def test_without_a_reasoning_parser_the_constraint_holds_from_the_start(qwen3_dir):
-    llm = LLM(qwen3_dir, **SETTINGS)
-    assert re.fullmatch("[0-9]{12}", llm.generate(["Question: why?\n<think>\n"], DIGITS)[0].outputs[0].text)
-
-
-def test_the_answer_starts_after_the_token_that_closes_the_reasoning(deepseek_llm):
-    """The manager's matcher scans the reasoning for the end tag, then accepts the answer's tokens."""
-    from nanopaged.structured_output.extension import StructuredOutputs
-    manager = deepseek_llm.llm_engine.find(StructuredOutputs).manager
-    tokenizer = deepseek_llm.llm_engine.tokenizer
-
-    class Sequence:                     # what the manager reads of a request
-        prompt_token_ids = tokenizer.encode("Why?\n<think>\n", add_special_tokens=False)
-        sampling_params = DIGITS
-        output_token_ids = tokenizer.encode("I think</think>12", add_special_tokens=False)
-        num_output_tokens = len(output_token_ids)
-
-    state = manager._matcher(Sequence)
-    assert state.answering and state.num_accepted == Sequence.num_output_tokens and not state.ended
-    Sequence.output_token_ids = tokenizer.encode("still thinking", add_special_tokens=False)
-    Sequence.num_output_tokens = len(Sequence.output_token_ids)
-    manager.forget(Sequence)
-    assert not manager._matcher(Sequence).answering
-    manager.forget(Sequence)
-
-
-def test_an_unknown_reasoning_parser_is_refused_by_the_engine(qwen3_dir):
-    with pytest.raises(ValueError, match=r"reasoning_parser 'r1' is not a reasoning parser; choose from"):
-        LLM(qwen3_dir, reasoning_parser="r1", **SETTINGS)
+@pytest.mark.parametrize("regex, reasoning, calls", [
+    ("<think>[a-z]{3,8}</think>" + re.escape(CALL), True, 1),          # a call in the answer: read
+    ("<think>" + re.escape(CALL) + "</think>[a-z]{3,8}", True, 0),     # a call in the thinking: not a call
+])
+def test_tool_calls_are_read_from_the_answer_only(tool_server, regex, reasoning, calls):
+    kw = dict(model="qwen3", messages=ASK, tools=[WEATHER], max_tokens=200, temperature=0,
+              extra_body={"structured_outputs": {"regex": regex}})
+    message = client_of(tool_server).chat.completions.create(**kw).choices[0].message
+    assert len(message.tool_calls or []) == calls and bool(message.reasoning_content) == reasoning
+    if calls:
+        assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Paris"} and message.content is None
+    else:
+        assert "<tool_call>" in message.reasoning_content and message.content
+    thinking, content, streamed_calls = "", "", []
+    for chunk in client_of(tool_server).chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            thinking += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+            streamed_calls += [c for c in choice.delta.tool_calls or [] if c.id]
+    assert (thinking, content or None, len(streamed_calls)) == (message.reasoning_content, message.content, calls)
 
 
 def test_llm_chat_returns_the_raw_text_with_its_tags(qwen3_dir):
