@@ -157,9 +157,9 @@ class ResponseBuilder:
 
     def _state(self, index: int) -> ChoiceState:
         if index not in self.choices:
-            self.choices[index] = ChoiceState(
-                tools=None if self.tool_calling is None else self.tool_calling.stream(),
-                reasoning=None if self.reasoning_parser is None else ReasoningStream(REASONING_PARSERS[self.reasoning_parser]))
+            reasoning = self.reasoning_parser and ReasoningStream(REASONING_PARSERS[self.reasoning_parser])
+            self.choices[index] = ChoiceState(tools=None if self.tool_calling is None else self.tool_calling.stream(),
+                                              reasoning=reasoning)
         return self.choices[index]
 
     def usage_chunk(self) -> dict:

@@ -380,7 +380,8 @@ class EventWriter:
             part = item["content"][0]
             done = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
             extra = {} if kind == "reasoning" else {"logprobs": []}
-            out += [self._event(done, item_id=item["id"], output_index=index, content_index=0, text=part["text"], **extra),
+            out += [self._event(done, item_id=item["id"], output_index=index, content_index=0, text=part["text"],
+                                **extra),
                     self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                                 part=dict(part))]
         else:
