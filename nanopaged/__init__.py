@@ -10,6 +10,7 @@ The package (each folder's __init__.py indexes its own files):
     inputs.py            vLLM's prompt dicts (TokensPrompt, TextPrompt)
     outputs.py           what generate returns: RequestOutput, CompletionOutput
     validation.py        the one range check every settings object uses
+    reasoning.py         reasoning parsers: a thinking model's reasoning told apart from its answer
     vllm_compat.py       vLLM's engine arguments and fields by vLLM's names, none dropped silently
     logger.py            the `nanopaged` logger
     core/                the block pool, a request's counters and block table, the scheduler (no torch)

@@ -23,6 +23,7 @@ from nanopaged.cpu.features import auto_cpu_dtype
 from nanopaged.models.config import ModelConfig
 from nanopaged.models.demo_model import find_gguf
 from nanopaged.models.hybrid import check_hybrid
+from nanopaged.reasoning import check_reasoning_parser
 from nanopaged.sampling_params import MAX_LOGPROBS
 from nanopaged.validation import SEED_RANGE, check_bool, check_choice, check_range
 from nanopaged.vllm_compat import engine_settings
@@ -67,6 +68,7 @@ class EngineConfig:
     enforce_eager: bool = False             # CUDA: no CUDA graphs
     seed: int = 0                           # for requests sampled without their own seed
     max_logprobs: int = MAX_LOGPROBS        # the most logprobs / prompt_logprobs a request may ask for
+    reasoning_parser: str | None = None     # qwen3 | deepseek_r1: a constraint holds from the answer on (reasoning.py)
     cpu_threads: str | None = "auto"        # CPU: follow the free cores (cpu/thread_governor.py); None: torch's
     cpu_linear: str = "auto"                # CPU: packed (oneDNN) | dpbf16 | amx (nanopaged's) | reference (F.linear)
     cpu_kernels: str = "auto"               # CPU: fused (C++ layer kernels) | reference (torch ops); auto: fused with packed linears
@@ -109,6 +111,7 @@ class EngineConfig:
                      "enable_expert_parallel"):
             check_bool(name, getattr(self, name))
         check_choice("prefix_hash", self.prefix_hash, tuple(HASH_FUNCTIONS))
+        self.reasoning_parser = check_reasoning_parser(None if self.reasoning_parser == "" else self.reasoning_parser)
         check_choice("attention_backend", self.attention_backend, ("auto", *ATTENTION_BACKENDS))
         check_choice("cpu_threads", self.cpu_threads, (None, "auto"))
         check_choice("cpu_linear", self.cpu_linear, CPU_LINEARS)

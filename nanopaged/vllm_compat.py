@@ -127,7 +127,6 @@ NOT_IMPLEMENTED = [
      "takes speculative decoding as speculative_config={...} (vLLM's current form) only"),
     (("structured_outputs_config",), (None, {}, {"backend": "auto"}, {"backend": "xgrammar"}),
      "runs structured outputs on xgrammar, with each request's own options (StructuredOutputsParams)"),
-    (("reasoning_parser",), ("", None), "has no reasoning parser"),
     (("guided_decoding_backend",), (None, "auto", "xgrammar"), "runs structured outputs on xgrammar only"),
     (("guided_decoding_disable_fallback",), ANY, "has one structured-output backend, so nothing to fall back to"),
     (("guided_decoding_disable_additional_properties",), ANY,

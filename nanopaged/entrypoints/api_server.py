@@ -87,6 +87,8 @@ def run_api_server(name: str, args, sock, addresses: list[str], lifelines: list,
     app = build_app(client, metrics, models, BodyLimits(args.max_request_body_bytes, args.timeout_request_body),
                     api_key=key, runtime_lora_updating=updating,
                     tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                    reasoning_parser=config.reasoning_parser,
+                    stored_responses=(args.max_stored_responses, args.max_stored_response_bytes),
                     frontend=not args.disable_frontend)
     server = uvicorn_server(args, app, lambda host, port: started.send(("started", name)))
     server.ignore_sigint = True

@@ -168,6 +168,11 @@ def add_limits(group) -> None:
     group.add_argument("--limit-concurrency", default=512, **limit,
                        help="open connections or requests in flight past which a request is a 503 "
                             "(uvicorn's; keep it below `ulimit -n`; default: %(default)s)")
+    group.add_argument("--max-stored-responses", default=1000, **limit,
+                       help="responses /v1/responses keeps for previous_response_id, per API server; the least "
+                            "recently used go first (default: %(default)s)")
+    group.add_argument("--max-stored-response-bytes", default=64 * 1024 * 1024, **limit,
+                       help="bytes of JSON those responses may hold in all (default: %(default)s, 64 MiB)")
 
 
 def _positive(convert):
@@ -299,6 +304,8 @@ def serve_in_process(args: argparse.Namespace, key: str | None) -> None:
     app = build_app(engine_loop, metrics, models, BodyLimits(args.max_request_body_bytes, args.timeout_request_body),
                     api_key=key, runtime_lora_updating=runtime_lora_updating(args),
                     tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                    reasoning_parser=engine.config.reasoning_parser,
+                    stored_responses=(args.max_stored_responses, args.max_stored_response_bytes),
                     frontend=not args.disable_frontend)
     name, details = describe(args, key)(engine.config, engine.scheduler.block_pool.num_blocks)
 

@@ -33,7 +33,8 @@ class StructuredOutputs(Extension, ForcedDrafts):
                              f"{INSTALL_HINT}") from None
         model = engine.config.model_config
         self.manager = StructuredOutputManager(XgrammarBackend(engine.tokenizer, model.vocab_size,
-                                                               model.eos_token_ids))
+                                                               model.eos_token_ids),
+                                               engine.config.reasoning_parser, engine.tokenizer)
 
     def prepare(self, samples: list[Request], fields: dict) -> None:
         self.manager.prepare(samples)         # compiled now (a ValueError if it cannot be), not in a step

@@ -17,6 +17,10 @@ tokens on the matcher and roll it back before they return; a verify step's row j
 d_1..d_j, a view of the request: sample/rejection_sampler.py: with_output) is masked by accepting
 d_1..d_j, filling the row, and rolling back. Only `ended` (the stop rule, token by token as the
 output processor appends them) advances it, so it advances by the accepted tokens alone.
+
+With a reasoning parser (EngineConfig.reasoning_parser; nanopaged/reasoning.py) the constraint holds
+the answer only: a sequence's matcher starts after the token that closes its reasoning (or at once,
+if the prompt closed it); until then its rows are not masked and no draft is forced.
 vLLM: vllm/v1/structured_output/__init__.py (StructuredOutputManager). docs/10_structured_outputs.md.
 """
 from __future__ import annotations
@@ -30,6 +34,7 @@ from concurrent.futures import Future
 import torch
 
 from nanopaged.core.request import Request
+from nanopaged.reasoning import AnswerStart
 from nanopaged.structured_output.backend_types import GrammarMatcher, StructuredOutputBackend
 from nanopaged.structured_output.bitmask import apply_token_bitmask
 from nanopaged.structured_output.params import StructuredOutputsParams
@@ -43,13 +48,24 @@ MAX_CACHED_GRAMMARS = 256
 class SequenceMatcher:
     """One sequence's place in its grammar: the backend's matcher and how many of its tokens it has seen."""
 
-    def __init__(self, matcher: GrammarMatcher) -> None:
+    def __init__(self, matcher: GrammarMatcher, answer: AnswerStart | None = None) -> None:
         self.matcher = matcher
-        self.num_accepted = 0
+        self.num_accepted = 0               # output tokens read: accepted, or (before the answer) scanned
         self.rejected: int | None = None    # a token the grammar refused (the mask makes that impossible)
+        self.answer = answer                # None: the constraint holds from the first token
+        self.tail = ""                      # the decoded end of the reasoning so far, for the end tag
+
+    @property
+    def answering(self) -> bool:
+        return self.answer is None
 
     def follow(self, request: Request) -> None:
-        """Accept the tokens the sequence got since the last call."""
+        """Accept the tokens the sequence got since the last call (those of its answer)."""
+        while not self.answering and self.num_accepted < request.num_output_tokens:
+            closed, self.tail = self.answer.scan(self.tail, request.output_token_ids[self.num_accepted])
+            self.num_accepted += 1
+            if closed:
+                self.answer = None
         while self.num_accepted < request.num_output_tokens and self.rejected is None:
             token = request.output_token_ids[self.num_accepted]
             if not self.matcher.accept_token(token):
@@ -74,8 +90,9 @@ class SequenceMatcher:
 
 
 class StructuredOutputManager:
-    def __init__(self, backend: StructuredOutputBackend) -> None:
+    def __init__(self, backend: StructuredOutputBackend, reasoning_parser: str | None = None, tokenizer=None) -> None:
         self.backend = backend
+        self.reasoning_parser, self.tokenizer = reasoning_parser, tokenizer    # the answer's start (reasoning.py)
         self.grammars: OrderedDict[tuple, Future] = OrderedDict()   # (kind, text, any_whitespace) -> compiled
         self.lock = threading.Lock()
         self.matchers: dict[Request, SequenceMatcher] = {}
@@ -135,7 +152,7 @@ class StructuredOutputManager:
                 continue
             real = getattr(r, "view_of", r)
             state = self._matcher(real)
-            if state.ended:               # an ended one is stopping: nothing to mask
+            if state.ended or not state.answering:    # stopping, or still reasoning: nothing to mask
                 continue
             drafts = r.output_token_ids[real.num_output_tokens:]
             if drafts:
@@ -170,7 +187,7 @@ class StructuredOutputManager:
         may merge with the free text after it: '"' before ':' is '":'), and a token that is the only
         one allowed (the stop token after a complete output). Each passes the matcher, rolled back after."""
         state = self._matcher(request)
-        if state.ended:
+        if state.ended or not state.answering:
             return []
         drafts: list[int] = []
         bitmask = torch.empty(1, (self.backend.vocab_size + 31) // 32, dtype=torch.int32)
@@ -192,6 +209,8 @@ class StructuredOutputManager:
         state = self._matcher(request)
         if state.ended:
             return []
+        if not state.answering:           # reasoning: free text, whatever the drafts
+            return drafts
         taken = state.try_tokens(before)
         allowed = state.try_tokens(drafts) if taken == len(before) else 0
         state.matcher.rollback(taken + allowed)
@@ -214,9 +233,16 @@ class StructuredOutputManager:
         state = self.matchers.get(request)
         if state is None:
             compiled = self.grammar(request.sampling_params.structured_outputs)   # cached since prepare
-            state = self.matchers[request] = SequenceMatcher(self.backend.matcher(compiled))
+            state = self.matchers[request] = SequenceMatcher(self.backend.matcher(compiled), self._answer(request))
         state.follow(request)
         return state
+
+    def _answer(self, request: Request) -> AnswerStart | None:
+        """Where a new sequence's answer is looked for, or None: the constraint holds from its first token."""
+        if self.reasoning_parser is None:
+            return None
+        answer = AnswerStart(self.reasoning_parser, self.tokenizer)
+        return None if answer.closed_in_prompt(request.prompt_token_ids) else answer
 
 
 def only_token(row: torch.Tensor) -> list[int]:

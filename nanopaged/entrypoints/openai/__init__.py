@@ -15,6 +15,7 @@
     score.py         /score and /rerank (a cross-encoder's pair scores, or embeddings' cosine)
     pooling_requests.py  what the pooling routes share: the runner's check, one submission of pooling requests
     anthropic_api.py /v1/messages: Anthropic's Messages API as a translation of the chat route
+    responses_api.py /v1/responses: OpenAI's Responses API as a translation of the chat route; its bounded store
     app.py           the FastAPI routes and Server-Sent Events
     metrics.py       /metrics: Prometheus figures with vLLM's names, from the engine's figures
     dashboard.py     the engine's figures over the last minutes, for the page's charts (/dashboard.json)

@@ -8,7 +8,8 @@ sends one `data: {...}` event per chunk as the steps come (responses.py), then
 pool at once, for the clients still there. A request's `model` may name a LoRA adapter
 (served_models.py), which two more routes load and unload while the server runs, when it was
 started to allow that. `/v1/messages` is Anthropic's Messages API over the same path
-(anthropic_api.py). vLLM: vllm/entrypoints/openai/api_server.py. docs/08_server.md.
+(anthropic_api.py), `/v1/responses` OpenAI's Responses API (responses_api.py). vLLM:
+vllm/entrypoints/openai/api_server.py. docs/08_server.md.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from nanopaged.entrypoints.openai import anthropic_api
+from nanopaged.entrypoints.openai import anthropic_api, responses_api
 from nanopaged.entrypoints.openai.classify import register_classify
 from nanopaged.entrypoints.openai.embeddings import register_embeddings
 from nanopaged.entrypoints.openai.engine_loop import EngineLoop, Submission
@@ -41,12 +42,16 @@ ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
 
 def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedModels, body_limits: BodyLimits,
               api_key: str | None = None, runtime_lora_updating: bool = False,
-              tool_parser: str | None = None, frontend: bool = True) -> FastAPI:
+              tool_parser: str | None = None, reasoning_parser: str | None = None,
+              stored_responses: tuple[int, int] = (1000, 64 << 20), frontend: bool = True) -> FastAPI:
     """The routes; with `api_key`, every one but /health and /metrics needs it (limits.py). The LoRA
     load and unload routes exist only with `runtime_lora_updating` on a server that serves adapters.
-    `tool_parser`: the parser of tool_choice "auto" (--enable-auto-tool-choice), or None (refused).
-    `frontend`: the page at / and its feed (frontend.py), whose static files need no key."""
+    `tool_parser`: the parser of tool_choice "auto" (--enable-auto-tool-choice), or None (refused);
+    `reasoning_parser`: the engine's (nanopaged/reasoning.py), or None; `stored_responses`: the
+    Responses API's store, at most (responses, bytes); `frontend`: the page at / and its feed
+    (frontend.py), whose static files need no key."""
     app = FastAPI(title="nanopaged", description="an OpenAI-compatible server on nanopaged's engine")
+    response_store = responses_api.ResponseStore(*stored_responses)
     if api_key is not None:
         app.add_middleware(RequireApiKey, api_key=api_key, open_paths=OPEN_PATHS + (PAGE_PATHS if frontend else ()))
     if frontend:
@@ -132,13 +137,41 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedMod
             error = OpenAIError(f"internal error: {type(e).__name__}: {e}", status=500, type="internal_server_error")
             return JSONResponse(anthropic_api.error_body(error), status_code=500)
 
-    async def run(request: Request, parsed: ParsedRequest, kind: str, anthropic: bool = False) -> Response:
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API: rewritten as a chat request, answered as a response (responses_api.py)."""
+        try:
+            raw = await read_body(request, body_limits)
+            turn, parsed = await asyncio.to_thread(parse_turn, raw)
+            return await run(request, parsed, "chat", turn=turn)
+        except OpenAIError as e:
+            raise responses_api.in_responses_terms(e) from None
+
+    def parse_turn(raw: bytes) -> tuple[responses_api.Turn, ParsedRequest]:
+        turn = responses_api.parse(parse_body(raw), response_store)
+        return turn, parse_request(turn.chat_body, "chat", models.name, models.adapters, tool_parser)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> dict:
+        try:
+            return response_store.get(response_id).response
+        except OpenAIError as e:
+            e.param = "response_id"
+            raise
+
+    def answer(turn: responses_api.Turn, completion: dict) -> dict:
+        response = turn.response(completion)
+        turn.remember(response_store, response)
+        return response
+
+    async def run(request: Request, parsed: ParsedRequest, kind: str, anthropic: bool = False,
+                  turn: responses_api.Turn | None = None) -> Response:
         """A parsed request through the engine: streamed, or whole once every output is in."""
         response_id = ID_PREFIX[kind] + uuid.uuid4().hex
         request_ids = [f"{response_id}-{i}" for i in range(len(parsed.prompts))]
         submission = Submission(parsed, request_ids, asyncio.get_running_loop())
         answered_as = parsed.lora_request.lora_name if parsed.lora_request else models.name
-        builder = ResponseBuilder(parsed, response_id, answered_as, request_ids)
+        builder = ResponseBuilder(parsed, response_id, answered_as, request_ids, reasoning_parser)
         try:
             await engine_loop.submit(submission)
         except BaseException:
@@ -146,10 +179,11 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, models: ServedMod
             raise
         if parsed.stream:
             events = (anthropic_events(engine_loop, submission, builder) if anthropic
+                      else responses_events(engine_loop, submission, builder, turn, response_store) if turn
                       else sse_events(engine_loop, submission, builder))
             return StreamingResponse(events, media_type="text/event-stream")
-        return await whole_response(request, engine_loop, submission, builder,
-                                    anthropic_api.to_message if anthropic else None)
+        shape = anthropic_api.to_message if anthropic else (lambda c: answer(turn, c)) if turn else None
+        return await whole_response(request, engine_loop, submission, builder, shape)
 
     def parse(raw: bytes, kind: str) -> ParsedRequest:
         return parse_request(parse_body(raw), kind, models.name, models.adapters, tool_parser)
@@ -271,6 +305,34 @@ async def anthropic_events(engine_loop: EngineLoop, submission: Submission, buil
             return
         for text in writer.end(builder.usage()["completion_tokens"]):
             yield text
+        done = True
+    finally:
+        if not done:
+            engine_loop.abort(submission.request_ids)
+
+
+async def responses_events(engine_loop: EngineLoop, submission: Submission, builder: ResponseBuilder,
+                           turn: responses_api.Turn, store: responses_api.ResponseStore):
+    """The Responses API's stream: the chat chunks of sse_events, rewritten as its events (responses_api.py);
+    the response is stored once complete."""
+    writer, done = responses_api.EventWriter(turn, builder.model), False
+    try:
+        for text in writer.start():
+            yield text
+        try:
+            async for output in submission.results():
+                for chunk in builder.chunks(output):
+                    for text in writer.chunk(chunk):
+                        yield text
+        except Exception as e:                       # the engine failed, or a bug met here: an error event
+            engine_loop.abort(submission.request_ids)
+            for text in writer.error(e if isinstance(e, OpenAIError) else stream_failed(e)):
+                yield text
+            done = True
+            return
+        for text in writer.end(builder.usage()):
+            yield text
+        turn.remember(store, writer.response)
         done = True
     finally:
         if not done:

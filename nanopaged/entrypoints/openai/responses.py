@@ -7,7 +7,9 @@ back, because the engine cuts a matched stop string out of the text; sent text i
 taken back, so the concatenated stream equals the whole response. Shapes follow OpenAI's
 API reference and vLLM's vllm/entrypoints/openai/serving_completion.py and serving_chat.py.
 A chat request with tools has its output read for tool calls (tools.py, tool_parsers.py): a
-message's `tool_calls`, a stream's `delta.tool_calls`, and finish_reason "tool_calls".
+message's `tool_calls`, a stream's `delta.tool_calls`, and finish_reason "tool_calls". With a
+reasoning parser (--reasoning-parser; nanopaged/reasoning.py), a chat's thinking is its message's
+`reasoning_content` (a stream's `delta.reasoning_content`), and tool calls are read from the answer only.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from nanopaged.entrypoints.openai.protocol import ParsedRequest
 from nanopaged.entrypoints.openai.tool_parsers import ToolCallStream
 from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
+from nanopaged.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 
 MIN_LOGPROB = -9999.0
 
@@ -29,12 +32,15 @@ class ChoiceState:
     text_offset: int = 0         # completions' logprobs: where the next token's text starts
     done: bool = False
     tools: ToolCallStream | None = None     # a chat with tools: what the stream has sent of its calls
+    reasoning: ReasoningStream | None = None   # a reasoning parser: the thinking and the answer so far
 
 
 class ResponseBuilder:
-    def __init__(self, request: ParsedRequest, response_id: str, model: str, request_ids: list[str]) -> None:
+    def __init__(self, request: ParsedRequest, response_id: str, model: str, request_ids: list[str],
+                 reasoning_parser: str | None = None) -> None:
         self.request, self.id, self.model = request, response_id, model
         self.chat = request.kind == "chat"
+        self.reasoning_parser = reasoning_parser if self.chat else None    # completions stay raw text, as vLLM's
         self.created = int(time.time())
         self.n = request.params.n
         self.prompt_index = {rid: i for i, rid in enumerate(request_ids)}
@@ -84,11 +90,16 @@ class ResponseBuilder:
         return body
 
     def _message(self, text: str) -> dict:
-        """The assistant's message: its text, or the text before its tool calls (null if none) and the calls."""
+        """The assistant's message: its text, or the text before its tool calls (null if none) and the calls;
+        with a reasoning parser, its thinking apart (`reasoning_content`) and only the answer read for calls."""
+        thinking = {}
+        if self.reasoning_parser is not None:
+            reasoning, text = split_reasoning(self.reasoning_parser, text)
+            thinking = {"reasoning_content": reasoning}
         if self.tool_calling is None:
-            return {"role": "assistant", "content": text}
-        content, calls = self.tool_calling.extract(text)
-        return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            return {"role": "assistant", "content": text, **thinking}
+        content, calls = self.tool_calling.extract(text) if text is not None else (None, [])
+        return {"role": "assistant", "content": content, **thinking, **({"tool_calls": calls} if calls else {})}
 
     # ---- a stream ------------------------------------------------------------------------------
     def first_chunks(self) -> list[dict]:
@@ -112,9 +123,12 @@ class ResponseBuilder:
             text = c.text[state.chars:end]
             new_tokens = len(c.token_ids) > state.tokens and c.logprobs is not None
             delta = {"content": text} if text or not finished else {}
-            if state.tools is not None:          # a chat with tools: the text read for calls as far as it goes
+            if state.reasoning is not None:      # the thinking apart; the answer goes on as the text
+                delta = self._reasoning_delta(state, c.text, end, finished)
+            elif state.tools is not None:        # a chat with tools: the text read for calls as far as it goes
                 delta = state.tools.delta(c.text, finished, end)
-            if not ((delta if state.tools is not None else text) or new_tokens or finished):
+            if not ((delta if state.tools is not None or state.reasoning is not None else text)
+                    or new_tokens or finished):
                 continue
             logprobs = self._logprobs(c, state.tokens, len(c.token_ids), state.text_offset)
             if logprobs is not None and not self.chat:
@@ -131,9 +145,21 @@ class ResponseBuilder:
             chunks.append(self._chunk(choice))
         return chunks
 
+    def _reasoning_delta(self, state: ChoiceState, text: str, end: int, finished: bool) -> dict:
+        """What text[:end] adds: new thinking as `reasoning_content`; the new answer as `content`, or, with
+        tools, read for calls (the parser sees the answer alone, as it grows)."""
+        reasoning, answer = state.reasoning.feed(text, end, finished)
+        if state.tools is not None:
+            delta = state.tools.delta(state.reasoning.content, finished)
+        else:
+            delta = {"content": answer} if answer else {}
+        return {"reasoning_content": reasoning, **delta} if reasoning else delta
+
     def _state(self, index: int) -> ChoiceState:
         if index not in self.choices:
-            self.choices[index] = ChoiceState(tools=None if self.tool_calling is None else self.tool_calling.stream())
+            reasoning = self.reasoning_parser and ReasoningStream(REASONING_PARSERS[self.reasoning_parser])
+            self.choices[index] = ChoiceState(tools=None if self.tool_calling is None else self.tool_calling.stream(),
+                                              reasoning=reasoning)
         return self.choices[index]
 
     def usage_chunk(self) -> dict:
