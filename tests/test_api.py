@@ -200,6 +200,17 @@ def test_chat_with_a_template_of_ones_own(llm):
     assert out.finished and out.outputs[0].token_ids
 
 
+def test_a_template_that_refuses_the_messages_is_a_value_error_naming_them(llm):
+    """A template's own raise_exception (roles must alternate, ...) and a TypeError inside it are the
+    messages' fault: a ValueError (a 400 in the server), never an error that ends a request as a 500."""
+    refuses = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    with pytest.raises(ValueError, match="messages: the chat template cannot render.*roles must alternate"):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template=refuses, use_tqdm=False)
+    adds_a_dict = "{% for m in messages %}{{ m['content'] + m }}{% endfor %}"
+    with pytest.raises(ValueError, match="messages: the chat template cannot render.*TypeError"):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template=adds_a_dict, use_tqdm=False)
+
+
 def test_kv_utilization_is_high_and_below_one(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64)
     llm.generate([{"prompt_token_ids": [5] * n} for n in (10, 50, 90, 130)],

@@ -191,8 +191,11 @@ def render_chat(tokenizer, conversation, chat_template: str | None = None) -> di
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"a conversation is a non-empty list of messages, got {conversation!r}")
     messages = [_message(m) for m in conversation]
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                         chat_template=chat_template)
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                             chat_template=chat_template)
+    except Exception as e:     # jinja's TemplateError (a template's raise_exception), TypeError, ...: these messages
+        raise ValueError(f"messages: the chat template cannot render them: {type(e).__name__}: {e}") from None
     # The template already wrote the special tokens; do not add a BOS again.
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
