@@ -1,6 +1,8 @@
 """Adapters in the engine: every request's greedy tokens are Hugging Face's with its adapter applied by
 PEFT, with adapters and the base model mixed in one call, under slot waits, preemption, chunked prefill,
-the prefix cache and n > 1; a refused adapter fails its own request only."""
+the prefix cache and n > 1; a refused adapter fails its own request only; with more adapters than slots
+over consecutive steps, slot loads are counted: each adapter loads once when it comes back, never evicted
+while its step needs it."""
 import shutil
 
 import pytest
