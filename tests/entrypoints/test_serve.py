@@ -3,7 +3,8 @@
 One server per module (a tiny random Llama on a free loopback port), killed at the end.
 Greedy answers must equal `LLM.generate`'s for the same prompt, streamed or not; every bad
 request is a 400 with OpenAI's error body and the server goes on; a client that leaves
-mid-stream frees its blocks; 64 concurrent streams all complete with the offline answers;
+mid-stream frees its blocks; a stop string the API server finds stops the request in the engine core
+(counted in the core's generated tokens, since the answer is the same either way); 64 concurrent streams all complete with the offline answers;
 `/metrics` parses and its counters move. docs/08_server.md explains the server.
 """
 import asyncio
@@ -68,6 +69,20 @@ def metrics(server) -> dict:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
+
+
+def runs_down_to(server, running: int, steps: int, per_step: int, guard_s: float = 120.0) -> tuple[bool, dict]:
+    """Poll /metrics until the engine core runs at most `running` requests: (True, metrics), or (False,
+    metrics) once the core generated more than `steps` steps of `per_step` tokens first. A bound counted
+    in the core's work, not in seconds: a loaded machine slows both sides alike (`guard_s` only ends a hang)."""
+    start, deadline = None, time.monotonic() + guard_s
+    while True:
+        m = metrics(server)
+        start = m["nanopaged:generation_tokens_total"] if start is None else start
+        if m["nanopaged:num_requests_running"] <= running:
+            return True, m
+        if m["nanopaged:generation_tokens_total"] - start > steps * per_step or time.monotonic() > deadline:
+            return False, m
 
 
 def wait_idle(server, timeout_s=20.0) -> dict:
@@ -318,18 +333,20 @@ def test_bad_tokenize_and_detokenize_requests_name_their_field(server, path, bod
     assert got == status and answer["error"]["param"] == param, answer
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", '{"model": "\\ud800", "prompt": "hi"}'),
-    ("/v1/completions", '{"prompt": "hi \\udfff there", "max_tokens": 2}'),
-    ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 2}'),
-    ("/v1/completions", '{"prompt": "hi", "\\ud800": 1}'),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}'),
-    ("/v1/chat/completions", '{"messages": [{"role": "\\ud83d", "content": "x"}]}')])
-def test_a_lone_surrogate_anywhere_is_answered_below_500(server, path, body):
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/completions", '{"model": "\\ud800", "prompt": "hi"}', "model"),
+    ("/v1/completions", '{"prompt": "hi \\udfff there", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 2}', "stop[0]"),
+    ("/v1/completions", '{"prompt": "hi", "\\ud800": 1}', "body"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}',
+     "messages[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "\\ud83d", "content": "x"}]}', "messages[0].role")])
+def test_a_lone_surrogate_anywhere_is_a_400_naming_where_it_is(server, path, body, where):
     """JSON may escape half of a UTF-16 pair; Python then holds a string UTF-8 cannot encode. Every such
-    request is answered (2xx or 4xx), never a 500 from an error message that cannot be written."""
+    request is a 400 naming the place, inside a list as in a string field, and the answer is JSON that
+    encodes (never a 500 from an error message that cannot be written)."""
     status, answer = post(server, path, body.encode())
-    assert status < 500, answer
+    assert status == 400 and answer["error"]["param"] == where, answer
     assert json.dumps(answer).encode()
 
 
@@ -367,6 +384,23 @@ def test_a_client_that_leaves_mid_stream_frees_every_block(server):
     assert after["nanopaged:num_requests_running"] == after["nanopaged:num_requests_waiting"] == 0
     assert after.get(aborted, 0) == before.get(aborted, 0) + 1
     assert after["nanopaged:generation_tokens_total"] - before["nanopaged:generation_tokens_total"] < 480
+
+
+def test_a_stop_string_the_api_server_finds_stops_the_request_in_the_engine_core(server, offline):
+    """The engine core runs without stop strings (the API server detokenizes and finds them), so the API
+    server must abort the request in the core; the client's answer is the same either way. Counted in
+    the core's generated tokens (/metrics): within a few steps of the answer's, never on to max_tokens."""
+    tokenizer = offline.get_tokenizer()
+    ids = offline.generate("Tell me everything", greedy(16, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    stop = next(w for w in (tokenizer.decode(ids[10:14])[i:i + 3] for i in range(8)) if w.strip() == w and len(w) == 3)
+    before = wait_idle(server)
+    status, answer = post(server, "/v1/completions", {"prompt": "Tell me everything", "max_tokens": 480,
+                                                      "temperature": 0, "ignore_eos": True, "stop": [stop]})
+    after = wait_idle(server)
+    assert status == 200 and answer["choices"][0]["finish_reason"] == "stop", answer
+    answered = answer["usage"]["completion_tokens"]
+    generated = after["nanopaged:generation_tokens_total"] - before["nanopaged:generation_tokens_total"]
+    assert answered < 20 and answered <= generated < answered + 100, (answered, generated)
 
 
 def test_64_concurrent_streaming_clients_all_get_the_offline_answers(server, offline, make_prompts):

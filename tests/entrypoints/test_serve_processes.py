@@ -3,7 +3,9 @@
 Two API servers in front of one engine core give the offline greedy answers to concurrent
 streams; a storm of clients that leave mid-stream gives every block back; killing the engine
 core ends every request in flight with an error, /health says 503 and the server exits non-zero
-within seconds; killing an API server aborts its requests and the other serves on; SIGINT and
+within seconds; killing an API server aborts its requests and the other serves on. Where a client's
+answer is the same either way, the engine core's own counts (/metrics) show the waste: a few steps after
+clients leave, or after their API server dies, the core no longer runs their requests; SIGINT and
 SIGTERM exit 0 with no process left behind, and so does SIGKILL of the supervisor (its port free).
 What crosses the socket is checked on its own.
 """
@@ -28,7 +30,7 @@ openai = pytest.importorskip("openai", reason="the test extra: pip install -e '.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 from benchmarks.serve import start_nanopaged  # noqa: E402
 from nanopaged import LLM, SamplingParams  # noqa: E402
-from test_serve import ENGINE_ARGS, SETTINGS, metrics, wait_idle  # noqa: E402
+from test_serve import ENGINE_ARGS, SETTINGS, metrics, runs_down_to, wait_idle  # noqa: E402
 
 TWO = [*ENGINE_ARGS, "--api-server-count", "2"]
 
@@ -133,6 +135,9 @@ def test_a_storm_of_clients_leaving_mid_stream_frees_every_block_of_the_engine_c
     for conn, _ in connections:
         conn.sock.close()
         conn.close()
+    # told to the core at once: it holds none of them within a few steps, far from their 300 tokens
+    told, now = runs_down_to(two, 0, steps=50, per_step=len(connections))
+    assert told, f"still running {now['nanopaged:num_requests_running']} after 50 steps"
     after = wait_idle(two)
     assert after["nanopaged:kv_cache_usage_perc"] == 0
     assert after["nanopaged:num_requests_running"] == after["nanopaged:num_requests_waiting"] == 0
@@ -171,6 +176,9 @@ def test_an_api_server_killed_loses_its_requests_and_the_other_serves_on(tiny_mo
             time.sleep(0.1)
         log = s.log.read_text()
         assert f"its {len(by_server[victim])} running request(s) were aborted" in log, log[-2000:]
+        # aborted in the core at once, not run on to max_tokens: a few steps later it runs the survivor's only
+        aborted, now = runs_down_to(s, len(by_server[survivor]), steps=50, per_step=sum(map(len, by_server.values())))
+        assert aborted, f"still running {now['nanopaged:num_requests_running']} after 50 steps"
         assert "1 serve on" in log
         for conn, response in by_server[survivor]:    # the other server's streams run to their end
             assert response.read().decode().rstrip().endswith("data: [DONE]")

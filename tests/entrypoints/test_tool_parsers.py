@@ -71,6 +71,16 @@ def test_llama3_json_several_calls_separated_by_semicolons_with_or_without_space
         assert calls[1]["function"]["arguments"] == "{}" and args(calls[2]) == {"query": "test2"}
 
 
+@pytest.mark.parametrize("separator", ["},{", "}; {", "};{", "},\n{", "}\n{"])
+def test_llama3_json_two_calls_joined_by_a_comma_a_semicolon_or_a_newline_are_two_calls(separator):
+    """vLLM's parser reads every object in the output (`{` after the last one's end), so a comma or a
+    newline separates two calls as a semicolon does; none of them is content."""
+    text = '{"name": "searchTool", "parameters": {"query": "a"}' + separator + '"name": "lookup", "parameters": {}}'
+    content, calls = check_stream_equals_whole(Llama3JsonToolParser(), text)
+    assert content is None and [c["function"]["name"] for c in calls] == ["searchTool", "lookup"]
+    assert args(calls[0]) == {"query": "a"} and args(calls[1]) == {}
+
+
 def test_llama3_json_after_the_python_tag_and_with_the_arguments_key():
     text = '<|python_tag|>{"name": "searchTool", "arguments": {"query": "test"}}'
     content, calls = check_stream_equals_whole(Llama3JsonToolParser(), text)

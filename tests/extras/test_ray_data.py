@@ -7,7 +7,9 @@ loopback, each with its own CPU count and a custom resource): one replica per no
 LLM.generate row for row; a replica killed mid-dataset loses no row and doubles none; the same
 processor through a running `nanopaged serve`, and Ray's own HttpRequestProcessorConfig against it.
 A server replica forwards every sampling field a server request carries and refuses the others by
-name; a wrong key or model fails the job, not each row; a cancelled batch stops its work.
+name; a wrong key or model fails the job, not each row; a cancelled batch stops its work. A stand-in
+server that answers 5xx or never answers fails the batch (no row turned into an error), and Ray Data,
+told to retry errors, sends the batch again: every row once.
 """
 import asyncio
 import dataclasses
@@ -235,17 +237,41 @@ class StubServer(http.server.ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
+    def answer(self, request: dict) -> tuple[int, dict]:
+        return self.status, {"error": {"message": f"stub says {self.status}"}}
+
+
+class FlakyServer(StubServer):
+    """Answers its first `failures` requests with `status`, then every request as a completion of
+    `max_tokens` tokens [7, 7, ...] would be; counts both."""
+
+    def __init__(self, status, failures):
+        self.failures, self.failed, self.served, self.lock = failures, 0, 0, threading.Lock()
+        super().__init__(status)
+
+    def answer(self, request: dict) -> tuple[int, dict]:
+        with self.lock:
+            if self.failed < self.failures:
+                self.failed += 1
+                return super().answer(request)
+            self.served += 1
+        tokens = [7] * request["max_tokens"]
+        return 200, {"choices": [{"index": 0, "text": "x" * len(tokens), "token_ids": tokens, "finish_reason": "length"}],
+                     "usage": {"prompt_tokens": len(request["prompt"]), "completion_tokens": len(tokens)}}
+
+
 class StubHandler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.server.status is None:
             self.server.opened.append(1)
             while self.rfile.read(1):                    # until the client closes
                 pass
             self.server.closed.append(1)
             return
-        body = json.dumps({"error": {"message": f"stub says {self.server.status}"}}).encode()
-        self.send_response(self.server.status)
+        status, reply = self.server.answer(request)
+        body = json.dumps(reply).encode()
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -263,6 +289,44 @@ def test_a_wrong_key_or_model_fails_the_batch_not_each_row(status):
     try:
         with pytest.raises(RuntimeError, match=f"HTTP {status}.*stub says {status}"):
             run_batches(server_replica(stub.url), [[{"id": i, "prompt": "a"} for i in range(3)]])
+    finally:
+        stub.shutdown()
+
+
+@pytest.mark.parametrize("status", [500, 502, 503])
+def test_a_server_answering_5xx_fails_the_batch_and_turns_no_row_into_an_error(status):
+    """A 5xx is the server's fault, not a row's: the batch raises (so Ray Data, told to retry errors,
+    sends it again: test_a_batch_failed_by_a_5xx_is_retried_by_ray_and_every_row_comes_out_once) and
+    yields no row, rather than rows whose error column says HTTP 5xx."""
+    stub = FlakyServer(status, failures=10**9)
+    out = []
+
+    async def consume():
+        async for table in server_replica(stub.url)(table_of([{"id": i, "prompt": "a"} for i in range(3)])):
+            out.extend(table.to_pylist())
+    try:
+        with pytest.raises(RuntimeError, match=f"HTTP {status}.*stub says {status}"):
+            asyncio.run(consume())
+        assert out == [] and stub.failed >= 1
+    finally:
+        stub.shutdown()
+
+
+def test_a_server_that_does_not_answer_in_time_fails_the_batch_and_closes_its_requests():
+    """A request past timeout_s fails the batch (no row comes out as an error), and the batch's other
+    requests are closed, so the server aborts them rather than generating for nobody."""
+    stub = StubServer(None)
+    out = []
+
+    async def consume():
+        replica = ServerReplica(stub.url, "tiny", {}, max_concurrent_requests=8, sampling_params=None, timeout_s=0.5)
+        async for table in replica(table_of([{"id": i, "prompt": "a"} for i in range(3)])):
+            out.extend(table.to_pylist())
+    try:
+        with pytest.raises(TimeoutError):
+            asyncio.run(asyncio.wait_for(consume(), 60))
+        assert out == []
+        assert wait_for(lambda: len(stub.closed) == len(stub.opened) == 3), (stub.opened, stub.closed)
     finally:
         stub.shutdown()
 
@@ -387,6 +451,25 @@ def test_a_wrong_model_name_fails_the_job_once_with_the_servers_message(cluster,
     config = ServerProcessorConfig(url=server.base_url, model="no-such-model", batch_size=4)
     with pytest.raises(Exception, match="HTTP 404.*no-such-model"):
         list(build_processor(config)(ray.data.from_items(rows(8))).iter_rows())
+
+
+def test_a_batch_failed_by_a_5xx_is_retried_by_ray_and_every_row_comes_out_once(cluster):
+    """Told to retry a call that raised (DataContext.actor_task_retry_on_errors, docs/14_ray_data.md),
+    Ray Data sends a batch the server failed with a 503 again: the failures cost retries, not rows.
+    Every row comes out once without an error; the stub counted the 503s and at least one answer a row."""
+    stub = FlakyServer(503, failures=2)
+    context = ray.data.DataContext.get_current()
+    before, context.actor_task_retry_on_errors = context.actor_task_retry_on_errors, True
+    given = [{"id": i, "prompt_token_ids": [5, 6], "sampling_params": {"max_tokens": 3}} for i in range(8)]
+    try:
+        config = ServerProcessorConfig(url=stub.url, model="tiny", batch_size=4, max_concurrent_requests=4)
+        out = list(build_processor(config)(ray.data.from_items(given)).iter_rows())
+    finally:
+        context.actor_task_retry_on_errors = before
+        stub.shutdown()
+    assert sorted(r["id"] for r in out) == list(range(8))
+    assert all(r["error"] is None and list(r["generated_tokens"]) == [7, 7, 7] for r in out)
+    assert stub.failed == 2 and stub.served >= len(given)
 
 
 def test_rays_own_http_processor_against_nanopaged_serve(cluster, server, expected):

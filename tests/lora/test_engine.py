@@ -1,6 +1,8 @@
 """Adapters in the engine: every request's greedy tokens are Hugging Face's with its adapter applied by
 PEFT, with adapters and the base model mixed in one call, under slot waits, preemption, chunked prefill,
-the prefix cache and n > 1; a refused adapter fails its own request only."""
+the prefix cache and n > 1; a refused adapter fails its own request only; with more adapters than slots
+over consecutive steps, slot loads are counted: each adapter loads once when it comes back, never evicted
+while its step needs it."""
 import shutil
 
 import pytest
@@ -11,6 +13,8 @@ from peft_adapters import ADAPTERS, hf_top_logprobs, make_adapter, peft_greedy
 from nanopaged import LLM, LoRARequest, SamplingParams
 from nanopaged.core.block_pool import BlockPool
 from nanopaged.core.request import Request
+from nanopaged.lora.extension import LoRA
+from nanopaged.lora.manager import adapter_id
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 NAMES = [None, *ADAPTERS]          # the base model and the three adapters
@@ -68,6 +72,40 @@ def test_fewer_slots_than_adapters_waits_and_never_mixes_them(tiny_model_dirs, t
     assert stats["adapters_in_memory"] <= 3 and stats["adapters_read"] >= 3
 
 
+def test_a_slot_the_step_still_needs_is_never_evicted_so_each_adapter_loads_once_per_entry(
+        tiny_model_dirs, tiny_adapters, expected):
+    """Three adapters through two slots over consecutive steps. Adapter "attn" ends first and "mlp" after
+    it, so "attn" holds the least recently used slot when "all" and "attn" come back in one step: "all"
+    must take the slot "mlp" left, not the one "attn" (needed by the same step) holds. Counted: before
+    each forward pass exactly the step's adapters without a slot are loaded, and every row's slot holds
+    its own adapter; the tokens are PEFT's."""
+    prompts, names, want = expected["llama"]                    # names: None, attn, mlp, all, None, attn, ...
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=3)
+    engine, reqs = llm.llm_engine, lora_requests(tiny_adapters["llama"])
+    manager, real, steps = engine.find(LoRA).manager, engine.find(LoRA).manager.before_forward, []
+
+    def counted(out, inputs):
+        before, loads = set(manager.slot_ids), manager.stats.slot_loads
+        real(out, inputs)
+        needed = {adapter_id(r) for r, _ in out.scheduled} - {0}
+        held = {manager.slot_ids[slot] for slot, _ in manager.step.groups}
+        steps.append((manager.stats.slot_loads - loads, len(needed - before), held == needed))
+    manager.before_forward = counted
+    tokens = {}
+
+    def run(requests):                                           # (prompt index, max_tokens), to the end
+        for i, max_tokens in requests:
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, SamplingParams(
+                temperature=0, max_tokens=max_tokens, ignore_eos=True), lora_request=reqs[names[i]])
+        while engine.has_unfinished_requests():
+            tokens.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    run([(1, 2), (2, 4)])                                        # attn, then mlp, end
+    run([(3, 10), (5, 10)])                                      # all and attn in one step
+    assert all(tokens[str(i)] == want[i][:len(tokens[str(i)])] for i in (1, 2, 3, 5))
+    assert [(loads, missing) for loads, missing, _ in steps] == [(m, m) for _, m, _ in steps]
+    assert all(held for _, _, held in steps) and sum(m for _, m, _ in steps) == 3
+
+
 def test_preemption_and_chunked_prefill_keep_each_adapter(tiny_model_dirs, tiny_adapters, expected):
     prompts, names, want = expected["llama"]
     llm = LLM(tiny_model_dirs["llama"], dtype="float32", enable_lora=True, max_loras=2, num_kv_blocks=24,
@@ -86,7 +124,7 @@ def test_the_prefix_cache_shares_blocks_within_an_adapter_only(tiny_model_dirs, 
     assert len({h[0] for h in hashes.values()}) == len(NAMES)      # every adapter names its own blocks
     again = pool.block_hashes(Request("s", prompt, GREEDY, max_tokens=1, extra_keys=keys["attn"]))
     assert again == hashes["attn"]
-    llm = LLM(tiny_model_dirs["llama"], dtype="float32", enable_lora=True, max_loras=2)
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=3)
     p = {"prompt_token_ids": prompt}
     llm.generate([p], GREEDY, lora_request=reqs["attn"], use_tqdm=False)
     llm.reset_stats()

@@ -1,7 +1,8 @@
 """Mixtures of experts (nanopaged/models/moe.py): tiny random Qwen3-MoE, Mixtral and OLMoE models saved by
 transformers as they ship (experts stored one by one), greedy output token for token equal to Hugging Face
 in float32, alone and under chunked prefill, preemption and the prefix cache; the routing block against
-transformers' own on ties, an expert nobody chose, one token and many; every config this code does not
+transformers' own on ties, an expert nobody chose, one token and many; Qwen3-MoE's decoder_sparse_step
+above 1 (experts in every other layer) as transformers places them; every config this code does not
 compute refused by name."""
 import json
 from pathlib import Path
@@ -26,6 +27,10 @@ def configs(vocab_size):
         "qwen3_moe": Qwen3MoeConfig(vocab_size=vocab_size, **COMMON, head_dim=32, intermediate_size=96,
                                     moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                     norm_topk_prob=True, mlp_only_layers=[1]),
+        # decoder_sparse_step 2 over four layers: experts in layers 1 and 3 only, 0 and 2 dense
+        "qwen3_moe_step2": Qwen3MoeConfig(vocab_size=vocab_size, **{**COMMON, "num_hidden_layers": 4}, head_dim=32,
+                                          intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                          num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2),
         # 4 experts, top-2, weights kept in float32
         "mixtral": MixtralConfig(vocab_size=vocab_size, **COMMON, intermediate_size=48, num_local_experts=4,
                                  num_experts_per_tok=2, sliding_window=None),
@@ -59,6 +64,27 @@ def test_greedy_tokens_equal_hugging_face(moe_dirs, hf_greedy, name):
     assert llm.get_stats()["cpu_kernels"] == "reference"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(moe_dirs[name], prompts, 12)
+
+
+def test_decoder_sparse_step_2_puts_the_experts_where_transformers_does(moe_dirs):
+    """Qwen3-MoE: layer i has experts when (i + 1) % decoder_sparse_step == 0 and it is not in
+    mlp_only_layers. Every other model here has step 1, where a wrong formula agrees; at 2 the dense
+    layers must be transformers' own, and the tokens and logprobs (float32) theirs."""
+    from transformers import AutoModelForCausalLM
+    from conftest import hf_greedy_logprobs, nanopaged_greedy
+    folder = moe_dirs["qwen3_moe_step2"]
+    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+    dense = {i for i, layer in enumerate(theirs.model.layers) if not hasattr(layer.mlp, "experts")}
+    ours = ModelConfig.from_dict(json.loads((Path(folder) / "config.json").read_text()))
+    assert ours.moe.dense_layers == dense == {0, 2}
+    prompts = make_prompts(512, n=4, seed=9)
+    llm = LLM(folder, dtype="float32")
+    got = nanopaged_greedy(llm, prompts, 8)
+    want = hf_greedy_logprobs(folder, prompts, 8, "float32")
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (tokens, ours_lp), (_, theirs_lp) in zip(got, want):
+        for token, a, b in zip(tokens, ours_lp, theirs_lp):
+            assert abs(a[token] - b[token]) < 1e-4, (token, a[token], b[token])
 
 
 def test_chunked_prefill_preemption_and_the_prefix_cache_keep_the_tokens(moe_dirs, hf_greedy):

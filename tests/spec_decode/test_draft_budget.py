@@ -2,9 +2,12 @@
 whose drafts fail gets none, and recovers after a probe; the budget shrinks as the measured step
 cost grows with the tokens a step computes; forced drafts are never cut; the most a request may
 take (max_tokens) still bounds it."""
+from types import SimpleNamespace
+
 from nanopaged import SamplingParams
 from nanopaged.core.request import Request
-from nanopaged.spec_decode.draft_budget import PROBE_EVERY, DraftBudget, StepCost, room
+from nanopaged.spec_decode.draft_budget import PRIOR_ACCEPTANCE, PROBE_EVERY, DraftBudget, StepCost, room
+from nanopaged.spec_decode.stats import SpecDecodeStats
 
 
 def decoding(i=0, max_tokens=64):
@@ -92,3 +95,27 @@ def test_a_seeded_sampled_request_drafts_the_same_in_any_batch():
     assert dear.plan([(r, 0, 5) for r in batch], 16) == [5] * 16
     assert costed(0.02, 0.0).plan([(seeded(99), 0, 5)], 1) == [5]
     assert dear.plan([(decoding(50), 0, 5)] * 16, 16) == [0] * 16
+
+
+def verified(budget, request, forced, drafts, accepted):
+    """The budget observes one verify step: `drafts` drafts (the first `forced` of them the grammar's)
+    scheduled after the request's own token, of which the first `accepted` passed."""
+    budget.drafted[request] = forced
+    tokens = [9] * (accepted + 1)                # the accepted drafts and the step's own token
+    step = SimpleNamespace(scheduler_output=SimpleNamespace(scheduled=[(request, 1 + drafts)]),
+                           sampled={request: tokens}, stopped=[], times=(0.0, 0.0, 0.01, 0.01))
+    budget(step)
+
+
+def test_a_step_where_every_draft_passed_records_each_as_accepted_and_none_as_failed():
+    """Acceptance counts the drafts that passed and the one that failed: when all passed, none failed,
+    so the rate rises above the prior and the record holds accepted == tried (no phantom failure)."""
+    b, r = DraftBudget(SpecDecodeStats(5)), decoding()
+    verified(b, r, forced=0, drafts=4, accepted=4)
+    rec = b.record(r)
+    assert (rec.accepted, rec.tried) == (4, 4) and rec.rate > PRIOR_ACCEPTANCE
+    verified(b, r, forced=2, drafts=5, accepted=5)         # the method's 3 after 2 forced: all passed
+    assert rec.tried == rec.accepted == 0.8 * 4 + 3
+    assert b.stats.num_accepted_forced_tokens == 2
+    verified(b, r, forced=0, drafts=4, accepted=2)         # two passed, the third failed: one failure
+    assert rec.tried - rec.accepted == 1

@@ -6,7 +6,7 @@ write one or not, so the server reads the text after it (`--tool-call-parser NAM
     hermes         Qwen's and Hermes' `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number;
                    the text before the first one is the message's content
     llama3_json    Llama 3.1's `{"name": ..., "parameters": {...}}`, maybe after `<|python_tag|>`,
-                   several separated by `;`; the whole output is calls, or none is
+                   several separated by `;`, `,` or whitespace; the whole output is calls, or none is
 
 Each parser reads a growing text (`feed(text, end, final)`: the text so far, of which text[:end] may be
 read) and keeps where it got to, so every character is read once however many chunks a stream has:
@@ -32,6 +32,9 @@ NAME_FIRST = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 # the call closes. Bounds the work of each chunk while a long call is being written.
 NAME_WINDOW = 512
 WHITESPACE = " \t\n\r"
+# What may stand between two llama3_json calls besides whitespace: vLLM's parser reads every object in
+# the text, so `};{`, `},{` and `}\n{` are all two calls there
+CALL_SEPARATORS = ";,"
 
 
 @dataclass
@@ -237,9 +240,9 @@ class Llama3JsonToolParser:
                 self.after = skip_space(text, self.after, end)
                 if self.after == end:
                     return Scan(0, self.calls)
-                if text[self.after] != ";":
-                    raise ValueError(f"expected ';' between tool calls, got {text[self.after:self.after + 20]!r}")
-                self._open(self.after + 1)
+                if text[self.after] not in CALL_SEPARATORS + "{":
+                    raise ValueError(f"expected ';' or ',' between tool calls, got {text[self.after:self.after + 20]!r}")
+                self._open(self.after + (text[self.after] in CALL_SEPARATORS))
         except ValueError:
             self.invalid = True
             return Scan(end, valid=False)
