@@ -56,6 +56,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # in admission order: the last is the newest
         self.admission_rules: list = []    # rule(request, running) -> bool: may it join them now?
+        # May a request whose sampled token is still computing be scheduled (async scheduling's placeholder)?
+        # Not while several batches are in flight (engine/batch_queue.py): it waits for its token.
+        self.schedule_unsampled = True
         self.states = StatePages(block_pool)
         self.encoder = encoder_cache or EncoderCache(0, 0)
 
@@ -66,8 +69,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step -----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """`max_seqs`: at most this many sequences in the step (a micro-batch's share, engine/batch_queue.py)."""
         out = SchedulerOutput()
+        max_seqs = max_seqs or self.max_num_seqs
         token_budget = self.max_num_batched_tokens
         self.states.copies_for_step(out.blocks_to_copy)
         self.encoder.new_step()
@@ -75,10 +80,12 @@ class Scheduler:
         # 1. Running requests, oldest first. Preemption takes the newest, so a request that
         #    is no longer RUNNING here was preempted in this pass, and so are all after it.
         for request in list(self.running):
-            if token_budget == 0 or request.status != RequestStatus.RUNNING:
+            if token_budget == 0 or request.status != RequestStatus.RUNNING or len(out.scheduled) == max_seqs:
                 break
             if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
                 continue      # a step computing now samples its last token (async scheduling)
+            if request.num_output_placeholders and not self.schedule_unsampled:
+                continue      # its token is still computing in a batch in flight
             num_new = self.states.align(request, min(request.num_tokens_with_spec - request.num_computed_tokens,
                                                      token_budget))
             # drafts past the budget are dropped, not chunked: they are guesses (vLLM does the same)
@@ -98,8 +105,10 @@ class Scheduler:
         # 2. Waiting requests, oldest first; none while this step had to preempt, since
         #    memory is short (vLLM does the same). One an admission rule holds back waits; the next are tried.
         for request in list(self.waiting):
-            if out.preempted or token_budget == 0:
+            if out.preempted or token_budget == 0 or len(out.scheduled) == max_seqs:
                 break
+            if request.num_output_placeholders:
+                continue      # preempted while a batch in flight samples its token: it waits for that token
             if not all(rule(request, self.running) for rule in self.admission_rules):
                 continue
             if sum(r.num_seqs for r in self.running) + request.num_seqs > self.max_num_seqs:
@@ -249,7 +258,8 @@ class Scheduler:
 
     def append(self, out: SchedulerOutput, sampled: dict[Request, list[SampledToken]]) -> None:
         for request, _ in out.scheduled:
-            request.num_output_placeholders = 0
+            if request in sampled:        # its placeholder is a token now; one a later batch in flight counted stays
+                request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
         # Fork first, append after: a child shares its parent's blocks as they were computed.
         forked = [r for r, tokens in sampled.items() if tokens[0].parent is not None]
         for request in forked:            # n > 1 samples, or a rule's new sequences: drawn from the parent's row

@@ -201,6 +201,18 @@ class ModelRunner:
         return ModelInput(as_tensor(input_ids), as_tensor(positions), meta, sample_rows, sample_requests,
                           prompt_rows)
 
+    # A runner that computes several batches at once says how many (a pipeline of ranks: one per stage); the
+    # engine then keeps that many in flight (engine/batch_queue.py) through submit and collect.
+    max_concurrent_batches = 1
+
+    def submit(self, out: SchedulerOutput, inputs: ModelInput):
+        """Start a batch; its handle for `collect`. Here the batch is computed at once."""
+        return self.forward(out, inputs)
+
+    def collect(self, handle) -> ModelRunnerOutput:
+        """The logits of a submitted batch, batches collected in the order submitted."""
+        return handle
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.forward(out, self.prepare_inputs(out))
 
