@@ -7,8 +7,9 @@ ends outputs before the drafter, which asks it for forced drafts, wraps token se
 """
 from nanopaged.lora.extension import LoRA
 from nanopaged.multimodal.extension import MultiModal
+from nanopaged.extras.pipeline_parallel.extension import PipelineParallel
 from nanopaged.pooling.extension import Pooling
 from nanopaged.spec_decode.extension import SpeculativeDecoding
 from nanopaged.structured_output.extension import StructuredOutputs
 
-EXTENSIONS = (MultiModal, Pooling, LoRA, StructuredOutputs, SpeculativeDecoding)
+EXTENSIONS = (MultiModal, Pooling, LoRA, StructuredOutputs, SpeculativeDecoding, PipelineParallel)

@@ -41,6 +41,7 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # pages copied before the forward (src, dst)
     encoder_inputs: list[tuple[Request, int]] = field(default_factory=list)   # images to encode: (request, index)
     encoder_frees: list[str] = field(default_factory=list)    # encoder outputs given up: the runner drops them
+    sampling: list[Request] = field(default_factory=list)     # set by advance: each counts a placeholder until append
 
     @property
     def num_batched_tokens(self) -> int:
@@ -252,14 +253,15 @@ class Scheduler:
         """The step's K/V is computed, or being computed: async scheduling schedules the next step now. Each
         request it samples for counts a placeholder token until `append` (vLLM: num_output_placeholders)."""
         for request, num_new in out.scheduled:
-            request.num_output_placeholders += request.num_computed_tokens + num_new == request.num_tokens_with_spec
+            if request.num_computed_tokens + num_new == request.num_tokens_with_spec:
+                request.num_output_placeholders += 1
+                out.sampling.append(request)
             request.num_computed_tokens += num_new
             self.encoder.done_with(request)
 
     def append(self, out: SchedulerOutput, sampled: dict[Request, list[SampledToken]]) -> None:
-        for request, _ in out.scheduled:
-            if request in sampled:        # its placeholder is a token now; one a later batch in flight counted stays
-                request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
+        for request in out.sampling:      # its placeholder is a token now; one a later batch in flight counted stays
+            request.num_output_placeholders -= 1
         # Fork first, append after: a child shares its parent's blocks as they were computed.
         forked = [r for r, tokens in sampled.items() if tokens[0].parent is not None]
         for request in forked:            # n > 1 samples, or a rule's new sequences: drawn from the parent's row
