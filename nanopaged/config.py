@@ -72,7 +72,7 @@ class EngineConfig:
     cpu_kernels: str = "auto"               # CPU: fused (C++ layer kernels) | reference (torch ops); auto: fused with packed linears
     tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
     enable_expert_parallel: bool = False    # a mixture of experts under tensor parallelism: E/N whole experts a rank
-    pipeline_parallel_size: int = 1         # stages of consecutive layers, one rank each, micro-batches in flight (extras/pipeline_parallel/)
+    pipeline_parallel_size: int = 1         # stages of layers, one rank each, batches in flight (extras/pipeline_parallel/)
     speculative_config: dict | None = None  # ngram, suffix or draft_model drafts, verified in one pass (spec_decode/)
     quantization: str | None = None         # CPU: gguf | int4 | int8 | w8a8 (cpu/quantized_linear.py); None: off
     quantization_group_size: int = 32       # int4 / int8: input features per scale (gguf: the file's 32)

@@ -81,10 +81,12 @@ class LLM:
     def make_runner(self, config: EngineConfig, stages: list[ModelStage]) -> ModelRunner:
         """The engine's runner. tensor_parallel_size > 1: the driver's runner with N ranks behind
         it (each rank has cores // N threads, so no governor); the workers stop when this LLM is deleted.
+        pipeline_parallel_size > 1: stage 0 here, the other stages (each with T ranks) behind it.
         No extension that rewrites the model runs across ranks (each refuses tensor parallelism)."""
         if config.pipeline_parallel_size > 1:
             assert not stages, f"model stages {[s.name for s in stages]} under pipeline parallelism"
-            from nanopaged.extras.pipeline_parallel.runner import PipelineParallelRunner   # torch.distributed: when used
+            # torch.distributed only when used
+            from nanopaged.extras.pipeline_parallel.runner import PipelineParallelRunner
             runner = PipelineParallelRunner(config)
             weakref.finalize(self, runner.shutdown)
             return runner

@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from nanopaged.config import EngineConfig
@@ -62,7 +61,7 @@ class PipelineParallelRunner(TensorParallelRunner, StageRunner):
                 g.broadcast_from_driver(body)
             hidden = self.run_stage(StepInputs(inputs.input_ids, inputs.positions, inputs.meta, logit_rows,
                                                out.blocks_to_copy), None)
-            busy = torch.zeros(g.num_stages, dtype=torch.float64)
+            busy = g.busy_seconds()
             busy[0] = self.busy_s
             g.send_forward(header, body, busy, hidden)
         except BaseException as e:

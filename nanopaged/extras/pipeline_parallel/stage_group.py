@@ -6,14 +6,16 @@ default group, gloo on CPU and NCCL on CUDA, and a gloo control group over all r
 two groups for the all-reduces and the step broadcast inside a stage. Rank t of stage s talks to rank t
 of stages s - 1 and s + 1 only:
 
-    forward    the step message (int64, control group), every stage's busy seconds so far (float64,
-               control group), the hidden states (tokens, hidden) (default group: the device's backend)
-    back       the last stage's rank 0 sends rank 0 of the job the logits of the rows that sample,
-               and the busy seconds of every stage
+    forward    the step message (int64, on the control group), then over the default group (the
+               device's backend) every stage's busy seconds so far and the hidden states (tokens, hidden)
+    back       the last stage's rank 0 sends rank 0 of the job every stage's busy seconds and the
+               logits of the rows that sample (default group)
 
 Sends are non-blocking (isend): a stage hands the batch on and starts the next while the transfer runs;
 every rank receives in the order batches were sent, which is the order the driver submitted them.
-A rank waiting for the next step waits on the control group, whose timeout is the idle one (days).
+A rank waiting for the next step waits on the control group, whose timeout is the idle one (days); what
+follows a step message, and the logits the driver waits for, travel on the default group, whose timeout
+(minutes) ends the wait for a rank that hangs mid-step.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ class PipelineGroup(ps.RankGroup):
                      hidden: torch.Tensor) -> None:
         to = self.peer(self.stage + 1)
         self._keep([dist.isend(header, to, group=self.job_control), dist.isend(body, to, group=self.job_control),
-                    dist.isend(busy, to, group=self.job_control), dist.isend(hidden.contiguous(), to)])
+                    dist.isend(busy, to), dist.isend(hidden.contiguous(), to)])
 
     def send_stop_forward(self) -> None:
         """STOP to the next stage (which passes it on), sent before this rank leaves."""
@@ -69,9 +71,9 @@ class PipelineGroup(ps.RankGroup):
         if header[0].item() == STOP:
             return None
         body = torch.empty(body_len(header), dtype=torch.long)
-        busy = torch.empty(self.num_stages, dtype=torch.float64)
+        busy = self.busy_seconds()
         dist.recv(body, source, group=self.job_control)
-        dist.recv(busy, source, group=self.job_control)
+        dist.recv(busy, source)
         hidden = torch.empty((header[1].item(), hidden_size), dtype=dtype, device=self.device)
         dist.recv(hidden, source)
         return header, body, busy, hidden
@@ -79,7 +81,7 @@ class PipelineGroup(ps.RankGroup):
     # ---- back to the driver ----------------------------------------------------------------------------
     def send_back(self, busy: torch.Tensor, logits: torch.Tensor | None) -> None:
         """The last stage's rank 0: every stage's busy seconds, then the logits (none if no row samples)."""
-        works = [dist.isend(busy, DRIVER, group=self.job_control)]
+        works = [dist.isend(busy, DRIVER)]
         if logits is not None:
             works.append(dist.isend(logits.contiguous(), DRIVER))
         self._keep(works)
@@ -87,13 +89,17 @@ class PipelineGroup(ps.RankGroup):
     def receive_back(self, num_rows: int, vocab_size: int, dtype: torch.dtype):
         """The driver: (busy seconds per stage, logits or None) of the oldest batch in flight."""
         last = (self.num_stages - 1) * self.world_size
-        busy = torch.empty(self.num_stages, dtype=torch.float64)
-        dist.recv(busy, last, group=self.job_control)
+        busy = self.busy_seconds()
+        dist.recv(busy, last)
         if num_rows == 0:
             return busy, None
         logits = torch.empty((num_rows, vocab_size), dtype=dtype, device=self.device)
         dist.recv(logits, last)
         return busy, logits
+
+    def busy_seconds(self) -> torch.Tensor:
+        """Every stage's busy seconds, as one batch carries them (on the device: NCCL sends device tensors)."""
+        return torch.zeros(self.num_stages, dtype=torch.float64, device=self.device)
 
     # ---- sends in flight --------------------------------------------------------------------------------
     def _keep(self, works: list) -> None:

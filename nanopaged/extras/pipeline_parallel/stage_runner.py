@@ -106,7 +106,7 @@ class StageRunner(RankRunner):
         if header[0].item() == STOP:
             return None
         body = g.broadcast_from_driver(torch.empty(body_len(header), dtype=torch.long))
-        return header, body, torch.zeros(g.num_stages, dtype=torch.float64), None
+        return header, body, g.busy_seconds(), None
 
     def _zeros(self, num_tokens: int) -> torch.Tensor | None:
         if self.group.is_first:
