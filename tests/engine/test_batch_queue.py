@@ -28,8 +28,16 @@ class DeferredRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.in_flight: list[tuple[set, set, set]] = []   # per batch: its requests, those sampling, blocks written
         self.in_two_batches = self.chunk_follows_chunk = self.preempted_in_flight = self.hits_in_flight = 0
+        self.scheduler, self.over_share, self.shared_out = None, 0, 0     # the engine sets scheduler
+
+    def check_share(self, out) -> None:
+        """A batch takes at most ceil(unfinished sequences / 2) of them (counted before advance, as scheduled)."""
+        unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
+        self.over_share += len(out.scheduled) > -(-unfinished // 2)
+        self.shared_out += 1 < len(out.scheduled) < unfinished
 
     def submit(self, out, inputs):
+        self.check_share(out)
         requests = {r for r, _ in out.scheduled}
         writing = set().union(*(w for _, _, w in self.in_flight)) if self.in_flight else set()
         self.in_two_batches += sum(len(requests & sampling) for _, sampling, _ in self.in_flight)
@@ -59,6 +67,7 @@ def generate(llm):
 @pytest.fixture(scope="module")
 def runs(tiny_model_dirs):
     one, two = LLM(tiny_model_dirs["llama"], **TIGHT), DeferredLLM(tiny_model_dirs["llama"], **TIGHT)
+    two.llm_engine.runner.scheduler = two.llm_engine.scheduler
     return {"one": generate(one), "two": generate(two), "llm": two, "stats": two.get_stats()}
 
 
@@ -73,6 +82,11 @@ def test_no_request_waiting_for_its_token_is_in_another_batch_in_flight(runs):
     runner = runs["llm"].llm_engine.runner
     assert runner.in_two_batches == 0
     assert runner.chunk_follows_chunk > 0       # a prompt's next chunk may follow its previous one: stages run in order
+
+
+def test_each_batch_takes_its_share_of_the_unfinished_sequences(runs):
+    runner = runs["llm"].llm_engine.runner
+    assert runner.over_share == 0 and runner.shared_out > 0
 
 
 def test_preempting_a_request_whose_batch_is_in_flight_keeps_its_tokens(runs):
