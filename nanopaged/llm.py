@@ -83,20 +83,14 @@ class LLM:
         it (each rank has cores // N threads, so no governor); the workers stop when this LLM is deleted.
         pipeline_parallel_size > 1: stage 0 here, the other stages (each with T ranks) behind it.
         No extension that rewrites the model runs across ranks (each refuses tensor parallelism)."""
-        if config.pipeline_parallel_size > 1:
-            assert not stages, f"model stages {[s.name for s in stages]} under pipeline parallelism"
-            # torch.distributed only when used
-            from nanopaged.extras.pipeline_parallel.runner import PipelineParallelRunner
-            runner = PipelineParallelRunner(config)
-            weakref.finalize(self, runner.shutdown)
-            return runner
-        if config.tensor_parallel_size == 1:
+        if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
             m = config.model_config
             kind = HybridModelRunner if m.hybrid else VisionLanguageModelRunner if m.vision else ModelRunner
             return kind(config, stages)
-        assert not stages, f"model stages {[s.name for s in stages]} under tensor parallelism"
+        assert not stages, f"model stages {[s.name for s in stages]} across ranks"
         from nanopaged.extras.tensor_parallel import TensorParallelRunner   # torch.distributed only when used
-        runner = TensorParallelRunner(config)
+        from nanopaged.extras.pipeline_parallel.runner import PipelineParallelRunner
+        runner = (PipelineParallelRunner if config.pipeline_parallel_size > 1 else TensorParallelRunner)(config)
         weakref.finalize(self, runner.shutdown)
         return runner
 

@@ -57,9 +57,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # in admission order: the last is the newest
         self.admission_rules: list = []    # rule(request, running) -> bool: may it join them now?
-        # May a request whose sampled token is still computing be scheduled (async scheduling's placeholder)?
-        # Not while several batches are in flight (engine/batch_queue.py): it waits for its token.
-        self.schedule_unsampled = True
+        self.schedule_unsampled = True     # may a request whose token is computing run again? (batch_queue.py: no)
         self.states = StatePages(block_pool)
         self.encoder = encoder_cache or EncoderCache(0, 0)
 
@@ -71,9 +69,8 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------
     def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
-        """`max_seqs`: at most this many sequences in the step (a micro-batch's share, engine/batch_queue.py)."""
+        """`max_seqs`: at most this many sequences (a micro-batch's share: engine/batch_queue.py); None: any."""
         out = SchedulerOutput()
-        max_seqs = max_seqs or self.max_num_seqs
         token_budget = self.max_num_batched_tokens
         self.states.copies_for_step(out.blocks_to_copy)
         self.encoder.new_step()
@@ -83,10 +80,9 @@ class Scheduler:
         for request in list(self.running):
             if token_budget == 0 or request.status != RequestStatus.RUNNING or len(out.scheduled) == max_seqs:
                 break
-            if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
-                continue      # a step computing now samples its last token (async scheduling)
-            if request.num_output_placeholders and not self.schedule_unsampled:
-                continue      # its token is still computing in a batch in flight
+            unsampled = request.num_output_placeholders and not self.schedule_unsampled   # a batch in flight samples it
+            if unsampled or request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
+                continue      # a step computing now samples its (last) token
             num_new = self.states.align(request, min(request.num_tokens_with_spec - request.num_computed_tokens,
                                                      token_budget))
             # drafts past the budget are dropped, not chunked: they are guesses (vLLM does the same)
@@ -108,10 +104,8 @@ class Scheduler:
         for request in list(self.waiting):
             if out.preempted or token_budget == 0 or len(out.scheduled) == max_seqs:
                 break
-            if request.num_output_placeholders:
-                continue      # preempted while a batch in flight samples its token: it waits for that token
-            if not all(rule(request, self.running) for rule in self.admission_rules):
-                continue
+            if request.num_output_placeholders or not all(rule(request, self.running) for rule in self.admission_rules):
+                continue      # preempted while a batch in flight samples its token; or a rule holds it back
             if sum(r.num_seqs for r in self.running) + request.num_seqs > self.max_num_seqs:
                 break
             num_new = self._admit(request, token_budget, out)

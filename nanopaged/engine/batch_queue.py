@@ -1,14 +1,15 @@
 """Batches in flight: the next micro-batch scheduled and started while earlier ones still compute
 (vLLM V1's batch queue, `max_concurrent_batches`; its virtual engines in V0).
 
-A runner whose ranks form a pipeline (extras/pipeline_parallel/) computes a batch stage after stage, so
+A runner whose ranks form a pipeline (each holding some of the layers) computes a batch stage after stage, so
 with one batch at a time each stage waits while the others compute. Here the engine keeps up to
 `runner.max_concurrent_batches` batches in flight, each of other requests:
 
     step 1   schedule A, submit A | schedule B, submit B | collect A: sample, update, outputs
     step 2   schedule C (A's requests again), submit C   | collect B: sample, update, outputs ...
 
-`submit(out, inputs)` starts a batch and returns a handle; `collect(handle)` waits for its logits. The
+Such a runner has `max_concurrent_batches` above 1, `submit(out, inputs)`, which starts a batch and returns
+a handle, and `collect(handle)`, which waits for its logits (batches collected in the order submitted). The
 rules that keep every token what one batch at a time gives:
 - a request whose sampled token has not come back is not scheduled again (Scheduler.schedule_unsampled);
   a request in the middle of its prompt may send its next chunk in the next batch, since every stage runs
@@ -18,7 +19,7 @@ rules that keep every token what one batch at a time gives:
 - the same order makes preemption and prefix hits safe: a block freed while a batch in flight still
   writes it (its request preempted or aborted) is written next by a later batch, and a block named in the
   prefix cache while a later batch in flight computes it is read only by a batch after that one.
-docs/09_tensor_parallel.md, "Micro-batches".
+The parallelism chapter (docs/, chapter 9) explains it under "Micro-batches".
 """
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ class LLMEngine:
         # async scheduling: the same step, pipelined on two threads (overlap.py); None: one step at a time
         self.overlap = OverlappedSteps(self) if resolve_async_scheduling(config) else None
         # a runner that computes several batches at once (a pipeline of ranks): batches in flight (batch_queue.py)
-        self.batch_queue = BatchQueue(self) if self.runner.max_concurrent_batches > 1 else None
+        self.batch_queue = BatchQueue(self) if getattr(self.runner, "max_concurrent_batches", 1) > 1 else None
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -164,8 +164,7 @@ class ModelRunner:
             self.profile_model(self.prepare_inputs(out), scratch)
         return scratch.numel() * scratch.element_size()
 
-    def profile_model(self, inputs: ModelInput, kv_cache: torch.Tensor) -> None:
-        """The profiled forward (a pipeline stage runs its own layers: extras/pipeline_parallel/)."""
+    def profile_model(self, inputs: ModelInput, kv_cache: torch.Tensor) -> None:   # a pipeline stage: its layers
         hidden = self.model(inputs.input_ids, inputs.positions, kv_cache, inputs.meta)
         self.model.compute_logits(hidden[inputs.sample_rows])
 
@@ -203,18 +202,6 @@ class ModelRunner:
             block_size=bs, share_prefixes=not self.config.disable_cascade_attn)
         return ModelInput(as_tensor(input_ids), as_tensor(positions), meta, sample_rows, sample_requests,
                           prompt_rows)
-
-    # A runner that computes several batches at once says how many (a pipeline of ranks: one per stage); the
-    # engine then keeps that many in flight (engine/batch_queue.py) through submit and collect.
-    max_concurrent_batches = 1
-
-    def submit(self, out: SchedulerOutput, inputs: ModelInput):
-        """Start a batch; its handle for `collect`. Here the batch is computed at once."""
-        return self.forward(out, inputs)
-
-    def collect(self, handle) -> ModelRunnerOutput:
-        """The logits of a submitted batch, batches collected in the order submitted."""
-        return handle
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.forward(out, self.prepare_inputs(out))
