@@ -24,6 +24,7 @@ from conftest import EOS_TOKEN_ID, _randomize, _tiny_tokenizer, make_prompts
 from nanopaged import LLM, SamplingParams
 from nanopaged.extras.pipeline_parallel.runner import PipelineParallelRunner
 from nanopaged.extras.pipeline_parallel.stage_runner import StageRunner
+from nanopaged.extras.pipeline_parallel.stages import stage_layers, stage_rename
 from nanopaged.extras.tensor_parallel import TensorParallelError
 
 # a hang guard, for a busy machine: the module's first test starts two pipelines of two ranks
@@ -114,6 +115,23 @@ def test_greedy_tokens_with_two_stages_equal_one_process(results, arch):
     assert two["stats_tight"]["num_steps"] >= sum(len(p["prompt_token_ids"]) for p in PROMPTS) / 20   # chunked
     assert two["stats_shared"]["prefix_cache_hits"] > 0
     assert len({tuple(t) for t in two["tight"]}) > 5                    # not a vacuous comparison
+
+
+def test_the_layers_split_as_vllm_splits_them():
+    """L // P a stage, the remainder one more each to the stages just before the last (get_pp_indices)."""
+    assert [len(r) for r in stage_layers(30, 4)] == [7, 8, 8, 7]
+    assert stage_layers(30, 2) == [range(0, 15), range(15, 30)]
+    assert [len(r) for r in stage_layers(3, 2)] == [2, 1] and [len(r) for r in stage_layers(5, 3)] == [2, 2, 1]
+
+
+def test_a_stage_reads_its_own_layers_renumbered_and_a_tied_head_from_the_embedding():
+    last = stage_rename(range(15, 30), first=False, last=True, tied=True)
+    assert last("model.layers.16.mlp.down_proj.weight") == "model.layers.1.mlp.down_proj.weight"
+    assert last("model.layers.14.mlp.down_proj.weight") is None                  # stage 0's
+    assert last("model.embed_tokens.weight") == "lm_head.weight"
+    first = stage_rename(range(0, 15), first=True, last=False, tied=True)
+    assert first("model.embed_tokens.weight") == "model.embed_tokens.weight"
+    assert first("model.norm.weight") is None and first("lm_head.weight") is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])

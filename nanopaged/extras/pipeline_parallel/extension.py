@@ -58,9 +58,9 @@ class PipelineParallel(Extension):
         self.base = self.engine.runner.figures()
 
     def stats(self) -> dict:
-        """Since the last reset: per stage its layers, seconds busy and bubble (the share of the wall time
-        batches were in flight that it waited); per rank its weight and K/V bytes; the bytes between stages
-        per batch; the most batches in flight at once."""
+        """Since the last reset: each stage's seconds busy and bubble (the share of the wall time batches were
+        in flight that it waited), the bytes between stages per batch. Fixed or since the start: each stage's
+        layers, each rank's weight and K/V bytes, the most batches in flight at once."""
         now, base = self.engine.runner.figures(), self.base
         wall = now["wall_s"] - base["wall_s"]
         busy = [b - a for a, b in zip(base["busy_s"], now["busy_s"])]
