@@ -24,7 +24,8 @@ from nanopaged.models.config import ModelConfig
 # (benchmarks/data/model_shapes.json), weights drawn once and cached. Dense: qwen3-0.6b is
 # nano-vllm's benchmark shape. Mixtures of experts for the moe workload (benchmarks/moe.py): OLMoE's
 # and Qwen3-30B-A3B's (12 of its layers). Vision-language for the multimodal workload: SmolVLM-256M's.
-# tiny-qwen3, tiny-olmoe and tiny-smolvlm are for tests.
+# tiny-qwen3, tiny-olmoe and tiny-smolvlm are for tests. For benchmarks/research/parallel.py: the demo model's shape
+# with 8 query and 2 KV heads of 64 (its 9 and 3 do not split in two), and OLMoE's at a quarter of its width.
 SHAPES = json.loads((DATA / "model_shapes.json").read_text())
 RANDOM_CONFIGS, MOE_CONFIGS, VLM_CONFIGS = SHAPES["dense"], SHAPES["moe"], SHAPES["vision"]
 # Idefics3's markers: the global image, a tile's grid place, around an image, an image token; a turn's end.

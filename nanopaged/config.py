@@ -74,6 +74,7 @@ class EngineConfig:
     cpu_kernels: str = "auto"               # CPU: fused (C++ layer kernels) | reference (torch ops); auto: fused with packed linears
     tensor_parallel_size: int = 1           # ranks sharing the model, 1/N of the heads each (extras/tensor_parallel/)
     enable_expert_parallel: bool = False    # a mixture of experts under tensor parallelism: E/N whole experts a rank
+    pipeline_parallel_size: int = 1         # stages of layers, one rank each, batches in flight (extras/pipeline_parallel/)
     speculative_config: dict | None = None  # ngram, suffix or draft_model drafts, verified in one pass (spec_decode/)
     quantization: str | None = None         # CPU: gguf | int4 | int8 | w8a8 (cpu/quantized_linear.py); None: off
     quantization_group_size: int = 32       # int4 / int8: input features per scale (gguf: the file's 32)
@@ -117,6 +118,7 @@ class EngineConfig:
         check_choice("cpu_linear", self.cpu_linear, CPU_LINEARS)
         check_choice("cpu_kernels", self.cpu_kernels, CPU_KERNELS)
         check_range("tensor_parallel_size", self.tensor_parallel_size, 1, integer=True)
+        check_range("pipeline_parallel_size", self.pipeline_parallel_size, 1, integer=True)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("quantization_group_size", self.quantization_group_size, (32, 64, 128, 256))
         for name in ("batch_invariant", "async_scheduling"):

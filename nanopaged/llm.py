@@ -10,6 +10,7 @@ adds these, each through the engine's public ways in:
     cpu_threads="auto"       an extension that observes steps: torch's threads follow the free cores
                              (cpu/thread_governor.py)
     tensor_parallel_size=N   `make_runner`: N ranks behind the runner (extras/tensor_parallel/)
+    pipeline_parallel_size=P `make_runner`: P stages of layers behind it (extras/pipeline_parallel/)
     beam_search              a token-selection rule for `LLMEngine.step` (extras/beam_search.py)
 
 docs/00_how_to_read.md walks one call from here down to the attention kernels.
@@ -61,7 +62,8 @@ class LLM:
         self.stats = self.llm_engine.install(EngineStats())
         self.thread_governor = None
         cfg = self.llm_engine.config
-        if cfg.cpu_threads == "auto" and cfg.device == "cpu" and cfg.tensor_parallel_size == 1:
+        one_process = cfg.tensor_parallel_size * cfg.pipeline_parallel_size == 1
+        if cfg.cpu_threads == "auto" and cfg.device == "cpu" and one_process:
             self.thread_governor = self.llm_engine.install(governor)
         fast = self.llm_engine.runner.fast_path
         logger.info("%s: %s on %s, linear kernels %s, layer kernels %s, attention %s, batch-invariant %s (CPU "
@@ -79,14 +81,16 @@ class LLM:
     def make_runner(self, config: EngineConfig, stages: list[ModelStage]) -> ModelRunner:
         """The engine's runner. tensor_parallel_size > 1: the driver's runner with N ranks behind
         it (each rank has cores // N threads, so no governor); the workers stop when this LLM is deleted.
+        pipeline_parallel_size > 1: stage 0 here, the other stages (each with T ranks) behind it.
         No extension that rewrites the model runs across ranks (each refuses tensor parallelism)."""
-        if config.tensor_parallel_size == 1:
+        if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
             m = config.model_config
             kind = HybridModelRunner if m.hybrid else VisionLanguageModelRunner if m.vision else ModelRunner
             return kind(config, stages)
-        assert not stages, f"model stages {[s.name for s in stages]} under tensor parallelism"
+        assert not stages, f"model stages {[s.name for s in stages]} across ranks"
         from nanopaged.extras.tensor_parallel import TensorParallelRunner   # torch.distributed only when used
-        runner = TensorParallelRunner(config)
+        from nanopaged.extras.pipeline_parallel.runner import PipelineParallelRunner
+        runner = (PipelineParallelRunner if config.pipeline_parallel_size > 1 else TensorParallelRunner)(config)
         weakref.finalize(self, runner.shutdown)
         return runner
 

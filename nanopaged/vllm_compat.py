@@ -79,8 +79,9 @@ NOT_IMPLEMENTED = [
     (("tokenizer_pool_size",), (0,), "tokenizes in the calling thread"),
     (("tokenizer_pool_type", "tokenizer_pool_extra_config"), ANY, "tokenizes in the calling thread"),
     # ---- parallelism
-    (("pipeline_parallel_size", "decode_context_parallel_size"), (1,),
-     "splits a model across ranks by tensor parallelism only (tensor_parallel_size)"),
+    # pipeline_parallel_size is a setting (extras/pipeline_parallel/)
+    (("decode_context_parallel_size",), (1,),
+     "splits a model across ranks by tensor and pipeline parallelism only (no context parallelism)"),
     (("data_parallel_size",), (1,), "runs one engine in LLM: data parallelism is `nanopaged serve "
      "--data-parallel-size N` (engine-core processes behind a router), or Ray Data offline (docs/14_ray_data.md)"),
     (("data_parallel_rank", "data_parallel_start_rank", "data_parallel_size_local", "data_parallel_address",

@@ -396,6 +396,8 @@ SLOW_FILES = {
     "entrypoints/test_frontend_browser.py": "headless Chromium against real `nanopaged serve` processes",
     "extras/test_ray_data.py": "a Ray cluster started, replicas in actors",
     "extras/test_tensor_parallel*.py": "rank processes (each importing torch), torchrun, several LLMs per test",
+    "extras/test_pipeline_parallel.py": "stage processes (each importing torch), 4 ranks, torchrun across two nodes",
+    "benchmarks/test_parallel_bench.py": "the parallel layouts' benchmark end to end: seven LLMs, five with two ranks",
     "models/test_demo_model*.py": "the 135M demo model converted and answering against Hugging Face",
     "models/test_hf_equality.py": "greedy tokens against Hugging Face: four tiny models, block sizes, preemption",
     "models/test_bf16.py": "bfloat16 against Hugging Face by vLLM's logprob rule, the tiny models and the demo model",

@@ -56,7 +56,7 @@ def test_every_off_value_of_every_vllm_argument_is_accepted(tiny_model_dirs):
     ({"kv_cache_dtype": "fp16"}, r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'int8'\], "
                                  r"got 'fp16'"),
     ({"calculate_kv_scales": True}, r"calculate_kv_scales=True is not supported: nanopaged keeps k_scale = v_scale = 1.0"),
-    ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2 is not supported: .*tensor parallelism only"),
+    ({"decode_context_parallel_size": 2}, r"decode_context_parallel_size=2 is not supported: .*no context parallel"),
     ({"speculative_config": {"method": "ngram"}}, r"speculative_config num_speculative_tokens must be an integer, got None"),
     ({"speculative_model": "[ngram]"}, r"speculative_model='\[ngram\]' is not supported: .*speculative_config=\{...\}"),
     ({"enable_chunked_prefill": False}, r"enable_chunked_prefill=False is not supported"),

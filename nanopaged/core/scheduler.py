@@ -41,6 +41,7 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # pages copied before the forward (src, dst)
     encoder_inputs: list[tuple[Request, int]] = field(default_factory=list)   # images to encode: (request, index)
     encoder_frees: list[str] = field(default_factory=list)    # encoder outputs given up: the runner drops them
+    sampling: list[Request] = field(default_factory=list)     # set by advance: each counts a placeholder until append
 
     @property
     def num_batched_tokens(self) -> int:
@@ -56,6 +57,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # in admission order: the last is the newest
         self.admission_rules: list = []    # rule(request, running) -> bool: may it join them now?
+        self.schedule_unsampled = True     # may a request whose token is computing run again? (batch_queue.py: no)
         self.states = StatePages(block_pool)
         self.encoder = encoder_cache or EncoderCache(0, 0)
 
@@ -66,7 +68,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step -----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """`max_seqs`: at most this many sequences (a micro-batch's share: engine/batch_queue.py); None: any."""
         out = SchedulerOutput()
         token_budget = self.max_num_batched_tokens
         self.states.copies_for_step(out.blocks_to_copy)
@@ -75,10 +78,11 @@ class Scheduler:
         # 1. Running requests, oldest first. Preemption takes the newest, so a request that
         #    is no longer RUNNING here was preempted in this pass, and so are all after it.
         for request in list(self.running):
-            if token_budget == 0 or request.status != RequestStatus.RUNNING:
+            if token_budget == 0 or request.status != RequestStatus.RUNNING or len(out.scheduled) == max_seqs:
                 break
-            if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
-                continue      # a step computing now samples its last token (async scheduling)
+            unsampled = request.num_output_placeholders and not self.schedule_unsampled   # a batch in flight samples it
+            if unsampled or request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
+                continue      # a step computing now samples its (last) token
             num_new = self.states.align(request, min(request.num_tokens_with_spec - request.num_computed_tokens,
                                                      token_budget))
             # drafts past the budget are dropped, not chunked: they are guesses (vLLM does the same)
@@ -98,10 +102,10 @@ class Scheduler:
         # 2. Waiting requests, oldest first; none while this step had to preempt, since
         #    memory is short (vLLM does the same). One an admission rule holds back waits; the next are tried.
         for request in list(self.waiting):
-            if out.preempted or token_budget == 0:
+            if out.preempted or token_budget == 0 or len(out.scheduled) == max_seqs:
                 break
-            if not all(rule(request, self.running) for rule in self.admission_rules):
-                continue
+            if request.num_output_placeholders or not all(rule(request, self.running) for rule in self.admission_rules):
+                continue      # preempted while a batch in flight samples its token; or a rule holds it back
             if sum(r.num_seqs for r in self.running) + request.num_seqs > self.max_num_seqs:
                 break
             num_new = self._admit(request, token_budget, out)
@@ -243,13 +247,15 @@ class Scheduler:
         """The step's K/V is computed, or being computed: async scheduling schedules the next step now. Each
         request it samples for counts a placeholder token until `append` (vLLM: num_output_placeholders)."""
         for request, num_new in out.scheduled:
-            request.num_output_placeholders += request.num_computed_tokens + num_new == request.num_tokens_with_spec
+            if request.num_computed_tokens + num_new == request.num_tokens_with_spec:
+                request.num_output_placeholders += 1
+                out.sampling.append(request)
             request.num_computed_tokens += num_new
             self.encoder.done_with(request)
 
     def append(self, out: SchedulerOutput, sampled: dict[Request, list[SampledToken]]) -> None:
-        for request, _ in out.scheduled:
-            request.num_output_placeholders = 0
+        for request in out.sampling:      # its placeholder is a token now; one a later batch in flight counted stays
+            request.num_output_placeholders -= 1
         # Fork first, append after: a child shares its parent's blocks as they were computed.
         forked = [r for r, tokens in sampled.items() if tokens[0].parent is not None]
         for request in forked:            # n > 1 samples, or a rule's new sequences: drawn from the parent's row

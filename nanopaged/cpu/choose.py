@@ -107,8 +107,8 @@ def choose(config) -> FastPath:
     layers = choose_layers(config.cpu_kernels, config.device, linear if config.dtype == "bfloat16" else "reference",
                            config.attention_backend, config.block_size)    # float32: fused ran slower (docs/05)
     attention = "cpu" if layers == "fused" else config.attention_backend
-    if config.tensor_parallel_size > 1:      # the parallel layers keep their own forward: nothing packed or fused
-        linear = layers = "reference"        # (the attention stays as chosen)
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:   # the ranks' layers keep their own
+        linear = layers = "reference"        # forward: nothing packed or fused (the attention stays as chosen)
     state_steps = "reference"
     if config.model_config.hybrid:           # the fused loop knows attention layers only; K/V sits in shared pages
         layers, attention = "reference", "torch"

@@ -28,6 +28,7 @@ from nanopaged.core.block_pool import BlockPool
 from nanopaged.core.encoder_cache import EncoderCache
 from nanopaged.core.request import Request, RequestStatus, SampledToken
 from nanopaged.core.scheduler import Scheduler, SchedulerOutput
+from nanopaged.engine.batch_queue import BatchQueue
 from nanopaged.engine.extension import Extension, StepRecord, TokenSelection
 from nanopaged.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from nanopaged.engine.output_processor import OutputProcessor
@@ -75,6 +76,8 @@ class LLMEngine:
             self.install(ext)
         # async scheduling: the same step, pipelined on two threads (overlap.py); None: one step at a time
         self.overlap = OverlappedSteps(self) if resolve_async_scheduling(config) else None
+        # a runner that computes several batches at once (a pipeline of ranks): batches in flight (batch_queue.py)
+        self.batch_queue = BatchQueue(self) if getattr(self.runner, "max_concurrent_batches", 1) > 1 else None
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -191,6 +194,8 @@ class LLMEngine:
         If the step fails, its requests end with "abort" and the error goes on to the caller.
         With async_scheduling the same work runs pipelined (overlap.py), but for the steps whose next one
         depends on their tokens: a rule chooses the tokens, or an extension proposes drafts from them."""
+        if self.batch_queue is not None:
+            return self.batch_queue.step(select_tokens)
         if self.overlap is not None:
             ahead = select_tokens is None and not self.hooks["propose"]   # the next step needs no token of this one
             if select_tokens is not None and self.overlap.in_flight is not None:

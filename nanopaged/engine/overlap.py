@@ -146,14 +146,9 @@ class OverlappedSteps:
         return launched
 
     def _live_rows(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
-        """The rows of requests still running; a request that stopped or was aborted after its step
-        was scheduled had its row computed for nothing (a preempted one's row is good: it is kept)."""
-        keep = [i for i, r in enumerate(output.requests) if not r.is_finished]
-        if len(keep) == len(output.requests):
-            return output
-        self.num_discarded_rows += len(output.requests) - len(keep)
-        return ModelRunnerOutput([output.requests[i] for i in keep], output.logits[keep],
-                                 [p for p in output.prompt_logits if not p[0].is_finished])
+        kept = live_rows(output)
+        self.num_discarded_rows += len(output.requests) - len(kept.requests)
+        return kept
 
     def drain(self) -> None:
         """Wait for the step in flight and drop it: every request in it has finished."""
@@ -170,6 +165,16 @@ class OverlappedSteps:
             following.result.exception()        # wait: its forward pass may still be writing K/V
             self.engine.abort_step(following.scheduler_output)
         self.engine.abort_step(current.scheduler_output)
+
+
+def live_rows(output: ModelRunnerOutput) -> ModelRunnerOutput:
+    """The rows of requests still running; a request that stopped or was aborted after its step
+    was scheduled had its row computed for nothing (a preempted one's row is good: it is kept)."""
+    keep = [i for i, r in enumerate(output.requests) if not r.is_finished]
+    if len(keep) == len(output.requests):
+        return output
+    return ModelRunnerOutput([output.requests[i] for i in keep], output.logits[keep],
+                             [p for p in output.prompt_logits if not p[0].is_finished])
 
 
 def placeholder_rows(out: SchedulerOutput) -> list[tuple[int, Request]]:

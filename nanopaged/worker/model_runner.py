@@ -160,11 +160,13 @@ class ModelRunner:
             seq = Request(f"profile-{i}", [0] * length, SamplingParams(), max_tokens=1, block_ids=blocks)
             out.scheduled.append((seq, length))
         scratch = self.allocate_kv_cache(num_blocks)
-        inputs = self.prepare_inputs(out)
         with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, scratch, inputs.meta)
-            self.model.compute_logits(hidden[inputs.sample_rows])
+            self.profile_model(self.prepare_inputs(out), scratch)
         return scratch.numel() * scratch.element_size()
+
+    def profile_model(self, inputs: ModelInput, kv_cache: torch.Tensor) -> None:   # a pipeline stage: its layers
+        hidden = self.model(inputs.input_ids, inputs.positions, kv_cache, inputs.meta)
+        self.model.compute_logits(hidden[inputs.sample_rows])
 
     # ---- one step -----------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:

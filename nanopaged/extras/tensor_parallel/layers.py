@@ -175,10 +175,13 @@ def parallelize(model: nn.Module, full: ModelConfig, group: RankGroup, expert_pa
             layer.mlp = _split_experts(layer.mlp, group)
         else:                                 # a dense model, or a MoE model's dense layer
             _split_pair(layer.mlp, "gate_up_proj", "down_proj", group)
-    embed, head = model.model.embed_tokens, model.lm_head
-    model.model.embed_tokens = _adopt(embed, VocabParallelEmbedding, embed.num_embeddings, embed.embedding_dim, group)
-    model.lm_head = _adopt(head, ParallelLMHead, head.in_features, head.out_features, full.vocab_size, group)
-    if full.tie_word_embeddings:              # both hold the same rows of the same matrix
+    embed, head = model.model.embed_tokens, model.lm_head     # None on a pipeline stage that lacks one
+    if embed is not None:
+        model.model.embed_tokens = _adopt(embed, VocabParallelEmbedding, embed.num_embeddings, embed.embedding_dim,
+                                          group)
+    if head is not None:
+        model.lm_head = _adopt(head, ParallelLMHead, head.in_features, head.out_features, full.vocab_size, group)
+    if full.tie_word_embeddings and embed is not None and head is not None:   # the same rows of the same matrix
         model.lm_head.weight = model.model.embed_tokens.weight
 
 

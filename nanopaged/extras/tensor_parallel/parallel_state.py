@@ -54,11 +54,18 @@ def host_store(world_size: int) -> tuple[dist.TCPStore, Address]:
 
 
 class RankGroup:
-    """This process's rank, its device, and the collectives the layers and the step use."""
+    """This process's rank, its device, and the collectives the layers and the step use.
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, control) -> None:
+    The ranks of one tensor-parallel group: the whole job, or under pipeline parallelism one stage's
+    (`compute` and `control` are then that stage's groups, `rank` its rank among them, and the job's
+    own figures go over `job_control`; extras/pipeline_parallel/)."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, control, compute=None,
+                 job_control=None) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.control = control                  # the gloo group of the step message
+        self.compute = compute                  # the all-reduces' group; None: the whole job's default group
+        self.job_control = job_control or control
 
     @property
     def is_driver(self) -> bool:
@@ -66,18 +73,18 @@ class RankGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's x, in place (row-parallel outputs, vocab-parallel embeddings)."""
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=self.compute)
         return x
 
     def gather_to_driver(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's x, concatenated along the last axis, on rank 0; None elsewhere."""
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_driver else None
-        dist.gather(x.contiguous(), parts, dst=0)
+        dist.gather(x.contiguous(), parts, group=self.compute, group_dst=0)
         return torch.cat(parts, dim=-1) if self.is_driver else None
 
     def broadcast_from_driver(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x (a CPU int64 tensor) on every rank, over the control group."""
-        dist.broadcast(x, src=0, group=self.control)
+        dist.broadcast(x, group=self.control, group_src=0)
         return x
 
     def agree_on_min(self, value: int) -> int:
@@ -87,11 +94,12 @@ class RankGroup:
         return int(t.item())
 
     def gather_ints(self, values: list[int]) -> list[list[int]] | None:
-        """Every rank's few integers on rank 0 (startup figures: weight and KV bytes)."""
+        """Every rank's few integers on the job's rank 0, by global rank (startup figures: weight and KV bytes)."""
         t = torch.tensor(values, dtype=torch.long)
-        parts = [torch.empty_like(t) for _ in range(self.world_size)] if self.is_driver else None
-        dist.gather(t, parts, dst=0, group=self.control)
-        return [p.tolist() for p in parts] if self.is_driver else None
+        first = dist.get_rank() == 0
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())] if first else None
+        dist.gather(t, parts, dst=0, group=self.job_control)
+        return [p.tolist() for p in parts] if first else None
 
 
 def join(rank: int, world_size: int, device_type: str, address: Address | None,
@@ -99,7 +107,14 @@ def join(rank: int, world_size: int, device_type: str, address: Address | None,
     """Join the job as `rank`: the compute group (the default group) and the control group.
 
     address None means torchrun's `env://`; the driver passes the store it hosts."""
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    control, device = join_job(rank, world_size, device_type, address, store)
+    return RankGroup(rank, world_size, device, control)
+
+
+def join_job(rank: int, world_size: int, device_type: str, address: Address | None,
+             store: dist.TCPStore | None = None) -> tuple[object, torch.device]:
+    """Join the job's default group as `rank`: (the job's gloo control group, this rank's device)."""
+    backend = compute_backend(device_type)
     if address is None:
         dist.init_process_group(backend, init_method="env://", timeout=COMPUTE_TIMEOUT)
     else:
@@ -113,7 +128,11 @@ def join(rank: int, world_size: int, device_type: str, address: Address | None,
     if device_type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
-    return RankGroup(rank, world_size, device, control)
+    return control, device
+
+
+def compute_backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
 
 
 def leave() -> None:

@@ -53,6 +53,7 @@ class Workers:
     pipes: list = field(default_factory=list)        # receiving ends of the workers' pipes (worker.py)
     store: object = None                             # the TCPStore this process hosts
     control: object = None                           # the control group, for the STOP message
+    send_stop: object = None                         # how STOP reaches every worker, if not the control broadcast
     threads_before: int = 0
     stopped_because: str | None = None
 
@@ -99,7 +100,7 @@ def stop(workers: Workers, reason: str = "shut down") -> None:
     workers.stopped_because = reason
     if dist.is_initialized() and all(p.is_alive() for p in workers.processes):
         try:
-            dist.broadcast(stop_header(), src=0, group=workers.control)
+            workers.send_stop() if workers.send_stop else dist.broadcast(stop_header(), src=0, group=workers.control)
         except Exception:      # a worker died meanwhile: terminated below
             pass
     wait_s = JOIN_TIMEOUT_S if reason == "shut down" else 1.0   # after a failure a worker may be stuck mid-step
@@ -128,7 +129,7 @@ class TensorParallelRunner(RankRunner):
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel LLM (or another torch.distributed job) is already running "
                                "in this process; delete it first (one default process group per process)")
-        n = config.tensor_parallel_size
+        n = self.num_ranks(config)
         if config.device == "cpu":      # every rank in this machine's memory: their shares add up to the whole model
             check_memory_fits(weight_bytes(config.model, getattr(torch, config.dtype)), "cpu",
                               f"the model's weights, over its {n} ranks", "load a smaller model or dtype")
@@ -160,25 +161,24 @@ class TensorParallelRunner(RankRunner):
             self.workers.processes.append(p)
             self.workers.pipes.append(receive)
         self.workers.wait_until_joining()
-        return ps.join(0, n, config.device, address, self.workers.store)
+        return self.join_group(config, 0, address, self.workers.store)
 
     def _join_torchrun(self, config: EngineConfig, n: int, rank_runner_class) -> ps.RankGroup:
         """torchrun started every rank running the same script: rank 0 drives, the others serve
         steps inside this constructor and exit the program when the driver stops."""
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world_size != n:
-            raise ValueError(f"tensor_parallel_size={n} but torchrun started WORLD_SIZE={world_size} ranks")
+            raise ValueError(f"{self.kind} runs {n} ranks (tensor_parallel_size x pipeline_parallel_size) but "
+                             f"torchrun started WORLD_SIZE={world_size}")
         if rank != 0:
             worker_main(config, rank, None, None, rank_runner_class)
             raise SystemExit(0)
-        return ps.join(0, n, config.device, None)
+        return self.join_group(config, 0, None)
 
     # ---- one step --------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput, inputs: ModelInput) -> ModelRunnerOutput:
-        if self.workers.stopped_because is not None:
-            raise TensorParallelError(f"the tensor-parallel workers have stopped ({self.workers.stopped_because}); "
-                                      "create a new LLM")
+        self.check_running()
         logit_rows = inputs.sample_rows + [row for _, _, rows in inputs.prompt_rows for row in rows]
         header, body = pack(inputs.input_ids, inputs.positions, inputs.meta, logit_rows, out.blocks_to_copy)
         try:
@@ -202,6 +202,11 @@ class TensorParallelRunner(RankRunner):
         return ModelRunnerOutput(inputs.sample_requests, logits[:n], per_request(logits[n:], inputs.prompt_rows))
 
     # ---- failure and shutdown --------------------------------------------------------
+    def check_running(self) -> None:
+        if self.workers.stopped_because is not None:
+            raise TensorParallelError(f"the {self.kind} workers have stopped ({self.workers.stopped_because}); "
+                                      "create a new LLM")
+
     def _fail(self, error: BaseException) -> None:
         """A step (or the start) failed: stop everything; raise a worker's traceback if one came."""
         reports = self.workers.reports()

@@ -32,10 +32,12 @@ from nanopaged.models.loader import PACKED, RENAMED, STACKED_EXPERTS, load_weigh
 EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")    # "...mlp.experts.5.up_proj.weight": expert 5
 
 
-def load_shard(model: nn.Module, folder: str | Path, rank: int) -> None:
+def load_shard(model: nn.Module, folder: str | Path, rank: int, rename_first=None) -> None:
     """Fill a `parallelize`d model with rank `rank`'s slices; every parameter exactly once
-    (the plain loader's loop and checks, reading slices instead of whole tensors)."""
-    rename = own_experts(model)
+    (the plain loader's loop and checks, reading slices instead of whole tensors). `rename_first`: a
+    pipeline stage's renaming of the checkpoint's names (its own layers only), applied first."""
+    experts = own_experts(model)
+    rename = experts if rename_first is None else lambda name: (n := rename_first(name)) and experts(n)
 
     def read(f, name: str) -> torch.Tensor:
         return read_shard(f.get_slice(name), *shard_of(model, rename(name)), rank)
