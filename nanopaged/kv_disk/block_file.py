@@ -30,11 +30,14 @@ class BadBlockFile(ValueError):
         self.kind = kind
 
 
-def encode(key: dict, block_hash: bytes, kv: bytes) -> bytes:
-    """The whole file, checksum last."""
-    key_data = key_bytes(key)
-    body = HEADER.pack(MAGIC, FORMAT_VERSION, len(key_data), len(block_hash), len(kv)) + key_data + block_hash + kv
-    return body + xxhash.xxh3_128_digest(body)
+def encode(key: dict, block_hash: bytes, kv) -> list:
+    """The file's three pieces, to be written one after the other: the header with the key and the hash, the K/V
+    (any buffer: it is never copied), the checksum over both."""
+    key_data, kv_len = key_bytes(key), memoryview(kv).nbytes
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, len(key_data), len(block_hash), kv_len) + key_data + block_hash
+    checksum = xxhash.xxh3_128(head)
+    checksum.update(kv)
+    return [head, kv, checksum.digest()]
 
 
 def decode(data: bytes, key: dict, block_hash: bytes, kv_bytes: int) -> memoryview:

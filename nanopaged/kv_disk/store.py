@@ -60,23 +60,25 @@ class DiskStore:
             pass                     # a read-only folder keeps its order
         return kv
 
-    def write(self, block_hash: bytes, kv: bytes) -> int:
-        """Write one block's file atomically; its size in bytes. An OSError (a full disk, no permission) is
-        the caller's to handle; no temporary file is left behind."""
-        data = encode(self.key, block_hash, kv)
+    def write(self, block_hash: bytes, kv) -> int:
+        """Write one block's file atomically (`kv`: any buffer of its K/V bytes); its size in bytes. An OSError (a
+        full disk, no permission) is the caller's to handle; no temporary file is left behind."""
+        parts = encode(self.key, block_hash, kv)
         final = self.path(block_hash)
         temporary = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with open(temporary, "wb") as f:
-                f.write(data)
+                for part in parts:
+                    f.write(part)
             os.replace(temporary, final)
         except OSError:
             remove(temporary)
             raise
-        self.bytes_since_scan += len(data)
+        size = sum(memoryview(part).nbytes for part in parts)
+        self.bytes_since_scan += size
         if self.bytes_since_scan * 10 >= self.max_bytes:
             self.keep_bound()
-        return len(data)
+        return size
 
     def keep_bound(self) -> None:
         """Scan every engine's files; past the bound, delete the least recently used down to LOW_WATER of it."""

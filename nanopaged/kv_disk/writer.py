@@ -62,7 +62,7 @@ class BlockWriter:
             return
         start = time.perf_counter()
         try:
-            written = self.store.write(block_hash, kv.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            written = self.store.write(block_hash, kv.contiguous().cpu().view(torch.uint8).numpy())
         except OSError as e:
             with self.changed:
                 self.stopped = True
