@@ -275,3 +275,31 @@ def test_settings_the_tier_cannot_run_with_are_refused_before_loading(tiny_model
 def test_serve_takes_the_tiers_flags():
     args = parse_args(["serve", "--kv-cache-disk-dir", "/var/cache/kv", "--kv-cache-disk-gb", "2.5"])
     assert (args.kv_cache_disk_dir, args.kv_cache_disk_gb) == ("/var/cache/kv", 2.5)
+
+
+def test_preempted_requests_read_their_written_blocks_back_and_keep_their_tokens(tiny_model_dirs, tmp_path):
+    """A pool too small for the batch: requests are preempted (recompute), and re-admitted ones find their full
+    blocks on disk where the pool gave them away; every token is the same as without the tier."""
+    model = tiny_model_dirs["llama"]
+    prompts = [[(7 * i + 3 * k) % 500 + 3 for k in range(70)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    settings = dict(dtype="float32", num_kv_blocks=24, max_num_batched_tokens=64)
+
+    def run(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    want = run(LLM(model, **settings))
+    llm = LLM(model, kv_cache_disk_dir=str(tmp_path), **settings)
+    assert run(llm) == want
+    assert llm.get_stats()["num_preemptions"] > 0 and tier(llm)["blocks_read"] > 0
+
+
+def test_the_tiers_counters_reach_metrics(tiny_model_dirs, tmp_path):
+    from nanopaged.entrypoints.core_messages import figures_of
+    llm = engine(tiny_model_dirs["llama"], tmp_path)
+    tokens(llm)
+    tier(llm)
+    counters = figures_of(llm.llm_engine, llm.stats).counters
+    assert counters["kv_disk_blocks_written"][1] >= len(SYSTEM) // 16
+    assert {"kv_disk_hits", "kv_disk_blocks_read", "kv_disk_bytes_read", "kv_disk_read_seconds",
+            "kv_disk_bytes_written", "kv_disk_write_seconds", "kv_disk_dropped_corrupt"} <= counters.keys()
