@@ -13,9 +13,8 @@ it goes back to the front of the waiting queue, keeping the tokens it generated.
 Draft tokens change one number: a running request chases `num_tokens_with_spec`, its tokens plus
 the drafts guessed ahead (vLLM's spec_token_ids); `update` rolls rejected drafts back.
 
-Admission first looks the request's prefix up in the prefix cache, so its prefill starts where
-the cache ends (and where the pool misses, the block sources may supply the next blocks' K/V from a
-tier beyond it); after every step the blocks that became full are named in it. `fork` lets a
+Admission looks the request's prefix up in the prefix cache, then in the block sources (tiers beyond
+it), and its prefill starts where they end; after every step new full blocks are named in it. `fork` lets a
 request share every block of another (n > 1 samples); a write into a shared block first copies
 it (copy-on-write, `_allocate_slots`). A hybrid model's state pages ride along with the blocks
 (core/state_pages.py), and a prompt's images with the encoder cache (core/encoder_cache.py): a step
@@ -42,7 +41,7 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # pages copied before the forward (src, dst)
     encoder_inputs: list[tuple[Request, int]] = field(default_factory=list)   # images to encode: (request, index)
     encoder_frees: list[str] = field(default_factory=list)    # encoder outputs given up: the runner drops them
-    blocks_to_fill: list[tuple[int, object]] = field(default_factory=list)   # (block, K/V a block source supplied)
+    blocks_to_fill: list[tuple[int, object]] = field(default_factory=list)   # (new block, K/V a block source supplied)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -134,7 +133,10 @@ class Scheduler:
         hits = self.states.usable_hits(pool.find_cached_prefix(request))
         if self._next_block_in_flight(request, len(hits)):
             return 0          # a running request is computing that very block: wait, then hit it
-        num_cached = len(hits) * pool.block_size
+        wanted = pool.block_hashes(request)[len(hits):pool.max_cache_hit_blocks(request)]
+        # where the pool's hits end, a block source (a tier beyond it) may hold the next blocks' K/V: new blocks, filled
+        supplied = next((kv for source in self.block_sources if wanted and (kv := source(request, wanted))), [])
+        num_cached = (len(hits) + len(supplied)) * pool.block_size
         request.num_computed_tokens = num_cached
         num_new = self.states.align(request, min(request.num_tokens - num_cached, token_budget))
         num_new, to_encode = self.encoder.fit(request, num_new)
@@ -147,8 +149,6 @@ class Scheduler:
         pool.touch(hits)
         request.block_ids = list(hits)
         request.num_cached_blocks = len(hits)
-        supplied, num_new, to_encode = self._supplied(request, len(hits), num_free, token_budget, (num_new, to_encode))
-        num_cached = request.num_computed_tokens
         allocated = self._allocate_slots(request, num_new, [])
         assert allocated, "checked above: the free blocks suffice"
         out.blocks_to_fill += zip(request.block_ids[len(hits):], supplied)
@@ -159,25 +159,6 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         out.admitted.append((request, num_cached))
         return num_new
-
-    def _supplied(self, request: Request, num_hits: int, num_free: int, token_budget: int,
-                  step: tuple[int, list[int]]) -> tuple[list, int, list[int]]:
-        """Where the pool's hits end, the block sources' K/V for the request's next full blocks: as many as the free
-        blocks hold beside the step's new tokens, which start after them. (supplied, num_new, to_encode); with
-        nothing supplied, the step as planned (`step`: num_new, to_encode)."""
-        pool = self.block_pool
-        wanted = pool.block_hashes(request)[num_hits:pool.max_cache_hit_blocks(request)]
-        supplied = []
-        for source in self.block_sources if wanted and not self.states.per_request else ():
-            supplied += source(request, wanted[len(supplied):])
-        while supplied:        # each supplied block is one more new block now (in a chunked step, beside the chunk's)
-            num_cached = request.num_computed_tokens = (num_hits + len(supplied)) * pool.block_size
-            num_new, to_encode = self.encoder.fit(request, min(request.num_tokens - num_cached, token_budget))
-            if num_new and pool.blocks_needed(num_hits, num_cached + num_new) <= num_free:
-                return supplied, num_new, to_encode
-            supplied.pop()
-        request.num_computed_tokens = num_hits * pool.block_size
-        return [], *step
 
     def _next_block_in_flight(self, request: Request, num_hits: int) -> bool:
         """Is the next block this request needs being computed by a running request right now?

@@ -109,7 +109,8 @@ class Extension:
     def supply_blocks(self, request: Request, block_hashes: list[bytes]) -> list[torch.Tensor]:
         """After the pool's prefix hits, the names of a waiting request's next full blocks, in order: the K/V of
         the first of them that it holds, each of the cache's block shape (a tier beyond the pool; vLLM's KV
-        connectors). The scheduler gives each a new block; the runner writes it in before the forward pass."""
+        connectors). The scheduler gives each a new block (`SchedulerOutput.blocks_to_fill`): the extension writes
+        them into the KV cache in its `before_forward`. Asked again while the request waits for free blocks."""
         return []
 
     # ---- one step --------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Installed with the engine when `kv_cache_disk_dir` is set. Through the contract:
 - `supply_blocks`: after the pool's prefix hits, a waiting request's next blocks are read from their files
-  (checked) before anything is computed; the scheduler gives them new blocks and the runner writes them in;
+  (checked) before anything is computed; the scheduler gives them new blocks, and `before_forward` writes the
+  K/V into them;
 - `observe`: the blocks that became full and named in the step are copied out and handed to the writer
   thread (write-through: a block is on disk as soon as it is full, so a crash or a restart, which evicts
   nothing, loses nothing written; writing on eviction would write only what memory pressure pushes out);
@@ -65,6 +66,7 @@ class KVDisk(Extension):
         self.read_seconds = 0.0
         self.base: dict = {}
         self.named: dict = {}                    # request -> its blocks already handed to the writer (or skipped)
+        self.held: tuple = (None, [], [])        # (request, hashes, K/V) read for a request that waits for room
         self.store = self.writer = None
         folder = Path(config.kv_cache_disk_dir)
         try:
@@ -97,6 +99,9 @@ class KVDisk(Extension):
         """The K/V of the first of these blocks that have good files, each of the cache's block shape."""
         if self.store is None or not block_hashes:
             return []
+        request_held, hashes_held, kv_held = self.held
+        if request_held is request and hashes_held == block_hashes:
+            return kv_held               # read when it was last asked, and it waited for free blocks since
         start, found = time.perf_counter(), []
         for block_hash in block_hashes:
             kv = self.store.read(block_hash)
@@ -108,8 +113,18 @@ class KVDisk(Extension):
         self.blocks_read += len(found)
         self.bytes_read += len(found) * self.store.kv_bytes
         self.read_seconds += time.perf_counter() - start
+        self.held = (request, block_hashes, found)
         return found
 
+    def before_forward(self, scheduler_output, model_input) -> None:
+        """Write the K/V read at admission into the blocks the scheduler gave them, before the model reads them."""
+        pairs = scheduler_output.blocks_to_fill
+        if pairs:
+            cache = self.runner.kv_cache
+            blocks = torch.tensor([block for block, _ in pairs], device=cache.device)
+            cache[:, :, blocks] = torch.stack([kv for _, kv in pairs], dim=2).to(cache.device)
+        if any(request is self.held[0] for request, _ in scheduler_output.admitted):
+            self.held = (None, [], [])
     # ---- writing: as blocks fill ------------------------------------------------------------------------
     def observe(self, record) -> None:
         """Hand the writer each block named in the cache this step that has no file yet."""
@@ -123,12 +138,15 @@ class KVDisk(Extension):
                     new.append((request.block_hashes[i], request.block_ids[i]))
             self.named[request] = max(done, request.num_cached_blocks)
         if new:
-            blocks = self.runner.read_blocks([block_id for _, block_id in new])   # a copy: the cache moves on
+            ids = torch.tensor([block_id for _, block_id in new], device=self.runner.kv_cache.device)
+            blocks = self.runner.kv_cache[:, :, ids]           # a copy: the cache moves on
             for j, (block_hash, _) in enumerate(new):
                 self.writer.submit(block_hash, blocks[:, :, j])
 
     def forget(self, request) -> None:
         self.named.pop(request, None)
+        if request is self.held[0]:
+            self.held = (None, [], [])
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until the blocks handed to the writer are on disk (a test, the bench, before a process ends)."""

@@ -210,7 +210,6 @@ class ModelRunner:
         (the lm_head is the largest matmul of a small model). It reads no request's counters: async
         scheduling runs it on a thread of its own while they move on (engine/overlap.py)."""
         self.copy_blocks(out.blocks_to_copy)
-        self.fill_blocks(out.blocks_to_fill)
         for hook in self.before_forward:      # an extension's per-step inputs (each row's adapter)
             hook(out, inputs)
         embeds = {} if inputs.inputs_embeds is None else {"inputs_embeds": inputs.inputs_embeds}
@@ -233,17 +232,6 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-
-    def fill_blocks(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
-        """K/V a block source supplied (a tier beyond the pool), each (layers, K/V, block_size, heads, row), written
-        into its block."""
-        if pairs:
-            dst = torch.tensor([block for block, _ in pairs], device=self.device)
-            self.kv_cache[:, :, dst] = torch.stack([kv for _, kv in pairs], dim=2).to(self.device)
-
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of these blocks' K/V, every layer: (layers, K/V, len(block_ids), block_size, heads, row)."""
-        return self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)]
 
 
 def per_request(logits: torch.Tensor, prompt_rows) -> list[tuple[Request, int, torch.Tensor]]:
