@@ -125,6 +125,7 @@ class KVDisk(Extension):
             cache[:, :, blocks] = torch.stack([kv for _, kv in pairs], dim=2).to(cache.device)
         if any(request is self.held[0] for request, _ in scheduler_output.admitted):
             self.held = (None, [], [])
+
     # ---- writing: as blocks fill ------------------------------------------------------------------------
     def observe(self, record) -> None:
         """Hand the writer each block named in the cache this step that has no file yet."""
