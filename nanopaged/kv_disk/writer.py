@@ -1,12 +1,13 @@
 """The writer: blocks handed over by the step are written by one background thread, so no step waits on the disk.
 
 The step copies a new full block's K/V out of the KV cache (a memory copy) and hands it over; the thread turns it
-into a file. The queue is bounded in bytes: past `max_pending_bytes` a block is not written (counted), and the
+into a file, at the lowest priority the system gives a thread: it writes on the cores the model leaves idle. The queue is bounded in bytes: past `max_pending_bytes` a block is not written (counted), and the
 step goes on. The first OSError (a full disk, a read-only folder) stops writing for good and is reported once
 through `on_error`.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -47,6 +48,10 @@ class BlockWriter:
             return self.changed.wait_for(lambda: not self.pending, timeout)
 
     def _run(self) -> None:
+        try:       # Linux: a thread's own nice value; torch's threads, which wait for their slowest, come first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         while True:
             with self.changed:
                 self.changed.wait_for(lambda: self.pending)
