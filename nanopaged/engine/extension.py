@@ -106,9 +106,9 @@ class Extension:
         """May this waiting request join the running ones now? (False: it waits, the next are tried.)"""
         return True
 
-    def supply_blocks(self, request: Request, block_hashes: list[bytes]) -> list[torch.Tensor]:
+    def supply_blocks(self, request: Request, block_hashes: list[bytes]) -> list:
         """After the pool's prefix hits, the names of a waiting request's next full blocks, in order: the K/V of
-        the first of them that it holds, each of the cache's block shape (a tier beyond the pool; vLLM's KV
+        the first of them that it holds, one record each, in its own form (a tier beyond the pool; vLLM's KV
         connectors). The scheduler gives each a new block (`SchedulerOutput.blocks_to_fill`): the extension writes
         them into the KV cache in its `before_forward`. Asked again while the request waits for free blocks."""
         return []

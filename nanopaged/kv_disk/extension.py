@@ -21,6 +21,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from nanopaged.engine.extension import Extension
@@ -60,8 +61,8 @@ class KVDisk(Extension):
 
     def attach(self, engine) -> None:
         self.runner, config = engine.runner, engine.config
-        self.block_shape = (*self.runner.kv_cache_shape(1)[:2], *self.runner.kv_cache_shape(1)[3:])  # no block axis
-        self.kv_dtype = self.runner.kv_cache_dtype
+        shape = self.runner.kv_cache_shape(1)
+        self.block_shape = (*shape[:2], *shape[3:-1], shape[-1] * self.runner.kv_cache_dtype.itemsize)   # in bytes
         self.lookups = self.hits = self.blocks_read = self.bytes_read = self.warnings = 0
         self.read_seconds = 0.0
         self.base: dict = {}
@@ -72,7 +73,7 @@ class KVDisk(Extension):
         try:
             folder.mkdir(parents=True, exist_ok=True)
             self.store = DiskStore(folder, int(config.kv_cache_disk_gb * 2**30), tier_key(config, self.runner),
-                                   math.prod(self.block_shape) * self.kv_dtype.itemsize)
+                                   math.prod(self.block_shape))
             self.store.keep_bound()
         except OSError as e:
             self.store = None
@@ -95,8 +96,9 @@ class KVDisk(Extension):
                    "tier writes nothing more (what is there is still read)")
 
     # ---- reading: after the pool's misses -------------------------------------------------------------
-    def supply_blocks(self, request, block_hashes: list[bytes]) -> list[torch.Tensor]:
-        """The K/V of the first of these blocks that have good files, each of the cache's block shape."""
+    def supply_blocks(self, request, block_hashes: list[bytes]) -> list[np.ndarray]:
+        """The K/V bytes of the first of these blocks that have good files, each shaped as a block of the cache's
+        bytes: (layers, K/V, block_size, heads, bytes of a row)."""
         if self.store is None or not block_hashes:
             return []
         request_held, hashes_held, kv_held = self.held
@@ -107,7 +109,7 @@ class KVDisk(Extension):
             kv = self.store.read(block_hash)
             if kv is None:
                 break
-            found.append(torch.frombuffer(bytearray(kv), dtype=torch.uint8).view(self.kv_dtype).view(self.block_shape))
+            found.append(np.frombuffer(kv, dtype=np.uint8).reshape(self.block_shape))
         self.lookups += 1
         self.hits += bool(found)
         self.blocks_read += len(found)
@@ -118,11 +120,14 @@ class KVDisk(Extension):
 
     def before_forward(self, scheduler_output, model_input) -> None:
         """Write the K/V read at admission into the blocks the scheduler gave them, before the model reads them."""
-        pairs = scheduler_output.blocks_to_fill
-        if pairs:
-            cache = self.runner.kv_cache
+        pairs, cache = scheduler_output.blocks_to_fill, self.runner.kv_cache.view(torch.uint8)
+        if pairs and cache.device.type == "cpu":
+            host = cache.numpy()                  # the cache's own memory
+            for block, kv in pairs:
+                host[:, :, block] = kv
+        elif pairs:
             blocks = torch.tensor([block for block, _ in pairs], device=cache.device)
-            cache[:, :, blocks] = torch.stack([kv for _, kv in pairs], dim=2).to(cache.device)
+            cache[:, :, blocks] = torch.from_numpy(np.stack([kv for _, kv in pairs], axis=2)).to(cache.device)
         if any(request is self.held[0] for request, _ in scheduler_output.admitted):
             self.held = (None, [], [])
 
@@ -138,11 +143,16 @@ class KVDisk(Extension):
                 if not self.store.has(request.block_hashes[i]):
                     new.append((request.block_hashes[i], request.block_ids[i]))
             self.named[request] = max(done, request.num_cached_blocks)
-        if new:
-            ids = torch.tensor([block_id for _, block_id in new], device=self.runner.kv_cache.device)
-            blocks = self.runner.kv_cache[:, :, ids]           # a copy: the cache moves on
-            for j, (block_hash, _) in enumerate(new):
-                self.writer.submit(block_hash, blocks[:, :, j])
+        if not new:
+            return
+        cache = self.runner.kv_cache.view(torch.uint8)      # its bytes: (layers, K/V, blocks, block_size, heads, bytes)
+        ids = [block_id for _, block_id in new]
+        if cache.device.type != "cpu":
+            cache, ids = cache[:, :, torch.tensor(ids, device=cache.device)].cpu(), range(len(ids))
+        host = cache.numpy()
+        for (block_hash, _), i in zip(new, ids):
+            # numpy copies a block on this thread alone: torch would split each small copy over its threads
+            self.writer.submit(block_hash, np.ascontiguousarray(host[:, :, i]))
 
     def forget(self, request) -> None:
         self.named.pop(request, None)

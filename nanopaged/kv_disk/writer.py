@@ -1,8 +1,8 @@
 """The writer: blocks handed over by the step are written by one background thread, so no step waits on the disk.
 
 The step copies a new full block's K/V out of the KV cache (a memory copy) and hands it over; the thread turns it
-into a file, at the lowest priority the system gives a thread: it writes on the cores the model leaves idle. The queue is bounded in bytes: past `max_pending_bytes` a block is not written (counted), and the
-step goes on. The first OSError (a full disk, a read-only folder) stops writing for good and is reported once
+into a file, at the lowest priority the system gives a thread: it writes on the cores the model leaves idle.
+The queue is bounded in bytes: past `max_pending_bytes` a block is not written (counted), and the step goes on. The first OSError (a full disk, a read-only folder) stops writing for good and is reported once
 through `on_error`.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from collections import deque
 from typing import Callable
 
-import torch
+import numpy as np
 
 from nanopaged.kv_disk.store import DiskStore
 
@@ -21,7 +21,7 @@ from nanopaged.kv_disk.store import DiskStore
 class BlockWriter:
     def __init__(self, store: DiskStore, max_pending_bytes: int, on_error: Callable[[OSError], None]) -> None:
         self.store, self.max_pending_bytes, self.on_error = store, max_pending_bytes, on_error
-        self.pending: deque[tuple[bytes, torch.Tensor, int]] = deque()
+        self.pending: deque[tuple[bytes, np.ndarray, int]] = deque()
         self.pending_bytes = 0
         self.changed = threading.Condition()
         self.stopped = False                 # writing failed once: nothing more is written
@@ -30,9 +30,9 @@ class BlockWriter:
         self.write_seconds = 0.0
         threading.Thread(target=self._run, name="nanopaged-kv-disk-writer", daemon=True).start()
 
-    def submit(self, block_hash: bytes, kv: torch.Tensor) -> bool:
-        """Queue one block's K/V (a copy the cache no longer shares); False where it will not be written."""
-        size = kv.numel() * kv.element_size()
+    def submit(self, block_hash: bytes, kv: np.ndarray) -> bool:
+        """Queue one block's K/V bytes (a copy the cache no longer shares); False where it will not be written."""
+        size = kv.nbytes
         with self.changed:
             if self.stopped or self.pending_bytes + size > self.max_pending_bytes:
                 self.blocks_not_written += 1
@@ -62,12 +62,12 @@ class BlockWriter:
                 self.pending_bytes -= size
                 self.changed.notify_all()
 
-    def _write(self, block_hash: bytes, kv: torch.Tensor) -> None:
+    def _write(self, block_hash: bytes, kv: np.ndarray) -> None:
         if self.stopped or self.store.has(block_hash):      # another request or engine wrote it already
             return
         start = time.perf_counter()
         try:
-            written = self.store.write(block_hash, kv.contiguous().cpu().view(torch.uint8).numpy())
+            written = self.store.write(block_hash, kv)
         except OSError as e:
             with self.changed:
                 self.stopped = True
