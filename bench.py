@@ -9,7 +9,7 @@
     python bench.py --workload overlap           # async scheduling on vs off: each step's phases (benchmarks/overlap.py)
     python bench.py --workload ray               # a dataset through Ray Data replicas (benchmarks/ray_data.py)
     python bench.py --workload multimodal        # chat requests with shared images, vs vLLM (benchmarks/multimodal.py)
-    python bench.py --workload disk-prefix       # the prefix cache's disk tier: TTFT after a restart (benchmarks/disk_prefix.py)
+    python bench.py --workload disk-prefix       # the disk tier: TTFT after a restart (benchmarks/disk_prefix.py)
 
 Throughput follows nano-vllm's bench.py: seeded random token-id prompts, input and output
 lengths uniform in a range, `ignore_eos=True`, one warm-up, then output tokens / wall time
@@ -65,7 +65,8 @@ DEFAULTS = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))
 # nano-vllm's bench.py: 256 requests, lengths uniform in 100..1024 (a GPU-sized run).
 PRESETS = {"nano-vllm": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))}
 WORKLOADS = ("throughput", "shared-prefix", "cascade", "sharing", "structured", "spec", "lora", "moe", "overlap",
-             "hybrid", "multimodal", "disk-prefix", "serve", "ray")      # serve: benchmarks/serve.py, ray: benchmarks/ray_data.py, each its own flags
+             "hybrid", "multimodal", "disk-prefix",
+             "serve", "ray")      # serve: benchmarks/serve.py, ray: benchmarks/ray_data.py, each its own flags
 # shared-prefix: each request = one system prompt (--prefix-len) + its own question.
 SHARED_PREFIX_DEFAULTS = dict(num_requests=64, input_len=(16, 48), output_len=(8, 16), prefix_len=256)
 # cascade: decode steps of 32 rows on one 1,024-token prefix, shared blocks read once or not.

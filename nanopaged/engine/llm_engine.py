@@ -265,5 +265,6 @@ class EngineStalled(RuntimeError):
 
 
 # The hooks an extension may override that the engine keeps lists of (the others it calls once, at install).
-HOOKS = ("block_hash_keys", "admit", "supply_blocks", "before_forward", "process_logits", "stop", "forget", "observe", "propose")
+HOOKS = ("block_hash_keys", "admit", "supply_blocks", "before_forward", "process_logits", "stop", "forget", "observe",
+         "propose")
 PARAM_FIELDS = frozenset(f.name for f in dataclass_fields(SamplingParams))   # request fields set on SamplingParams

@@ -2,7 +2,8 @@
 
 The step copies a new full block's K/V out of the KV cache (a memory copy) and hands it over; the thread turns it
 into a file, at the lowest priority the system gives a thread: it writes on the cores the model leaves idle.
-The queue is bounded in bytes: past `max_pending_bytes` a block is not written (counted), and the step goes on. The first OSError (a full disk, a read-only folder) stops writing for good and is reported once
+The queue is bounded in bytes: past `max_pending_bytes` a block is not written (counted), and the step goes on.
+The first OSError (a full disk, a read-only folder) stops writing for good and is reported once
 through `on_error`.
 """
 from __future__ import annotations

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from nanopaged import LLM, LoRARequest, SamplingParams
+from nanopaged.engine.extension import StepObserver
 from nanopaged.entrypoints.serve import parse_args
 from nanopaged.kv_disk.extension import KVDisk
 from nanopaged.kv_disk.store import SUFFIX, DiskStore
@@ -279,7 +280,8 @@ def test_serve_takes_the_tiers_flags():
 
 def test_preempted_requests_read_their_written_blocks_back_and_keep_their_tokens(tiny_model_dirs, tmp_path):
     """A pool too small for the batch: requests are preempted (recompute), and re-admitted ones find their full
-    blocks on disk where the pool gave them away; every token is the same as without the tier."""
+    blocks on disk where the pool gave them away; every token is the same as without the tier. (The writer runs
+    beside the steps; here each step waits for it, so the files exist when a request comes back.)"""
     model = tiny_model_dirs["llama"]
     prompts = [[(7 * i + 3 * k) % 500 + 3 for k in range(70)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -290,6 +292,7 @@ def test_preempted_requests_read_their_written_blocks_back_and_keep_their_tokens
         return [list(o.outputs[0].token_ids) for o in outs]
     want = run(LLM(model, **settings))
     llm = LLM(model, kv_cache_disk_dir=str(tmp_path), **settings)
+    llm.llm_engine.install(StepObserver(lambda record: llm.llm_engine.find(KVDisk).flush()))
     assert run(llm) == want
     assert llm.get_stats()["num_preemptions"] > 0 and tier(llm)["blocks_read"] > 0
 
