@@ -9,6 +9,7 @@
     python bench.py --workload overlap           # async scheduling on vs off: each step's phases (benchmarks/overlap.py)
     python bench.py --workload ray               # a dataset through Ray Data replicas (benchmarks/ray_data.py)
     python bench.py --workload multimodal        # chat requests with shared images, vs vLLM (benchmarks/multimodal.py)
+    python bench.py --workload disk-prefix       # the disk tier: TTFT after a restart (benchmarks/disk_prefix.py)
 
 Throughput follows nano-vllm's bench.py: seeded random token-id prompts, input and output
 lengths uniform in a range, `ignore_eos=True`, one warm-up, then output tokens / wall time
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.disk_prefix import print_disk_prefix, run_disk_prefix
 from benchmarks.figures import PUBLISHED, overhead_figures, ratios, target_figures
 from benchmarks.machine import machine_info, versions
 from benchmarks.memory import memory_figures
@@ -63,13 +65,16 @@ DEFAULTS = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))
 # nano-vllm's bench.py: 256 requests, lengths uniform in 100..1024 (a GPU-sized run).
 PRESETS = {"nano-vllm": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))}
 WORKLOADS = ("throughput", "shared-prefix", "cascade", "sharing", "structured", "spec", "lora", "moe", "overlap",
-             "hybrid", "multimodal", "serve", "ray")      # serve: benchmarks/serve.py, ray: benchmarks/ray_data.py, each its own flags
+             "hybrid", "multimodal", "disk-prefix",
+             "serve", "ray")      # serve: benchmarks/serve.py, ray: benchmarks/ray_data.py, each its own flags
 # shared-prefix: each request = one system prompt (--prefix-len) + its own question.
 SHARED_PREFIX_DEFAULTS = dict(num_requests=64, input_len=(16, 48), output_len=(8, 16), prefix_len=256)
 # cascade: decode steps of 32 rows on one 1,024-token prefix, shared blocks read once or not.
 CASCADE_DEFAULTS = dict(num_requests=32, input_len=(16, 48), output_len=(64, 64), prefix_len=1024)
 # multimodal: 16 chat requests sharing 4 images, each answered with exactly --output-len's MAX tokens.
 MULTIMODAL_DEFAULTS = {**DEFAULTS, "num_requests": 16, "output_len": (32, 32)}
+# disk-prefix: 20 chat turns behind five system prompts of 2,048 tokens (benchmarks/disk_prefix.py).
+DISK_PREFIX_DEFAULTS = dict(num_requests=20, input_len=(16, 48), output_len=(1, 1), prefix_len=2048)
 # The other workloads: how each runs and how it prints.
 OTHER_WORKLOADS = {"shared-prefix": (run_shared_prefix, print_shared_prefix),
                    "cascade": (run_cascade, print_cascade),
@@ -80,7 +85,8 @@ OTHER_WORKLOADS = {"shared-prefix": (run_shared_prefix, print_shared_prefix),
                    "moe": (run_moe, print_moe),
                    "overlap": (run_overlap, print_overlap),
                    "hybrid": (run_hybrid, print_hybrid),
-                   "multimodal": (run_multimodal, print_multimodal)}
+                   "multimodal": (run_multimodal, print_multimodal),
+                   "disk-prefix": (run_disk_prefix, print_disk_prefix)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,14 +101,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of --random-weights olmoe-1b-7b and qwen3-30b-a3b-12l); overlap (async scheduling on vs "
                         "off: benchmarks/overlap.py); hybrid (a hybrid's K/V and state per request, and a prefix "
                         "hit's time to first token: benchmarks/hybrid.py); multimodal (chat requests sharing "
-                        "images, vs vLLM: benchmarks/multimodal.py, the workload of --random-weights smolvlm-256m)")
+                        "images, vs vLLM: benchmarks/multimodal.py, the workload of --random-weights smolvlm-256m); "
+                        "disk-prefix (the prefix cache's disk tier: TTFT after a restart, pool vs disk vs miss, "
+                        "the write cost: benchmarks/disk_prefix.py)")
+    p.add_argument("--disk-lengths", default="256,1024,2048",
+                   help="disk-prefix: prompt lengths of its miss / pool hit / disk hit rows (default %(default)s)")
     p.add_argument("--num-images", type=int, default=4,
                    help="multimodal: the images the requests draw from, each used at least once (default 4)")
     p.add_argument("--overlap-requests", type=int, default=256,
                    help="overlap: requests of 16 output tokens in its third workload (default 256)")
     p.add_argument("--prefix-len", type=int,
                    help="shared-prefix, cascade, hybrid: tokens of the system prompt every request starts with "
-                        "(default 256, cascade 1024, hybrid 2048)")
+                        "(default 256, cascade 1024, hybrid and disk-prefix 2048)")
     # spec (benchmarks/spec.py): its workloads, prompts and configurations; its trace takes the trace flags below
     p.add_argument("--spec-workloads", default="repeating,agent,json,trace",
                    help="spec: which of repeating, agent, json, trace to run, comma-separated (default all)")
@@ -197,7 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.workload == "multimodal" and not (args.model or args.random_weights):
         args.random_weights = "smolvlm-256m"
     defaults = {"shared-prefix": SHARED_PREFIX_DEFAULTS, "cascade": CASCADE_DEFAULTS,
-                "multimodal": MULTIMODAL_DEFAULTS}.get(args.workload, DEFAULTS)
+                "multimodal": MULTIMODAL_DEFAULTS, "disk-prefix": DISK_PREFIX_DEFAULTS}.get(args.workload, DEFAULTS)
     for name, value in {**defaults, **PRESETS.get(args.preset, {})}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -214,7 +224,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
     if args.workload in ("spec", "lora", "moe", "multimodal") and set(args.peers) - {"vllm"}:
         p.error(f"--workload {args.workload} takes --peers vllm or none, got {','.join(args.peers)}")
-    for name in ("ngram_k", "suffix_k", "concurrency"):
+    for name in ("ngram_k", "suffix_k", "concurrency", "disk_lengths"):
         try:
             setattr(args, name, [int(x) for x in getattr(args, name).split(",")])
         except ValueError:

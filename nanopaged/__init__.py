@@ -25,6 +25,7 @@ The package (each folder's __init__.py indexes its own files):
     lora/                LoRA adapters, many in one step
     pooling/             embeddings, classification, rewards and scores: LLM(model, runner="pooling")
     multimodal/          images for vision-language models: checked, processed, encoded once, cached
+    kv_disk/             the prefix cache's disk tier: full blocks in files named by their chained hash
     extras/              beam search, tensor parallelism, Ray Data
     entrypoints/         `nanopaged serve` and its processes
 

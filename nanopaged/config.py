@@ -91,6 +91,8 @@ class EngineConfig:
     encoder_cache_size: int | None = None   # images: encoder rows kept for reuse; None for both: resolved per model
     allowed_local_media_path: str | None = None   # the one folder image paths and file:// URLs may be read from
     limit_mm_per_prompt: dict | None = None       # {"image": N}: images a prompt may hold (multimodal/media.py)
+    kv_cache_disk_dir: str | None = None    # a folder: full KV blocks kept on disk by their chained hash (kv_disk/)
+    kv_cache_disk_gb: float = 10.0          # the disk tier's bound; the least recently used files go first
     model_config: ModelConfig = field(init=False, repr=False)   # read from the model's config.json
     gguf_file: str | None = field(init=False, default=None)     # quantization="gguf": the file's path
 

@@ -57,6 +57,9 @@ NOT_IMPLEMENTED = [
     (("disable_log_stats", "aggregate_engine_logging"), ANY, "logs no periodic statistics (llm.get_stats() has them)"),
     # ---- memory, graphs, compilation
     (("swap_space",), ANY, "preempts by recompute and never swaps (vLLM's V1 engine ignores it too)"),
+    (("kv_offloading_size",), (None, 0), "keeps no CPU tier of KV blocks; its tier beyond the pool is on disk "
+     "(kv_cache_disk_dir, kv_cache_disk_gb)"),
+    (("kv_offloading_backend",), ANY, "offloads nothing to CPU memory (the setting acts only with kv_offloading_size)"),
     (("cuda_graph_sizes", "cudagraph_capture_sizes", "max_cudagraph_capture_size", "max_seq_len_to_capture"),
      (None, 8192), "chooses its own CUDA-graph batch sizes (attention/cuda_graphs.py)"),
     (("compilation_config",), (None, 0, {}), "does not compile the model (no torch.compile)"),

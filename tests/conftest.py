@@ -408,6 +408,7 @@ SLOW_FILES = {
     "benchmarks/test_spec.py": "bench.py's speculative workload: every method, several concurrencies",
     "benchmarks/test_moe_bench.py": "bench.py's mixture-of-experts workload, a model written layer by layer",
     "benchmarks/test_structured.py": "bench.py's structured workload, run twice",
+    "benchmarks/test_disk_prefix_bench.py": "bench.py's disk-prefix workload: two child processes, several engines",
 }
 # Fixtures that make any test using them slow, and why.
 SLOW_FIXTURES = {"demo_model_dir": "the 135M demo model: seconds for every prompt set, minutes against Hugging Face"}

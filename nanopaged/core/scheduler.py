@@ -13,8 +13,8 @@ it goes back to the front of the waiting queue, keeping the tokens it generated.
 Draft tokens change one number: a running request chases `num_tokens_with_spec`, its tokens plus
 the drafts guessed ahead (vLLM's spec_token_ids); `update` rolls rejected drafts back.
 
-Admission first looks the request's prefix up in the prefix cache, so its prefill starts where
-the cache ends; after every step the blocks that became full are named in it. `fork` lets a
+Admission looks the request's prefix up in the prefix cache, then in the block sources (tiers beyond
+it), and its prefill starts where they end; after every step new full blocks are named in it. `fork` lets a
 request share every block of another (n > 1 samples); a write into a shared block first copies
 it (copy-on-write, `_allocate_slots`). A hybrid model's state pages ride along with the blocks
 (core/state_pages.py), and a prompt's images with the encoder cache (core/encoder_cache.py): a step
@@ -42,6 +42,7 @@ class SchedulerOutput:
     encoder_inputs: list[tuple[Request, int]] = field(default_factory=list)   # images to encode: (request, index)
     encoder_frees: list[str] = field(default_factory=list)    # encoder outputs given up: the runner drops them
     sampling: list[Request] = field(default_factory=list)     # set by advance: each counts a placeholder until append
+    blocks_to_fill: list[tuple[int, object]] = field(default_factory=list)   # (new block, K/V a block source supplied)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -58,6 +59,7 @@ class Scheduler:
         self.running: list[Request] = []   # in admission order: the last is the newest
         self.admission_rules: list = []    # rule(request, running) -> bool: may it join them now?
         self.schedule_unsampled = True     # may a request whose token is computing run again? (batch_queue.py: no)
+        self.block_sources: list = []      # source(request, block hashes) -> K/V of the first of them it holds
         self.states = StatePages(block_pool)
         self.encoder = encoder_cache or EncoderCache(0, 0)
 
@@ -135,7 +137,10 @@ class Scheduler:
         hits = self.states.usable_hits(pool.find_cached_prefix(request))
         if self._next_block_in_flight(request, len(hits)):
             return 0          # a running request is computing that very block: wait, then hit it
-        num_cached = len(hits) * pool.block_size
+        wanted = pool.block_hashes(request)[len(hits):pool.max_cache_hit_blocks(request)]
+        # where the pool's hits end, a block source (a tier beyond it) may hold the next blocks' K/V: new blocks, filled
+        supplied = next((kv for source in self.block_sources if wanted and (kv := source(request, wanted))), [])
+        num_cached = (len(hits) + len(supplied)) * pool.block_size
         request.num_computed_tokens = num_cached
         num_new = self.states.align(request, min(request.num_tokens - num_cached, token_budget))
         num_new, to_encode = self.encoder.fit(request, num_new)
@@ -150,6 +155,7 @@ class Scheduler:
         request.num_cached_blocks = len(hits)
         allocated = self._allocate_slots(request, num_new, [])
         assert allocated, "checked above: the free blocks suffice"
+        out.blocks_to_fill += zip(request.block_ids[len(hits):], supplied)
         self.states.take(request, hits, out.blocks_to_copy)
         self.encoder.take(request, num_new, to_encode, out)
         if request.status == RequestStatus.WAITING:   # first admission, not a re-admission

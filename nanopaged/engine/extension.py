@@ -9,6 +9,7 @@ points of a step, extensions in the order of the registry:
     the engine     check_config -> (model_stages, at load) -> attach
     add_request    prepare, block_hash_keys                 check and take a request's fields
     schedule       admit                                    may a waiting request join the running ones?
+                   supply_blocks                            after its prefix hits: K/V of its next blocks?
     execute        before_forward                           per-step inputs the model reads
     select         process_logits, wrap_token_selection     masks; who chooses the tokens
     outputs        stop, forget                             is the output complete? a request ended
@@ -104,6 +105,13 @@ class Extension:
     def admit(self, request: Request, running: list[Request]) -> bool:
         """May this waiting request join the running ones now? (False: it waits, the next are tried.)"""
         return True
+
+    def supply_blocks(self, request: Request, block_hashes: list[bytes]) -> list:
+        """After the pool's prefix hits, the names of a waiting request's next full blocks, in order: the K/V of
+        the first of them that it holds, one record each, in its own form (a tier beyond the pool; vLLM's KV
+        connectors). The scheduler gives each a new block (`SchedulerOutput.blocks_to_fill`): the extension writes
+        them into the KV cache in its `before_forward`. Asked again while the request waits for free blocks."""
+        return []
 
     # ---- one step --------------------------------------------------------------------------------------------
     def before_forward(self, scheduler_output: SchedulerOutput, model_input: ModelInput) -> None:

@@ -117,6 +117,7 @@ class LLMEngine:
         scheduler, runner, sampler and output processor are handed theirs."""
         self.hooks = {name: [getattr(e, name) for e in self.extensions if type(e).overrides(name)] for name in HOOKS}
         self.scheduler.admission_rules = self.hooks["admit"]
+        self.scheduler.block_sources = self.hooks["supply_blocks"]
         self.runner.before_forward = self.hooks["before_forward"]
         self.sampler.logits_processors = self.hooks["process_logits"]
         self.output_processor.stop_rules = self.hooks["stop"]
@@ -269,5 +270,6 @@ class EngineStalled(RuntimeError):
 
 
 # The hooks an extension may override that the engine keeps lists of (the others it calls once, at install).
-HOOKS = ("block_hash_keys", "admit", "before_forward", "process_logits", "stop", "forget", "observe", "propose")
+HOOKS = ("block_hash_keys", "admit", "supply_blocks", "before_forward", "process_logits", "stop", "forget", "observe",
+         "propose")
 PARAM_FIELDS = frozenset(f.name for f in dataclass_fields(SamplingParams))   # request fields set on SamplingParams

@@ -24,9 +24,11 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -78,6 +80,15 @@ class LoRAAdapter:
     @property
     def num_bytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    @cached_property
+    def digest(self) -> str:
+        """Its update by content: lora_int_id is a number a caller picks, the same in another run for another adapter."""
+        h = xxhash.xxh3_128(repr((self.rank, self.scaling, sorted(self.weights))).encode())
+        for key in sorted(self.weights):
+            for w in self.weights[key]:
+                h.update(w.detach().cpu().contiguous().view(torch.uint8).numpy())
+        return h.hexdigest()
 
 
 def load_adapter(request: LoRARequest, m: ModelConfig, max_lora_rank: int, dtype: torch.dtype) -> LoRAAdapter:

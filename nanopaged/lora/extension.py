@@ -48,9 +48,10 @@ class LoRA(Extension):
         self.manager.prepare(samples, fields["lora_request"])
 
     def block_hash_keys(self, request: Request) -> tuple:
-        """The same tokens under another adapter are another prefix."""
+        """The same tokens under another adapter are another prefix; the adapter's weights by content beside its
+        id, for a prefix cache that outlives the process (a block file read by the next run)."""
         key = adapter_id(request)
-        return (key,) if key else ()
+        return (key, self.manager.adapters[key].digest) if key else ()
 
     def admit(self, request: Request, running: list[Request]) -> bool:
         return self.manager.has_slot(request, running)

@@ -25,7 +25,7 @@ SOURCES = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "benchmarks").rglob("*.
 
 # Words that name an extension or its machinery. The core may use none of them in code or strings.
 EXTENSION_WORDS = re.compile(r"lora|adapter|spec_?decod|speculat|structured|grammar|pool(ing|er)|suffix.?(decod|tree|propos)|ngram|"
-                             r"beam|tensor.parallel|\bray\b", re.IGNORECASE)
+                             r"beam|tensor.parallel|\bray\b|kv.?disk|disk.tier", re.IGNORECASE)
 # vLLM's own request vocabulary, which the core keeps so a reader can cross over to vLLM. "Draft" is no
 # extension's name: vLLM's scheduler calls the tokens a request guessed ahead drafts (num_draft_tokens).
 ALLOWED = {
@@ -34,14 +34,14 @@ ALLOWED = {
     "lora_request",          # vLLM's add_request keyword: the engine passes it on as an extension field
 }
 # The rooms whose modules are extensions: nothing may name their modules in a string.
-EXTENSION_MODULES = re.compile(r"^nanopaged\.(lora|spec_decode|structured_output|pooling|extras)\b")
+EXTENSION_MODULES = re.compile(r"^nanopaged\.(lora|spec_decode|structured_output|pooling|kv_disk|extras)\b")
 # Strings that name such modules for another reason, each with its reason:
 MODULE_STRINGS_ALLOWED = {
     # the attention backends' table: triton and flash-attn are optional packages, imported only when chosen
     PACKAGE / "attention" / "backends.py",
 }
 # The engine's seats, and the lists it hands the scheduler, runner, sampler and output processor.
-HANDED_DOWN = {"admission_rules", "before_forward", "logits_processors", "stop_rules"}
+HANDED_DOWN = {"admission_rules", "block_sources", "before_forward", "logits_processors", "stop_rules"}
 
 
 def engine_seats() -> set[str]:
