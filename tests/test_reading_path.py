@@ -94,6 +94,14 @@ LOADED = [
     "nanopaged/models/qwen2_5_vl.py", "nanopaged/models/qwen2_5_vl_vision.py", "nanopaged/worker/vision_runner.py",
     # the other pooling tasks: a classifier's head, LLM.classify / reward / encode / score
     "nanopaged/models/classifier.py", "nanopaged/pooling/tasks.py", "nanopaged/pooling/score.py",
+    # batches in flight for a runner that computes several at once (a pipeline of ranks), and the pipeline's checks
+    "nanopaged/engine/batch_queue.py", "nanopaged/extras/pipeline_parallel/__init__.py",
+    "nanopaged/extras/pipeline_parallel/extension.py",
+    # the prefix cache's disk tier: its key, block files, store, writer thread and extension
+    "nanopaged/kv_disk/__init__.py", "nanopaged/kv_disk/key.py", "nanopaged/kv_disk/block_file.py",
+    "nanopaged/kv_disk/store.py", "nanopaged/kv_disk/writer.py", "nanopaged/kv_disk/extension.py",
+    # a reasoning model's thinking told from its answer: where a structured output's constraint starts
+    "nanopaged/reasoning.py",
 ]
 CHOOSE_IMPORTS = [p for p in FAST_PATH if p != "nanopaged/cpu/attention.py"]
 TABLES = READING_PATH + FAST_PATH + CPP_SOURCES + LOADED   # the three tables the documents print, in order
