@@ -2,11 +2,12 @@
 
 Greedy float32 tokens with pipeline_parallel_size=2 equal one process's on a tiny dense model (tied head:
 stage 0 holds it with the embedding, and computes the logits of the rows the last stage sends back) and a
-tiny mixture of experts (3 layers split by weight, a dense layer among them), under a pool small enough to preempt, a token budget small enough to chunk prompts,
-and prefix-cache hits; with 2 x 2 ranks (tensor x pipeline) too. Each rank's K/V holds its own layers only,
-and the ranks' weights add up to one process's (no tensor held twice);
-two micro-batches really are in flight at once and no request waiting for its token is in another one;
-torchrun launches it across two nodes; a rank that fails ends every process with its error.
+tiny mixture of experts (3 layers split by weight, a dense layer among them), under a pool small enough to
+preempt, a token budget small enough to chunk prompts, and prefix-cache hits; with 2 x 2 ranks (tensor x
+pipeline) too. Each rank's K/V holds its own layers only, and the ranks' weights add up to one process's
+(no tensor held twice); two micro-batches really are in flight at once and no request waiting for its token
+is in another one; torchrun launches it across two nodes; a rank that fails ends every process with its
+error, and a worker that does not start is named as a pipeline's.
 docs/09_tensor_parallel.md, "Pipeline parallelism".
 """
 import itertools

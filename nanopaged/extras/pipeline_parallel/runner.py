@@ -8,11 +8,11 @@
 A batch (`submit`): prepare the inputs as ModelRunner does, broadcast them to stage 0's other ranks,
 run stage 0, and hand the step message and the hidden states to stage 1 without waiting (stage_group.py);
 `collect` waits for the last stage's normed hidden states of that batch's sampling rows and computes
-their logits with stage 0's head (with T > 1, stage 0's other ranks take part: a HEAD message). The engine keeps P batches in flight
-(`max_concurrent_batches`, engine/batch_queue.py), so while stage 1 runs batch A the driver schedules
-and runs batch B: each stage works while the others do. Start, failure and shutdown are tensor
-parallelism's (tensor_parallel/runner.py): a failure in any rank stops every rank and raises. The STOP
-message goes down the pipeline: stage 0's ranks pass it to stage 1's, and so on.
+their logits with stage 0's head (with T > 1, stage 0's other ranks take part: a HEAD message). The
+engine keeps P batches in flight (`max_concurrent_batches`, engine/batch_queue.py), so while stage 1 runs
+batch A the driver schedules and runs batch B: each stage works while the others do. Start, failure and
+shutdown are tensor parallelism's (tensor_parallel/runner.py): a failure in any rank stops every rank and
+raises. The STOP message goes down the pipeline: stage 0's ranks pass it to stage 1's, and so on.
 docs/09_tensor_parallel.md, "Pipeline parallelism".
 """
 from __future__ import annotations
