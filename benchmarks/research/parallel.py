@@ -6,8 +6,9 @@ pipeline parallelism (PP=2) with one batch at a time and with micro-batches; the
 
 Per layout: memory per rank (weights + K/V, as a share of one process's), bytes crossing ranks per step
 (TP: the step message and every all-reduce and gather, counted on rank 0; PP: step messages and hidden
-states between stages, logits back), output tokens/s, each rank's bubble (a pipeline's stage: 1 - busy /
-wall; TP's ranks run in lockstep: none measured) and whether its greedy tokens equal one process's.
+states between stages, the logit rows' normed hidden states back), output tokens/s, each rank's bubble (a
+pipeline's stage: 1 - busy / wall; TP's ranks run in lockstep: none measured) and whether its greedy tokens
+equal one process's.
 Shapes (benchmarks/data/model_shapes.json): the demo model's with 8 query and 2 KV heads of 64, since its
 9 and 3 do not split in two; OLMoE-1B-7B's at a quarter (hidden 512, expert width 256, 4 of 16 layers,
 its 64 experts and top-8 kept). docs/09_tensor_parallel.md.

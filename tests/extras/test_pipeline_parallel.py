@@ -1,14 +1,19 @@
 """Pipeline parallelism over torch.distributed (gloo on CPU): P stages of layers compute what one process does.
 
 Greedy float32 tokens with pipeline_parallel_size=2 equal one process's on a tiny dense model (tied head:
-the last stage loads the embedding as its head) and a tiny mixture of experts (3 layers: 2 + 1, a dense
-layer among them), under a pool small enough to preempt, a token budget small enough to chunk prompts,
-and prefix-cache hits; with 2 x 2 ranks (tensor x pipeline) too. Each rank's K/V holds its own layers only;
-two micro-batches really are in flight at once and no request waiting for its token is in another one;
-torchrun launches it across two nodes; a rank that fails ends every process with its error.
+stage 0 holds it with the embedding, and computes the logits of the rows the last stage sends back) and a
+tiny mixture of experts (3 layers split by weight, a dense layer among them), under a pool small enough to
+preempt, a token budget small enough to chunk prompts, and prefix-cache hits; with 2 x 2 ranks (tensor x
+pipeline) too. Each rank's K/V holds its own layers only, and the ranks' weights add up to one process's
+(no tensor held twice); two micro-batches really are in flight at once and no request waiting for its token
+is in another one; torchrun launches it across two nodes; a rank that fails ends every process with its
+error, and a worker that does not start is named as a pipeline's.
 docs/09_tensor_parallel.md, "Pipeline parallelism".
 """
+import itertools
+import json
 import multiprocessing
+import random
 import socket
 import subprocess
 import sys
@@ -24,7 +29,8 @@ from conftest import EOS_TOKEN_ID, _randomize, _tiny_tokenizer, make_prompts
 from nanopaged import LLM, SamplingParams
 from nanopaged.extras.pipeline_parallel.runner import PipelineParallelRunner
 from nanopaged.extras.pipeline_parallel.stage_runner import StageRunner
-from nanopaged.extras.pipeline_parallel.stages import stage_layers, stage_rename
+from nanopaged.extras.pipeline_parallel.stages import part_weights, split_model, stage_layers, stage_rename
+from nanopaged.models.config import ModelConfig
 from nanopaged.extras.tensor_parallel import TensorParallelError
 
 # a hang guard, for a busy machine: the module's first test starts two pipelines of two ranks
@@ -117,21 +123,52 @@ def test_greedy_tokens_with_two_stages_equal_one_process(results, arch):
     assert len({tuple(t) for t in two["tight"]}) > 5                    # not a vacuous comparison
 
 
-def test_the_layers_split_as_vllm_splits_them():
-    """L // P a stage, the remainder one more each to the stages just before the last (get_pp_indices)."""
-    assert [len(r) for r in stage_layers(30, 4)] == [7, 8, 8, 7]
-    assert stage_layers(30, 2) == [range(0, 15), range(15, 30)]
-    assert [len(r) for r in stage_layers(3, 2)] == [2, 1] and [len(r) for r in stage_layers(5, 3)] == [2, 2, 1]
+def stage_weights(stages, layers, first, last) -> list[int]:
+    return [sum(layers[i] for i in r) + (first if s == 0 else 0) + (last if s == len(stages) - 1 else 0)
+            for s, r in enumerate(stages)]
 
 
-def test_a_stage_reads_its_own_layers_renumbered_and_a_tied_head_from_the_embedding():
-    last = stage_rename(range(15, 30), first=False, last=True, tied=True)
+def test_the_demo_models_layers_split_by_weight_so_the_first_stage_with_the_head_takes_fewer():
+    """SmolLM2-135M's shape: its tied embedding (49,152 x 576) is a fifth of the weights and sits on stage 0."""
+    shape = json.loads((ROOT / "benchmarks/data/model_shapes.json").read_text())["dense"]["smollm2-135m-8h"]
+    cfg = ModelConfig.from_dict({**shape, "architectures": ["LlamaForCausalLM"]})
+    stages = split_model(cfg, 2)
+    assert [i for r in stages for i in r] == list(range(30))                 # every layer in one stage, in order
+    assert len(stages[0]) < len(stages[1])
+    weights = stage_weights(stages, *part_weights(cfg))
+    assert max(weights) / sum(weights) < 0.51                                # vLLM's 15 + 15: about 0.6
+
+
+def test_the_split_has_the_smallest_largest_stage_of_every_split():
+    """Against every choice of cut points, on small random models (uneven layers: a mixture's dense ones)."""
+    rng = random.Random(0)
+    for _ in range(200):
+        num_layers = rng.randint(1, 9)
+        stages_n = rng.randint(1, num_layers)
+        layers = [rng.choice([10, 10, 30]) for _ in range(num_layers)]
+        first, last = rng.randint(0, 60), rng.randint(0, 5)
+        stages = stage_layers(layers, first, last, stages_n)
+        assert [i for r in stages for i in r] == list(range(num_layers)) and all(len(r) for r in stages)
+        every = [stage_weights([range(a, b) for a, b in zip((0, *cuts), (*cuts, num_layers))], layers, first, last)
+                 for cuts in itertools.combinations(range(1, num_layers), stages_n - 1)]
+        assert max(stage_weights(stages, layers, first, last)) == min(map(max, every))
+
+
+def test_equal_layers_without_extras_split_evenly():
+    assert [len(r) for r in stage_layers([1] * 30, 0, 0, 2)] == [15, 15]
+    assert sorted(len(r) for r in stage_layers([1] * 30, 0, 0, 4)) == [7, 7, 8, 8]
+
+
+def test_a_stage_reads_its_own_layers_renumbered_and_the_first_holds_the_head():
+    last = stage_rename(range(15, 30), first=False, last=True)
     assert last("model.layers.16.mlp.down_proj.weight") == "model.layers.1.mlp.down_proj.weight"
     assert last("model.layers.14.mlp.down_proj.weight") is None                  # stage 0's
-    assert last("model.embed_tokens.weight") == "lm_head.weight"
-    first = stage_rename(range(0, 15), first=True, last=False, tied=True)
+    assert last("model.embed_tokens.weight") is None and last("lm_head.weight") is None
+    assert last("model.norm.weight") == "model.norm.weight"
+    first = stage_rename(range(0, 15), first=True, last=False)
     assert first("model.embed_tokens.weight") == "model.embed_tokens.weight"
-    assert first("model.norm.weight") is None and first("lm_head.weight") is None
+    assert first("lm_head.weight") == "lm_head.weight"
+    assert first("model.norm.weight") is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
@@ -139,13 +176,21 @@ def test_each_rank_holds_the_kv_of_its_own_layers_only(results, arch):
     r = results[arch]
     layers, _, blocks, *rest = r["kv_shape_1"]
     stages = r["pipeline"]["stages"]
-    assert stages == ([[0, 1], [1, 2]] if layers == 2 else [[0, 2], [2, 3]])    # vLLM's split: the remainder first
+    # the mixture: stage 0's embedding and untied head outweigh a layer, so it takes one layer of three
+    assert stages == [[0, 1], [1, layers]]
     assert r["kv_shape_rank0"] == (stages[0][1], 2, blocks, *rest)              # rank 0: stage 0's layers
     kv = [m["kv_cache_bytes"] for m in r["pipeline"]["memory_per_rank"]]
     per_layer = 4 * 2 * blocks * torch.Size(rest).numel()                          # float32, K and V
     assert kv == [(b - a) * per_layer for a, b in stages]
     weights = [m["weight_bytes"] for m in r["pipeline"]["memory_per_rank"]]
     assert all(w < r["weights_1"] for w in weights)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_no_tensor_is_held_twice_not_even_a_tied_head(results, arch):
+    """Stage 0 holds the embedding and the head (tied: the one tensor), the last stage the final norm."""
+    weights = [m["weight_bytes"] for m in results[arch]["pipeline"]["memory_per_rank"]]
+    assert sum(weights) == results[arch]["weights_1"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
@@ -211,6 +256,16 @@ def test_a_rank_that_fails_ends_every_process_with_its_error(model_dirs):
     with pytest.raises(TensorParallelError, match="have stopped"):
         llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert llm.get_stats()["kv_cache_usage"] == 0.0      # both batches in flight were aborted, their blocks back
+
+
+def test_a_pipeline_worker_that_does_not_start_is_named_as_one(model_dirs, tmp_path):
+    """A script without a main guard: spawn re-imports it in the worker, which dies before joining."""
+    script = tmp_path / "no_guard.py"
+    script.write_text("import sys\nfrom nanopaged import LLM\nLLM(sys.argv[1], pipeline_parallel_size=2)\n")
+    proc = subprocess.run([sys.executable, str(script), model_dirs["llama"]], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "pipeline-parallel worker rank 1 did not start" in proc.stderr.splitlines()[-1]
 
 
 # ---- torchrun across two nodes -----------------------------------------------------------------------

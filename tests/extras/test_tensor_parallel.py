@@ -253,7 +253,7 @@ def test_a_script_without_a_main_guard_fails_fast_with_a_clear_error(tiny_model_
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode != 0
     # "exit code 1": the driver saw the worker die; the rendezvous' timeout would find it alive (None)
-    assert "did not start (exit code 1)" in proc.stderr.splitlines()[-1]
+    assert "tensor-parallel worker rank 1 did not start (exit code 1)" in proc.stderr.splitlines()[-1]
     assert "if __name__ == '__main__':" in proc.stderr.splitlines()[-1]
 
 

@@ -1,17 +1,18 @@
 """The driver's runner: stage 0's layers, the other stages behind it, several batches in flight.
 
     LLM(model, pipeline_parallel_size=P, tensor_parallel_size=T)
-      driver process = global rank 0: engine, scheduler, block pool, sampler, and stage 0's layers
-                       (1/T of them, with T > 1)
+      driver process = global rank 0: engine, scheduler, block pool, sampler, and stage 0: the embedding,
+                       its layers and the head (1/T of them, with T > 1)
       P x T - 1 workers = the other ranks (stage_runner.py: StageRunner.serve), spawned here or by torchrun
 
 A batch (`submit`): prepare the inputs as ModelRunner does, broadcast them to stage 0's other ranks,
 run stage 0, and hand the step message and the hidden states to stage 1 without waiting (stage_group.py);
-`collect` waits for the last stage's logits of that batch. The engine keeps P batches in flight
-(`max_concurrent_batches`, engine/batch_queue.py), so while stage 1 runs batch A the driver schedules
-and runs batch B: each stage works while the others do. Start, failure and shutdown are tensor
-parallelism's (tensor_parallel/runner.py): a failure in any rank stops every rank and raises. The STOP
-message goes down the pipeline: stage 0's ranks pass it to stage 1's, and so on.
+`collect` waits for the last stage's normed hidden states of that batch's sampling rows and computes
+their logits with stage 0's head (with T > 1, stage 0's other ranks take part: a HEAD message). The
+engine keeps P batches in flight (`max_concurrent_batches`, engine/batch_queue.py), so while stage 1 runs
+batch A the driver schedules and runs batch B: each stage works while the others do. Start, failure and
+shutdown are tensor parallelism's (tensor_parallel/runner.py): a failure in any rank stops every rank and
+raises. The STOP message goes down the pipeline: stage 0's ranks pass it to stage 1's, and so on.
 docs/09_tensor_parallel.md, "Pipeline parallelism".
 """
 from __future__ import annotations
@@ -25,7 +26,6 @@ from nanopaged.config import EngineConfig
 from nanopaged.core.scheduler import SchedulerOutput
 from nanopaged.extras.pipeline_parallel.stage_group import PipelineGroup
 from nanopaged.extras.pipeline_parallel.stage_runner import StageRunner
-from nanopaged.extras.pipeline_parallel.stages import stage_layers
 from nanopaged.extras.tensor_parallel.runner import JOIN_TIMEOUT_S, TensorParallelRunner
 from nanopaged.extras.tensor_parallel.step_message import StepInputs, message_bytes, pack, stop_header
 from nanopaged.worker.model_runner import ModelInput, ModelRunnerOutput
@@ -37,7 +37,7 @@ class PipelineParallelRunner(TensorParallelRunner, StageRunner):
     def __init__(self, config: EngineConfig, rank_runner_class: type[StageRunner] = StageRunner) -> None:
         self.batches_in_flight, self.wall_s, self._busy_since = 0, 0.0, 0.0
         self.busy_per_stage = [0.0] * config.pipeline_parallel_size   # seconds each stage computed, since the start
-        self.bytes_between_stages = 0    # step messages and hidden states forward, logits back
+        self.bytes_between_stages = 0    # step messages and hidden states forward, sampling rows back
         super().__init__(config, rank_runner_class)
         self.max_concurrent_batches = config.pipeline_parallel_size    # one batch per stage (vLLM's batch queue)
 
@@ -75,10 +75,16 @@ class PipelineParallelRunner(TensorParallelRunner, StageRunner):
         return inputs, len(logit_rows)
 
     def collect(self, handle) -> ModelRunnerOutput:
-        """The logits of the oldest batch in flight, from the last stage."""
+        """The logits of the oldest batch in flight: its sampling rows from the last stage, through stage 0's head."""
         inputs, num_rows = handle
+        g = self.group
         try:
-            busy, logits = self.group.receive_back(num_rows, self.config.model_config.vocab_size, self.dtype)
+            busy, rows = g.receive_back(num_rows, self.config.model_config.hidden_size, self.dtype)
+            logits = None
+            if rows is not None:
+                if g.world_size > 1:       # stage 0's other tensor-parallel ranks hold the rest of the vocabulary
+                    g.send_head(rows)
+                logits = self.run_head(rows)
         except BaseException as e:
             self._fail(e)
             raise
@@ -86,7 +92,7 @@ class PipelineParallelRunner(TensorParallelRunner, StageRunner):
         if self.batches_in_flight == 0:
             self.wall_s += time.perf_counter() - self._busy_since
         self.busy_per_stage = [self.busy_s] + busy.tolist()[1:]
-        self.bytes_between_stages += busy.nbytes + (0 if logits is None else logits.nbytes)
+        self.bytes_between_stages += busy.nbytes + (0 if rows is None else rows.nbytes)
         return self._split(inputs, logits)
 
     def forward(self, out: SchedulerOutput, inputs: ModelInput) -> ModelRunnerOutput:
@@ -96,8 +102,7 @@ class PipelineParallelRunner(TensorParallelRunner, StageRunner):
     def figures(self) -> dict:
         """Since the start: each stage's layers, every rank's weight and K/V bytes (by global rank), the
         seconds each stage computed, the wall time batches were in flight, the bytes between stages."""
-        layers = stage_layers(self.config.model_config.num_hidden_layers, self.group.num_stages)
-        return {"stages": [[r.start, r.stop] for r in layers], "memory": self.memory,
+        return {"stages": [[r.start, r.stop] for r in self.layers_per_stage], "memory": self.memory,
                 "busy_s": list(self.busy_per_stage), "wall_s": self.wall_s, "batches": self.steps_sent,
                 "bytes_between_stages": self.bytes_between_stages}
 

@@ -9,12 +9,14 @@ of stages s - 1 and s + 1 only:
     forward    the step message (int64, on the control group), then over the default group (the
                device's backend) every stage's busy seconds so far and the hidden states (tokens, hidden)
     back       the last stage's rank 0 sends rank 0 of the job every stage's busy seconds and the
-               logits of the rows that sample (default group)
+               normed hidden states of the rows that sample, (rows, hidden) (default group)
+    head       the first stage holds the head: its rank 0 (the driver) broadcasts a HEAD header and
+               those rows to the stage's other ranks, and their vocabulary shares gather on it
 
 Sends are non-blocking (isend): a stage hands the batch on and starts the next while the transfer runs;
 every rank receives in the order batches were sent, which is the order the driver submitted them.
 A rank waiting for the next step waits on the control group, whose timeout is the idle one (days); what
-follows a step message, and the logits the driver waits for, travel on the default group, whose timeout
+follows a step message, and the rows the driver waits for, travel on the default group, whose timeout
 (minutes) ends the wait for a rank that hangs mid-step.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.distributed as dist
 
 from nanopaged.config import EngineConfig
 from nanopaged.extras.tensor_parallel import parallel_state as ps
-from nanopaged.extras.tensor_parallel.step_message import HEADER_LEN, STOP, body_len, stop_header
+from nanopaged.extras.tensor_parallel.step_message import HEAD, HEADER_LEN, STOP, body_len, stop_header
 
 DRIVER = 0
 
@@ -79,23 +81,37 @@ class PipelineGroup(ps.RankGroup):
         return header, body, busy, hidden
 
     # ---- back to the driver ----------------------------------------------------------------------------
-    def send_back(self, busy: torch.Tensor, logits: torch.Tensor | None) -> None:
-        """The last stage's rank 0: every stage's busy seconds, then the logits (none if no row samples)."""
+    def send_back(self, busy: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """The last stage's rank 0: every stage's busy seconds, then the normed hidden states of the rows
+        that sample (none if no row samples)."""
         works = [dist.isend(busy, DRIVER)]
-        if logits is not None:
-            works.append(dist.isend(logits.contiguous(), DRIVER))
+        if rows is not None:
+            works.append(dist.isend(rows.contiguous(), DRIVER))
         self._keep(works)
 
-    def receive_back(self, num_rows: int, vocab_size: int, dtype: torch.dtype):
-        """The driver: (busy seconds per stage, logits or None) of the oldest batch in flight."""
+    def receive_back(self, num_rows: int, hidden_size: int, dtype: torch.dtype):
+        """The driver: (busy seconds per stage, the rows' hidden states or None) of the oldest batch in flight."""
         last = (self.num_stages - 1) * self.world_size
         busy = self.busy_seconds()
         dist.recv(busy, last)
         if num_rows == 0:
             return busy, None
-        logits = torch.empty((num_rows, vocab_size), dtype=dtype, device=self.device)
-        dist.recv(logits, last)
-        return busy, logits
+        rows = torch.empty((num_rows, hidden_size), dtype=dtype, device=self.device)
+        dist.recv(rows, last)
+        return busy, rows
+
+    # ---- the head, on the first stage --------------------------------------------------------------------
+    def send_head(self, rows: torch.Tensor) -> None:
+        """The driver, to the first stage's other ranks: a HEAD header, then the rows (their logits next)."""
+        header = torch.zeros(HEADER_LEN, dtype=torch.long)
+        header[0], header[1] = HEAD, rows.shape[0]
+        self.broadcast_from_driver(header)
+        self.broadcast_rows(rows)
+
+    def broadcast_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The driver's hidden rows on every rank of the stage (its device group: NCCL sends device tensors)."""
+        dist.broadcast(rows, group=self.compute, group_src=0)
+        return rows
 
     def busy_seconds(self) -> torch.Tensor:
         """Every stage's busy seconds, as one batch carries them (on the device: NCCL sends device tensors)."""

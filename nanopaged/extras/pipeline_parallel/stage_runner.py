@@ -6,7 +6,9 @@ KV cache is (its layers, K/V, blocks, block_size, kv_heads / T, head_dim). Every
 number of blocks (the smallest any rank can afford, agreed over the whole job), so the driver's one
 block table addresses all of them. A worker's loop (`serve`): receive a batch from the stage before
 (or the driver's broadcast, on the first stage), run its layers, hand the hidden states on; the last
-stage sends the logits of the rows that sample back to the driver.
+stage ends with the final norm and sends the hidden states of the rows that sample back to the driver,
+whose stage holds the head. On the first stage's other tensor-parallel ranks the loop also takes a HEAD
+message: those rows, for their share of the vocabulary-parallel head (the logits gather on the driver).
 """
 from __future__ import annotations
 
@@ -17,10 +19,10 @@ from torch import nn
 
 from nanopaged.config import EngineConfig
 from nanopaged.extras.pipeline_parallel.stage_group import PipelineGroup, join_pipeline
-from nanopaged.extras.pipeline_parallel.stages import keep_stage, materialize, stage_config, stage_layers, stage_rename
+from nanopaged.extras.pipeline_parallel.stages import keep_stage, materialize, split_model, stage_config, stage_rename
 from nanopaged.extras.tensor_parallel.parallel_state import Address
 from nanopaged.extras.tensor_parallel.rank_runner import RankRunner
-from nanopaged.extras.tensor_parallel.step_message import HEADER_LEN, STOP, StepInputs, body_len, unpack
+from nanopaged.extras.tensor_parallel.step_message import HEAD, HEADER_LEN, STOP, StepInputs, body_len, unpack
 from nanopaged.models.config import ModelConfig
 from nanopaged.models.llama import LlamaForCausalLM
 
@@ -30,7 +32,8 @@ class StageRunner(RankRunner):
     group: PipelineGroup
 
     def __init__(self, config: EngineConfig, group: PipelineGroup) -> None:
-        self.layers = stage_layers(config.model_config.num_hidden_layers, group.num_stages)[group.stage]
+        self.layers_per_stage = split_model(config.model_config, group.num_stages)
+        self.layers = self.layers_per_stage[group.stage]
         self.busy_s = 0.0            # seconds this rank spent computing its stage (the rest: waiting)
         super().__init__(config, group)
 
@@ -57,29 +60,43 @@ class StageRunner(RankRunner):
 
     def checkpoint_rename(self):
         g = self.group
-        return stage_rename(self.layers, g.is_first, g.is_last, self.config.model_config.tie_word_embeddings)
+        return stage_rename(self.layers, g.is_first, g.is_last)
 
     def profile_model(self, inputs, kv_cache: torch.Tensor) -> None:
-        """CUDA's memory profile: the stage's layers on hidden states of the batch's size."""
-        self.run_stage(StepInputs(inputs.input_ids, inputs.positions, inputs.meta, inputs.sample_rows, []),
-                       self._zeros(inputs.input_ids.numel()), kv_cache)
+        """CUDA's memory profile: the stage's layers on hidden states of the batch's size; the first
+        stage's head on its sampling rows."""
+        out = self.run_stage(StepInputs(inputs.input_ids, inputs.positions, inputs.meta, inputs.sample_rows, []),
+                             self._zeros(inputs.input_ids.numel()), kv_cache)
+        if self.group.is_first and inputs.sample_rows:
+            self.model.compute_logits(out[inputs.sample_rows])
 
     # ---- one batch -----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run_stage(self, step: StepInputs, hidden: torch.Tensor | None, kv_cache: torch.Tensor | None = None):
-        """Copy-on-write copies, this stage's layers; the hidden states out, or on the last stage the logits
-        of `step.logit_rows` (on its rank 0; None elsewhere, and when no row samples)."""
+        """Copy-on-write copies, this stage's layers; the hidden states out, or on the last stage (after the
+        final norm) only the rows of `step.logit_rows` (None when no row samples)."""
         start = time.perf_counter()
         self.copy_blocks(step.blocks_to_copy)
         embeds = {} if self.group.is_first else {"inputs_embeds": hidden}
         out = self.model(step.input_ids, step.positions, self.kv_cache if kv_cache is None else kv_cache,
                          step.meta, **embeds)
         if self.group.is_last:
-            out = self.model.compute_logits(out[step.logit_rows]) if step.logit_rows else None
+            out = out[step.logit_rows] if step.logit_rows else None      # (rows, hidden): the head is stage 0's
+        self._count_busy(start)
+        return out
+
+    @torch.inference_mode()
+    def run_head(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The first stage: the logits of the last stage's normed rows, gathered on its rank 0 (None elsewhere)."""
+        start = time.perf_counter()
+        logits = self.model.compute_logits(rows)
+        self._count_busy(start)
+        return logits
+
+    def _count_busy(self, start: float) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)     # busy means computed, not queued
         self.busy_s += time.perf_counter() - start
-        return out
 
     def serve(self) -> None:
         """A worker's loop: a batch from the stage before (the first stage: the driver's broadcast), its
@@ -91,6 +108,9 @@ class StageRunner(RankRunner):
                 g.send_stop_forward()
                 return
             header, body, busy, hidden = received
+            if header[0].item() == HEAD:            # the first stage's rank t > 0: its share of the head
+                self.run_head(hidden)
+                continue
             out = self.run_stage(unpack(header, body, self.block_size, self.device), hidden)
             busy[g.stage] = self.busy_s
             if not g.is_last:
@@ -105,6 +125,10 @@ class StageRunner(RankRunner):
         header = g.broadcast_from_driver(torch.empty(HEADER_LEN, dtype=torch.long))
         if header[0].item() == STOP:
             return None
+        if header[0].item() == HEAD:               # the rows the last stage sent the driver
+            rows = torch.empty((header[1].item(), self.config.model_config.hidden_size), dtype=self.dtype,
+                               device=self.device)
+            return header, None, None, g.broadcast_rows(rows)
         body = g.broadcast_from_driver(torch.empty(body_len(header), dtype=torch.long))
         return header, body, g.busy_seconds(), None
 

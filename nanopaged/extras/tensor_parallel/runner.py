@@ -70,26 +70,26 @@ class Workers:
                     out.append(text)
         return out
 
-    def wait_until_joining(self) -> None:
+    def wait_until_joining(self, worker_kind: str) -> None:
         """Wait for every worker's "joining" before the rendezvous, so that a worker that dies while
         starting (an import error, a script without a main guard) is an error now, not a long timeout."""
         deadline = time.monotonic() + ps.STORE_TIMEOUT.total_seconds()
         for rank, (p, conn) in enumerate(zip(self.processes, self.pipes), start=1):
             while not conn.poll(0.1):
                 if not p.is_alive() or time.monotonic() > deadline:
-                    raise TensorParallelError(_not_started(rank, p))
+                    raise TensorParallelError(_not_started(worker_kind, rank, p))
             try:
                 kind, text = conn.recv()
             except EOFError:
-                raise TensorParallelError(_not_started(rank, p)) from None
+                raise TensorParallelError(_not_started(worker_kind, rank, p)) from None
             if kind == "failed":
                 raise TensorParallelError(text)
 
 
-def _not_started(rank: int, process) -> str:
+def _not_started(worker_kind: str, rank: int, process) -> str:
     process.join(1.0)             # its exit code, if it is on its way out
-    return (f"tensor-parallel worker rank {rank} did not start (exit code {process.exitcode}). Its own traceback is on "
-            "stderr. A script that creates a tensor-parallel LLM must do it under `if __name__ == "
+    return (f"{worker_kind} worker rank {rank} did not start (exit code {process.exitcode}). Its own traceback is on "
+            f"stderr. A script that creates a {worker_kind} LLM must do it under `if __name__ == "
             "'__main__':`, since spawned workers import the script's main module (docs/09_tensor_parallel.md)")
 
 
@@ -160,7 +160,7 @@ class TensorParallelRunner(RankRunner):
             send.close()              # the worker holds the sending end now: its death is an EOF here
             self.workers.processes.append(p)
             self.workers.pipes.append(receive)
-        self.workers.wait_until_joining()
+        self.workers.wait_until_joining(rank_runner_class.kind)
         return self.join_group(config, 0, address, self.workers.store)
 
     def _join_torchrun(self, config: EngineConfig, n: int, rank_runner_class) -> ps.RankGroup:

@@ -5,8 +5,8 @@ requests: each step the driver sends them the runner's inputs (worker/model_runn
 `ModelRunner.prepare_inputs`), flattened, in two broadcasts (a fixed header with the
 lengths, then the body):
 
-    header   8 values: kind (STEP or STOP), T tokens, R requests, B blocks per table row,
-             L logit rows, C block copies, 0, 0
+    header   8 values: kind (STEP, STOP, or a pipeline's HEAD), T tokens, R requests,
+             B blocks per table row, L logit rows, C block copies, 0, 0
     body     input_ids (T), positions (T), slot_mapping (T), query_lens (R), seq_lens (R),
              block_tables (R x B), logit_rows (L), copy-on-write pairs (2C)
 
@@ -26,6 +26,7 @@ from nanopaged.attention.metadata import AttentionMetadata
 
 HEADER_LEN = 8
 STOP, STEP = 0, 1
+HEAD = 2     # a pipeline's: the rows whose logits the first stage's ranks compute (extras/pipeline_parallel/)
 
 
 @dataclass
