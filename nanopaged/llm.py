@@ -55,7 +55,10 @@ class LLM:
     def __init__(self, model: str | None = None, **config) -> None:
         """`config`: nanopaged's settings and vLLM's engine arguments (nanopaged/vllm_compat.py)."""
         governor = ThreadGovernor()          # made first: the model's loading is its first window
+        self.runner_extensions = []          # what a runner across ranks adds to the engine (make_runner)
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model_folder(model), **config), self.make_runner)
+        for ext in self.runner_extensions:
+            self.llm_engine.install(ext)
         self._request_ids = itertools.count()
         self._default_params = None
         self._busy = threading.Lock()
@@ -87,9 +90,13 @@ class LLM:
             m = config.model_config
             kind = HybridModelRunner if m.hybrid else VisionLanguageModelRunner if m.vision else ModelRunner
             return kind(config, stages)
-        assert not stages, f"model stages {[s.name for s in stages]} across ranks"
         from nanopaged.extras.tensor_parallel import TensorParallelRunner   # torch.distributed only when used
+        from nanopaged.extras.pipeline_parallel.extension import PipelineParallel
         from nanopaged.extras.pipeline_parallel.runner import PipelineParallelRunner
+        if config.pipeline_parallel_size > 1:
+            PipelineParallel.check_config(config)      # its refusals, before any weight loads or process starts
+            self.runner_extensions.append(PipelineParallel(config))   # its figures in get_stats()
+        assert not stages, f"model stages {[s.name for s in stages]} across ranks"
         runner = (PipelineParallelRunner if config.pipeline_parallel_size > 1 else TensorParallelRunner)(config)
         weakref.finalize(self, runner.shutdown)
         return runner

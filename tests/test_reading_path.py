@@ -94,9 +94,8 @@ LOADED = [
     "nanopaged/models/qwen2_5_vl.py", "nanopaged/models/qwen2_5_vl_vision.py", "nanopaged/worker/vision_runner.py",
     # the other pooling tasks: a classifier's head, LLM.classify / reward / encode / score
     "nanopaged/models/classifier.py", "nanopaged/pooling/tasks.py", "nanopaged/pooling/score.py",
-    # batches in flight for a runner that computes several at once (a pipeline of ranks), and the pipeline's checks
-    "nanopaged/engine/batch_queue.py", "nanopaged/extras/pipeline_parallel/__init__.py",
-    "nanopaged/extras/pipeline_parallel/extension.py",
+    # batches in flight, for a runner that computes several at once (a pipeline of ranks)
+    "nanopaged/engine/batch_queue.py",
     # the prefix cache's disk tier: its key, block files, store, writer thread and extension
     "nanopaged/kv_disk/__init__.py", "nanopaged/kv_disk/key.py", "nanopaged/kv_disk/block_file.py",
     "nanopaged/kv_disk/store.py", "nanopaged/kv_disk/writer.py", "nanopaged/kv_disk/extension.py",
@@ -138,10 +137,16 @@ TABLES = READING_PATH + FAST_PATH + CPP_SOURCES + LOADED   # the three tables th
 # every model: which images a step encodes within its budget, which it keeps, an image's hash in the block hash,
 # a chunk cut before an image it cannot encode; a model taking inputs_embeds; the config's encoder and media
 # settings and its vision-language and classifier readings; LLM's classify, reward, encode and score; the
-# images' extension, two vision-language models with their runner, and a classifier's head loaded by every call)
-LINE_BUDGET = 4975
-DEFAULT_LINE_BUDGET = 7775
-LOADED_BUDGET = 7575
+# images' extension, two vision-language models with their runner, and a classifier's head loaded by every call);
+# 5,050, 7,840 and 8,450 until pipeline parallelism, the disk tier and reasoning output (59: the scheduler's
+# micro-batch share and its rule for a token still computing, the engine's batches in flight (engine/batch_queue.py,
+# loaded by every call), LLM.make_runner's pipeline runner; 60: the supply_blocks hook (the scheduler asks block
+# sources after the pool's hits and fills their blocks) and the disk tier's six files, an extension of the registry;
+# 61: the reasoning parsers the structured-output manager imports, the setting's check; a chat template's own error
+# made a ValueError)
+LINE_BUDGET = 5050
+DEFAULT_LINE_BUDGET = 7840
+LOADED_BUDGET = 8450
 # The design card's three parts: the block manager, the scheduler, the model runner with the
 # torch attention it calls (the metadata it builds, the reference backend).
 THREE_PARTS = {
@@ -150,14 +155,17 @@ THREE_PARTS = {
     "model runner + torch attention": ["nanopaged/worker/model_runner.py", "nanopaged/attention/metadata.py",
                                        "nanopaged/attention/torch_backend.py"],
 }
-THREE_PARTS_BUDGET = 1115     # 1,000 until async scheduling's placeholder token (54): the request counts one, and
+THREE_PARTS_BUDGET = 1125     # 1,000 until async scheduling's placeholder token (54): the request counts one, and
                               # the scheduler's update in two halves, so a step can be scheduled between them; 1,025
                               # until a hybrid's state pages (57): the request's pages, a block's snapshot and
                               # the pool's count of snapshot pages it can take back, the scheduler's calls into
                               # core/state_pages.py, the metadata's pages per request; the torch backend's
                               # decode reading only the slots in use of a large block; 1,090 until images (58):
                               # the request's encoder inputs, the scheduler's calls into core/encoder_cache.py
-                              # and the block hash's image keys, the runner's inputs_embeds
+                              # and the block hash's image keys, the runner's inputs_embeds; 1,115 until batches
+                              # in flight (59: a step's share of sequences, a request whose token still computes
+                              # waits, one placeholder retired per sampled step) and block sources (60: the blocks
+                              # after the pool's hits, filled from a tier beyond it)
 # Words of every extension: a name holding one in the block pool, the scheduler, the runner or the
 # engine step means an extension's logic lives there instead of behind a hook.
 EXTENSION_WORDS = ("beam", "graph", "stats", "statistic", "bench", "triton", "flash", "demo", "fuse", "quant",

@@ -1,7 +1,9 @@
 """Pipeline parallelism's place in the engine's contract: its refusals, checked before any process starts,
 and its figures in get_stats()["pipeline_parallel"].
 
-The runner itself comes in through LLM.make_runner (nanopaged/llm.py), as tensor parallelism's does.
+It is not in the registry (nanopaged/extensions.py), whose extensions every engine imports: the layers
+below LLM never import extras/. LLM.make_runner (nanopaged/llm.py) runs its check_config before it builds the
+runner, as tensor parallelism's comes in, and installs it once the engine is built.
 """
 from __future__ import annotations
 
