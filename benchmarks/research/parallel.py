@@ -66,7 +66,7 @@ def measure(model_dir: str, layout: dict, trace, args) -> dict:
             counted.bytes = 0
         timing, outs = timed_generate(llm, token_prompts(trace.prompts), [greedy(n) for n in trace.output_lens])
         stats = llm.get_stats()
-        pipeline = stats["pipeline_parallel"]
+        pipeline = stats.get("pipeline_parallel")      # installed only under pipeline parallelism
         memory = getattr(runner, "memory", None) or [[sum(p.nbytes for p in runner.model.parameters()),
                                                       runner.kv_cache.nbytes]]
         if pipeline is not None:
@@ -106,10 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.research.parallel")
     p.add_argument("--dense", default="smollm2-135m-8h", help="a dense shape of benchmarks/data/model_shapes.json")
     p.add_argument("--moe", default="olmoe-1b-7b-quarter", help="a mixture-of-experts shape, for EP=2 against TP=2")
-    p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--num-requests", type=int, default=32)   # enough to share out: a short tail
     p.add_argument("--input-len", type=int, nargs=2, default=(32, 64))
-    p.add_argument("--output-len", type=int, nargs=2, default=(16, 32))
-    p.add_argument("--num-kv-blocks", type=int, default=128)
+    p.add_argument("--output-len", type=int, nargs=2, default=(32, 64))
+    p.add_argument("--num-kv-blocks", type=int, default=512)
     p.add_argument("--dtype", default="float32", help="float32: greedy tokens comparable bit for bit")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
