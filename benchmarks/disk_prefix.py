@@ -28,7 +28,7 @@ from nanopaged import LLM
 from nanopaged.kv_disk.extension import KVDisk
 
 NUM_SYSTEM_PROMPTS = 5
-DISK_ROUNDS = 2
+DISK_ROUNDS = 5
 TRACE = dict(num_requests=32, input_len=(32, 128), output_len=(16, 64))     # bench.py's default trace (DEFAULTS)
 ROOT = Path(__file__).resolve().parents[1]
 
