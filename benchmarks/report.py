@@ -554,18 +554,3 @@ def print_ray(result: dict) -> None:
     table(("run", 14), [("rows/s", 9, ".2f"), ("out tok/s", 11, ".1f"), ("gen s", 8, ".1f"), ("wall s", 8, ".1f"),
                         ("vs generate", 13, "+.0%"), ("same tokens", 13, "")],
           {r["run"]: [r[k] for k in keys] for r in result["runs"]})
-
-
-# ==== the research tool (benchmarks/research/tensor_parallel.py) =====================
-
-def print_tensor_parallel_head(args) -> None:
-    print(f"{args.random_weights} (random weights, float32), {trace_line(vars(args))}, {args.num_kv_blocks} KV blocks")
-    print("| N | weights per rank MiB | KV cache per rank MiB | bytes sent per step | out tok/s | wall s |")
-    print("|---|---|---|---|---|---|")
-
-
-def tensor_parallel_row(r: dict) -> str:
-    weights = " / ".join(f"{w / 2**20:.1f}" for w, _ in r["memory"])
-    kv = " / ".join(f"{k / 2**20:.1f}" for _, k in r["memory"])
-    message = f"{r['bytes_per_step']:,.0f}" if r["size"] > 1 else "-"
-    return f"| {r['size']} | {weights} | {kv} | {message} | {r['out_tok_s']:.1f} | {r['wall_s']:.1f} |"

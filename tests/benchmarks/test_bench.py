@@ -360,8 +360,10 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
 # is not. Issue 52 asks for 3,000; what is left after its cut (4,063) holds every workload issues 26 to 56 asked
 # for (the spec workload alone is about 900 lines, serve's about 640), and it rises only with a workload an issue
 # asks for: 4,140 with the hybrid workload (57), 4,335 with the multimodal one (SmolVLM's random folder, its chat
-# trace of shared images, vLLM's chat run and the table: about 180 lines).
-LINE_BUDGET = 4_335
+# trace of shared images, vLLM's chat run and the table: about 180 lines), 4,575 with the parallel layouts (59:
+# research/parallel.py, which replaced research/tensor_parallel.py and its rows in report.py) and the disk tier's
+# workload (60: a restart in two processes, pool against disk against a miss, the write cost: about 170 lines).
+LINE_BUDGET = 4_575
 
 
 def test_benchmarks_stays_within_its_line_budget():
@@ -382,7 +384,7 @@ def test_benchmarks_imports_form_no_circle():
     """A module of benchmarks/ never imports, directly or through others, a module that imports it: the
     modules read in one order (report.py, the one module every table is printed by, imports no workload)."""
     graph = benchmarks_graph()
-    assert {"benchmarks.report", "benchmarks.serve", "benchmarks.research.tensor_parallel"} <= set(graph)
+    assert {"benchmarks.report", "benchmarks.serve", "benchmarks.research.parallel"} <= set(graph)
     assert "benchmarks.report" in graph["benchmarks.serve"]
     assert find_circle(graph) is None, f"an import circle in benchmarks/: {' -> '.join(find_circle(graph))}"
 

@@ -275,8 +275,10 @@ def test_what_crosses_the_socket_is_plain_data_and_nothing_else_is_read():
 
 @pytest.mark.parametrize("flags", [
     ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'],
-    ["--tensor-parallel-size", "2", "--cpu-threads", "none"]], ids=["ngram-drafts", "tensor-parallel-2"])
-def test_the_engine_core_drives_drafts_and_tensor_parallel_ranks(tiny_model_dirs, make_prompts, flags):
+    ["--tensor-parallel-size", "2", "--cpu-threads", "none"],
+    ["--pipeline-parallel-size", "2", "--cpu-threads", "none"]], ids=["ngram-drafts", "tensor-parallel-2",
+                                                                     "pipeline-parallel-2"])
+def test_the_engine_core_drives_drafts_and_parallel_ranks(tiny_model_dirs, make_prompts, flags):
     prompts = make_prompts(512, n=3, seed=9, min_len=4, max_len=30)
     with start_nanopaged(tiny_model_dirs["llama"], [*ENGINE_ARGS, *flags], served_model_name="tiny",
                          timeout_s=180) as s:
@@ -284,7 +286,7 @@ def test_the_engine_core_drives_drafts_and_tensor_parallel_ranks(tiny_model_dirs
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
                for p in prompts]
         children = descendants(s.process.pid)
-        if "--tensor-parallel-size" in flags:           # the second rank is the engine core's child
+        if "--speculative-config" not in flags:         # the second rank (or stage) is the engine core's child
             assert any(p in descendants(core_pid(s)) for p in children)
     offline = LLM(tiny_model_dirs["llama"], **SETTINGS)
     expected = offline.generate([{"prompt_token_ids": p} for p in prompts],
