@@ -26,6 +26,8 @@ import os
 import pathlib
 import random
 import shutil
+import socket
+import subprocess
 import sys
 from contextlib import contextmanager
 
@@ -62,6 +64,33 @@ def make_prompts(vocab_size, n=10, seed=0, min_len=3, max_len=60):
     lengths = rng.sample(range(min_len, max_len + 1), n)  # distinct lengths
     return [[rng.randrange(3, vocab_size) for _ in range(length)]
             for length in lengths]
+
+
+# ---------------------------------------------------------------- torchrun across two nodes
+
+
+def tokens_on_two_torchrun_nodes(script: pathlib.Path, model_dir: str) -> str:
+    """Run `script MODEL` as torchrun runs it on two machines: one torchrun per node, `--nnodes 2 --node-rank
+    0|1 --nproc-per-node 1`, meeting at the master's address (here loopback, each node a separate torchrun
+    process). Both must exit 0, and only node 0 (rank 0, the driver) prints its `TOKENS ...` line: returned."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = pathlib.Path(__file__).resolve().parent.parent
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               str(script), model_dir],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root)
+             for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=240) for node in nodes]                  # hang guards
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(err[-2000:] for _, err in outputs)
+    [line] = [x for x in outputs[0][0].splitlines() if x.startswith("TOKENS")]
+    assert not any(x.startswith("TOKENS") for x in outputs[1][0].splitlines())   # node 1 only serves
+    return line
 
 
 # ---------------------------------------------------------------- threads

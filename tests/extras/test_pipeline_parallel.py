@@ -14,7 +14,6 @@ import itertools
 import json
 import multiprocessing
 import random
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import EOS_TOKEN_ID, _randomize, _tiny_tokenizer, make_prompts
+from conftest import EOS_TOKEN_ID, _randomize, _tiny_tokenizer, make_prompts, tokens_on_two_torchrun_nodes
 from nanopaged import LLM, SamplingParams
 from nanopaged.extras.pipeline_parallel.runner import PipelineParallelRunner
 from nanopaged.extras.pipeline_parallel.stage_runner import StageRunner
@@ -284,22 +283,7 @@ def test_torchrun_across_two_nodes_equals_one_process(model_dirs, tmp_path):
     address (here loopback, each node a separate torchrun process): stage 0 on node 0, stage 1 on node 1."""
     script = tmp_path / "pp.py"
     script.write_text(TORCHRUN_PROGRAM)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
-                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               str(script), model_dirs["llama"]],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-             for rank in (0, 1)]
-    try:
-        outputs = [node.communicate(timeout=240) for node in nodes]                  # hang guards
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [n.returncode for n in nodes] == [0, 0], "\n".join(err[-2000:] for _, err in outputs)
-    [line] = [x for x in outputs[0][0].splitlines() if x.startswith("TOKENS")]
-    assert not any(x.startswith("TOKENS") for x in outputs[1][0].splitlines())   # node 1 only serves batches
+    line = tokens_on_two_torchrun_nodes(script, model_dirs["llama"])
     one = LLM(model_dirs["llama"], dtype="float32").generate(
         [{"prompt_token_ids": p} for p in [[5, 6, 7], [9, 8, 7, 6, 5, 4]]],
         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)

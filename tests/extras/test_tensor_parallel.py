@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import make_prompts
+from conftest import make_prompts, tokens_on_two_torchrun_nodes
 from nanopaged import LLM, SamplingParams
 from nanopaged.extras.tensor_parallel import TensorParallelError, TensorParallelRunner
 from nanopaged.extras.tensor_parallel.rank_runner import RankRunner
@@ -289,22 +289,7 @@ def test_torchrun_across_two_nodes_equals_one_rank(tiny_model_dirs, tmp_path):
     loopback, each node a separate torchrun process); TP=2 across the nodes equals TP=1."""
     script = tmp_path / "tp.py"
     script.write_text(TORCHRUN_PROGRAM)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
-                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               str(script), tiny_model_dirs["llama"]],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-             for rank in (0, 1)]
-    try:
-        results = [node.communicate(timeout=240) for node in nodes]                    # hang guards
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [n.returncode for n in nodes] == [0, 0], "\n".join(err[-2000:] for _, err in results)
-    [line] = [x for x in results[0][0].splitlines() if x.startswith("TOKENS")]
-    assert not any(x.startswith("TOKENS") for x in results[1][0].splitlines())     # node 1 only serves steps
+    line = tokens_on_two_torchrun_nodes(script, tiny_model_dirs["llama"])
     one = LLM(tiny_model_dirs["llama"], dtype="float32").generate(
         [{"prompt_token_ids": p} for p in [[5, 6, 7], [9, 8, 7, 6, 5, 4]]],
         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)

@@ -90,14 +90,14 @@ def all_reduces_in_one_step(llm) -> int:
     return len(calls)
 
 
-@pytest.fixture(scope="module")
-def results(moe_dirs):
-    """Per architecture: the workload at N = 1 and N = 2, rank 0's parameter shapes, every rank's
-    weight bytes, and the all-reduces of one step. One N = 2 LLM at a time, shut down before the next."""
+def one_and_two_ranks(moe_dirs, **settings) -> dict:
+    """Per architecture: the workload at N = 1 and N = 2 (`settings` beside tensor_parallel_size=2), rank 0's
+    parameter shapes, every rank's weight bytes, and the all-reduces of one step. One N = 2 LLM at a time,
+    shut down before the next."""
     found = {}
     for arch in ARCHS:
         one = LLM(moe_dirs[arch], dtype="float32", **TIGHT)
-        two = LLM(moe_dirs[arch], dtype="float32", tensor_parallel_size=2, **TIGHT)
+        two = LLM(moe_dirs[arch], dtype="float32", tensor_parallel_size=2, **settings, **TIGHT)
         runner = two.llm_engine.runner
         found[arch] = {
             1: run_workload(one), 2: run_workload(two),
@@ -108,6 +108,12 @@ def results(moe_dirs):
         }
         runner.shutdown()
     return found
+
+
+@pytest.fixture(scope="module")
+def results(moe_dirs):
+    """Experts sliced: each rank holds 1/N of every expert."""
+    return one_and_two_ranks(moe_dirs)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -196,27 +202,13 @@ def test_experts_stacked_in_one_tensor_are_refused_by_the_shard_loader_by_name()
 # ---- expert parallelism: whole experts, E/N a rank -------------------------------------
 @pytest.fixture(scope="module")
 def ep_results(moe_dirs):
-    """Per architecture: the workload at N = 1 and with two ranks holding half of the experts each,
-    shapes, every rank's weight bytes, and the all-reduces of one step."""
-    found = {}
-    for arch in ARCHS:
-        one = LLM(moe_dirs[arch], dtype="float32", **TIGHT)
-        ep = LLM(moe_dirs[arch], dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True, **TIGHT)
-        runner = ep.llm_engine.runner
-        found[arch] = {
-            1: run_workload(one), "ep": run_workload(ep),
-            "shapes": ({n: tuple(p.shape) for n, p in one.llm_engine.runner.model.named_parameters()},
-                       {n: tuple(p.shape) for n, p in runner.model.named_parameters()}),
-            "memory": runner.memory, "share_bytes": runner.share_bytes(),
-            "all_reduces": all_reduces_in_one_step(ep),
-        }
-        runner.shutdown()
-    return found
+    """Expert parallelism: two ranks holding half of the experts each, whole."""
+    return one_and_two_ranks(moe_dirs, enable_expert_parallel=True)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_with_experts_placed_across_two_ranks_equal_one_rank(ep_results, arch):
-    one, ep = ep_results[arch][1], ep_results[arch]["ep"]
+    one, ep = ep_results[arch][1], ep_results[arch][2]
     assert ep["tokens"] == one["tokens"]
     assert ep["stats"]["num_preemptions"] > 0                        # the pool really was too small
     assert ep["stats"]["num_steps"] >= sum(map(len, PROMPTS)) / 20   # prompts were chunked
@@ -225,7 +217,7 @@ def test_greedy_tokens_with_experts_placed_across_two_ranks_equal_one_rank(ep_re
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_rank_0_counts_every_experts_tokens_though_it_holds_half_of_them(ep_results, arch):
-    one, ep = ep_results[arch][1]["stats"]["moe"], ep_results[arch]["ep"]["stats"]["moe"]
+    one, ep = ep_results[arch][1]["stats"]["moe"], ep_results[arch][2]["stats"]["moe"]
     assert len(ep["tokens_per_expert"][0]) == len(one["tokens_per_expert"][0])   # all E, not E/N
     assert ep["tokens_per_expert"] == one["tokens_per_expert"]
 
