@@ -23,6 +23,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from nanopaged.reasoning import partial_tag_at_end
 from nanopaged.validation import encodes_as_utf8
 
 DECODER = json.JSONDecoder()
@@ -65,14 +66,6 @@ def skip_space(text: str, at: int, end: int) -> int:
     while at < end and text[at] in WHITESPACE:
         at += 1
     return at
-
-
-def held_back(text: str, end: int, marker: str) -> int:
-    """Where content must stop while text[:end] may be ending in the start of `marker`."""
-    for n in range(min(len(marker) - 1, end), 0, -1):
-        if text.startswith(marker[:n], end - n):
-            return end - n
-    return end
 
 
 class JsonEnd:
@@ -188,7 +181,7 @@ class HermesToolParser:
                 if at < 0:
                     self.searched = max(self.searched, end - len(self.START) + 1)
                     if self.first is None:
-                        return Scan(end if final else held_back(text, end, self.START))
+                        return Scan(end if final else partial_tag_at_end(text, 0, end, self.START))
                     return Scan(self.first, self.calls)
                 self.first = at if self.first is None else self.first
                 self.reader = CallReader(at + len(self.START), ("arguments",))
