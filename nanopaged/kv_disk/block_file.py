@@ -14,7 +14,7 @@ import struct
 
 import xxhash
 
-from nanopaged.kv_disk.key import FORMAT_VERSION, key_bytes, same_kv
+from nanopaged.kv_disk.key import FORMAT_VERSION, same_kv
 
 MAGIC = b"NPKV"
 HEADER = struct.Struct("<4sHIHQ")       # magic, format, key length, hash length, K/V length
@@ -30,14 +30,20 @@ class BadBlockFile(ValueError):
         self.kind = kind
 
 
-def encode(key: dict, block_hash: bytes, kv) -> list:
-    """The file's three pieces, to be written one after the other: the header with the key and the hash, the K/V
-    (any buffer: it is never copied), the checksum over both."""
-    key_data, kv_len = key_bytes(key), memoryview(kv).nbytes
-    head = HEADER.pack(MAGIC, FORMAT_VERSION, len(key_data), len(block_hash), kv_len) + key_data + block_hash
-    checksum = xxhash.xxh3_128(head)
-    checksum.update(kv)
-    return [head, kv, checksum.digest()]
+def layout(key_data: bytes, hash_len: int, kv_len: int) -> tuple[int, int]:
+    """Where a file's K/V start, and the file's length in bytes."""
+    start = HEADER.size + len(key_data) + hash_len
+    return start, start + kv_len + CHECKSUM_BYTES
+
+
+def seal(image, key_data: bytes, block_hash: bytes, kv_len: int) -> int:
+    """Complete a file's bytes in place around K/V already copied to their place (`layout`): the header, the
+    key and the hash before them, the checksum over all of it after them. The file's length."""
+    view = memoryview(image)
+    start, size = layout(key_data, len(block_hash), kv_len)
+    view[:start] = HEADER.pack(MAGIC, FORMAT_VERSION, len(key_data), len(block_hash), kv_len) + key_data + block_hash
+    view[size - CHECKSUM_BYTES:size] = xxhash.xxh3_128_digest(view[:size - CHECKSUM_BYTES])
+    return size
 
 
 def decode(data: bytes, key: dict, block_hash: bytes, kv_bytes: int) -> memoryview:

@@ -4,26 +4,28 @@ Installed with the engine when `kv_cache_disk_dir` is set. Through the contract:
 - `supply_blocks`: after the pool's prefix hits, a waiting request's next blocks are read from their files
   (checked) before anything is computed; the scheduler gives them new blocks, and `before_forward` writes the
   K/V into them;
-- `observe`: the blocks that became full and named in the step are copied out and handed to the writer
-  thread (write-through: a block is on disk as soon as it is full, so a crash or a restart, which evicts
+- `observe`: the blocks that became full and named in the step are copied out into the writer's images and
+  handed to its thread (write-through: a block is on disk as soon as it is full, so a crash or a restart, which evicts
   nothing, loses nothing written; writing on eviction would write only what memory pressure pushes out);
 - `stats` / `counters`: `get_stats()["kv_disk"]` and /metrics.
 A failed write (full disk, read-only folder) stops writing with one warning; reads go on. A request never
-fails for the tier: a file that cannot be read is a miss, and the block is computed.
+fails for the tier: a file that cannot be read is a miss, and the block is computed. The writer holds
+nothing of the engine: when the engine is collected (or the process exits) it finishes its queue and ends.
 docs/03_prefix_caching.md, "The disk tier".
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import os
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from nanopaged.core.block_pool import HASH_FUNCTIONS
 from nanopaged.engine.extension import Extension
 from nanopaged.kv_disk.block_file import KINDS
 from nanopaged.kv_disk.key import tier_key
@@ -32,8 +34,9 @@ from nanopaged.kv_disk.writer import BlockWriter
 from nanopaged.validation import check_range
 
 logger = logging.getLogger(__name__)
-MAX_PENDING_BYTES = 256 << 20     # K/V waiting for the writer; past it, new blocks are not written
-EXIT_SECONDS = 30.0               # at exit, the writer may finish its queue for this long
+MAX_PENDING_BYTES = 256 << 20     # the writer's images (K/V waiting for it); past it, new blocks are not written
+READY_BYTES = 64 << 20            # images the writer makes before the first block needs them
+EXIT_SECONDS = 30.0               # at exit (or the engine's end), the writer may finish its queue for this long
 
 
 class KVDisk(Extension):
@@ -81,21 +84,25 @@ class KVDisk(Extension):
             self.store = None
             self._warn(f"kv_cache_disk_dir={str(folder)!r} cannot be used ({e}): no disk tier")
             return
-        self.writer = BlockWriter(self.store, MAX_PENDING_BYTES, self._stop_writing)
+        hash_len = len(HASH_FUNCTIONS[config.prefix_hash](b""))
+        self.writer = BlockWriter(self.store, hash_len, MAX_PENDING_BYTES, READY_BYTES)
+        self.error_reported = False
         if not os.access(folder, os.W_OK):
             self.writer.stopped = True
             self._warn(f"kv_cache_disk_dir={str(folder)!r} is not writable: blocks are read from it, none written")
-        atexit.register(self.writer.drain, EXIT_SECONDS)
+        weakref.finalize(self, self.writer.close, EXIT_SECONDS)     # also at exit; it holds the writer, not self
         self.base = self._totals()
 
     def _warn(self, message: str) -> None:
         self.warnings += 1
         logger.warning(message)
 
-    def _stop_writing(self, error: OSError) -> None:
-        """The writer thread's first failed write: one warning, and no more writes."""
-        self._warn(f"kv_cache_disk_dir={str(self.store.folder)!r}: a block could not be written ({error}); the disk "
-                   "tier writes nothing more (what is there is still read)")
+    def _report_write_error(self) -> None:
+        """The writer thread's first failed write: one warning (it writes no more)."""
+        if self.writer is not None and self.writer.error is not None and not self.error_reported:
+            self.error_reported = True
+            self._warn(f"kv_cache_disk_dir={str(self.store.folder)!r}: a block could not be written "
+                       f"({self.writer.error}); the disk tier writes nothing more (what is there is still read)")
 
     # ---- reading: after the pool's misses -------------------------------------------------------------
     def supply_blocks(self, request, block_hashes: list[bytes]) -> list[np.ndarray]:
@@ -135,26 +142,34 @@ class KVDisk(Extension):
 
     # ---- writing: as blocks fill ------------------------------------------------------------------------
     def observe(self, record) -> None:
-        """Hand the writer each block named in the cache this step that has no file yet."""
+        """Copy each block named in the cache this step that has no file yet into an image for the writer."""
+        self._report_write_error()
         if self.writer is None or self.writer.stopped:
             return
-        new = []
+        new: dict[bytes, int] = {}               # block hash -> its block: two requests may name one block
         for request, _ in record.scheduler_output.scheduled:
             done = self.named.get(request, 0)
             for i in range(done, request.num_cached_blocks):
-                if not self.store.has(request.block_hashes[i]):
-                    new.append((request.block_hashes[i], request.block_ids[i]))
+                block_hash = request.block_hashes[i]
+                if block_hash not in new and block_hash not in self.writer.queued and not self.store.has(block_hash):
+                    new[block_hash] = request.block_ids[i]
             self.named[request] = max(done, request.num_cached_blocks)
         if not new:
             return
         cache = self.runner.kv_cache.view(torch.uint8)      # its bytes: (layers, K/V, blocks, block_size, heads, bytes)
-        ids = [block_id for _, block_id in new]
+        ids = list(new.values())
         if cache.device.type != "cpu":
             cache, ids = cache[:, :, torch.tensor(ids, device=cache.device)].cpu(), range(len(ids))
         host = cache.numpy()
-        for (block_hash, _), i in zip(new, ids):
+        for block_hash, i in zip(new, ids):
+            image = self.writer.take()
+            if image is None:
+                continue
+            start = self.store.layout(len(block_hash))[0]
             # numpy copies a block on this thread alone: torch would split each small copy over its threads
-            self.writer.submit(block_hash, np.ascontiguousarray(host[:, :, i]))
+            np.copyto(np.frombuffer(image, np.uint8, self.store.kv_bytes, start).reshape(self.block_shape),
+                      host[:, :, i])
+            self.writer.submit(block_hash, image)
 
     def forget(self, request) -> None:
         self.named.pop(request, None)
@@ -180,6 +195,7 @@ class KVDisk(Extension):
     def stats(self) -> dict:
         """Since the last reset: lookups after a pool miss, those that found blocks, blocks and bytes read and
         written, seconds, bad files dropped by kind, files evicted by the bound; and the tier's state now."""
+        self._report_write_error()
         totals, base = self._totals(), self.base
         return {**{name: value - base.get(name, 0) for name, value in totals.items()},
                 "reading": self.store is not None, "writing": self.writer is not None and not self.writer.stopped,

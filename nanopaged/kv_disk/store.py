@@ -4,6 +4,9 @@
   share the folder without meeting, and two engines that compute the same block write the same name.
 - Writes are atomic: a temporary name of this process and thread, then `os.replace`. A reader sees a whole
   file or none; two writers of one block leave one whole file (both wrote the same bytes).
+- Writes bypass the page cache (O_DIRECT) where the filesystem takes it: through the cache, the kernel would
+  find fresh pages for every file and write them back later in its own threads, on the cores the model runs
+  on; directly, the disk reads the writer's own buffer. A filesystem that refuses it gets ordinary writes.
 - Reads check the file (block_file.py); a bad one is counted by kind, deleted, and read as a miss.
 - The size bound holds across processes by a scan of the folder: past it, the files used least recently
   (oldest modification time: a write, or a hit, which touches the file) are deleted until 90% of it.
@@ -12,13 +15,15 @@
 """
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import threading
 import time
 from pathlib import Path
 
-from nanopaged.kv_disk.block_file import KINDS, BadBlockFile, decode, encode
-from nanopaged.kv_disk.key import key_digest
+from nanopaged.kv_disk.block_file import KINDS, BadBlockFile, decode, layout, seal
+from nanopaged.kv_disk.key import key_bytes, key_digest
 
 SUFFIX = ".kvblock"
 LOW_WATER = 0.9              # a scan past the bound deletes down to this share of it
@@ -28,7 +33,8 @@ ORPHAN_SECONDS = 3600        # a temporary file this old was left by a process t
 class DiskStore:
     def __init__(self, folder: Path, max_bytes: int, key: dict, kv_bytes: int) -> None:
         self.folder, self.max_bytes, self.key, self.kv_bytes = Path(folder), max_bytes, key, kv_bytes
-        self.name_part = key_digest(key)
+        self.name_part, self.key_data = key_digest(key), key_bytes(key)
+        self.direct = hasattr(os, "O_DIRECT")      # until the filesystem refuses it
         self.dropped = dict.fromkeys(KINDS, 0)     # bad files found on reading, by kind
         self.files_evicted = 0                     # deleted by this engine's scans to keep the bound
         self.bytes_since_scan = 0
@@ -60,25 +66,58 @@ class DiskStore:
             pass                     # a read-only folder keeps its order
         return kv
 
+    def layout(self, hash_len: int) -> tuple[int, int]:
+        """Where a file's K/V start in its bytes, and the file's length."""
+        return layout(self.key_data, hash_len, self.kv_bytes)
+
+    def image_bytes(self, hash_len: int) -> int:
+        """An image holds one file's bytes: a whole number of pages, so images laid one after another in a
+        page-aligned buffer are page-aligned too, as O_DIRECT needs."""
+        return -(-self.layout(hash_len)[1] // mmap.PAGESIZE) * mmap.PAGESIZE
+
     def write(self, block_hash: bytes, kv) -> int:
-        """Write one block's file atomically (`kv`: any buffer of its K/V bytes); its size in bytes. An OSError (a
-        full disk, no permission) is the caller's to handle; no temporary file is left behind."""
-        parts = encode(self.key, block_hash, kv)
+        """Write one block from any buffer of its K/V bytes (copied into a new image); its file's size."""
+        image, (start, _) = mmap.mmap(-1, self.image_bytes(len(block_hash))), self.layout(len(block_hash))
+        image[start:start + self.kv_bytes] = memoryview(kv).cast("B")
+        return self.write_image(block_hash, image)
+
+    def write_image(self, block_hash: bytes, image) -> int:
+        """Write one block's file atomically from an image (`image_bytes`) whose K/V are in place (`layout`); its
+        size in bytes. An OSError (a full disk, no permission) is the caller's to handle; no temporary file is
+        left behind."""
+        size = seal(image, self.key_data, block_hash, self.kv_bytes)
         final = self.path(block_hash)
         temporary = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            with open(temporary, "wb") as f:
-                for part in parts:
-                    f.write(part)
+            try:
+                self._write_file(temporary, image, size, self.direct)
+            except OSError as e:
+                if not self.direct or e.errno != errno.EINVAL:
+                    raise
+                self.direct = False             # this filesystem takes no O_DIRECT: ordinary writes from now on
+                self._write_file(temporary, image, size, False)
             os.replace(temporary, final)
         except OSError:
             remove(temporary)
             raise
-        size = sum(memoryview(part).nbytes for part in parts)
         self.bytes_since_scan += size
         if self.bytes_since_scan * 10 >= self.max_bytes:
             self.keep_bound()
         return size
+
+    @staticmethod
+    def _write_file(path: Path, image, size: int, direct: bool) -> None:
+        """O_DIRECT writes whole pages from the page-aligned image, and the file is cut to its length after."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        fd = os.open(path, flags, 0o644)
+        try:
+            view = memoryview(image)[:len(image) if direct else size]
+            while view:
+                view = view[os.write(fd, view):]
+            if direct:
+                os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
 
     def keep_bound(self) -> None:
         """Scan every engine's files; past the bound, delete the least recently used down to LOW_WATER of it."""

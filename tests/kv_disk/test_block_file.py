@@ -1,8 +1,8 @@
 """A block file is read back only whole, unchanged, for its own key and block: every other file says why not."""
 import pytest
 
-from nanopaged.kv_disk.block_file import HEADER, BadBlockFile, decode
-from nanopaged.kv_disk.block_file import encode as encode_parts
+from nanopaged.kv_disk.block_file import HEADER, BadBlockFile, decode, layout, seal
+from nanopaged.kv_disk.key import key_bytes
 
 KEY = {"format": 1, "model_path": "/models/a", "weights": "w1", "dtype": "float32"}
 KV = bytes(range(256)) * 4
@@ -10,7 +10,12 @@ HASH = b"\x01" * 32
 
 
 def encode(key, block_hash, kv) -> bytes:
-    return b"".join(encode_parts(key, block_hash, kv))
+    """A file's bytes as the writer makes them: K/V put in place, then sealed around them."""
+    start, size = layout(key_bytes(key), len(block_hash), len(kv))
+    image = bytearray(size)
+    image[start:start + len(kv)] = kv
+    assert seal(image, key_bytes(key), block_hash, len(kv)) == size
+    return bytes(image)
 
 
 def test_a_file_reads_back_its_own_bytes():

@@ -2,12 +2,15 @@
 is never used; every key that changes K/V (adapter, salt, dtype, weights) names other files; two processes share a
 folder; a folder that cannot be written degrades to reading only, with one warning, and no request fails."""
 import errno
+import gc
 import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -230,15 +233,17 @@ def test_a_full_disk_stops_writing_with_one_warning_and_fails_no_request(tiny_mo
     model = tiny_model_dirs["llama"]
     want = tokens(LLM(model, dtype="float32", num_kv_blocks=64))
 
-    def full(self, block_hash, kv):
+    def full(path, image, size, direct):
+        path.write_bytes(b"half a block")
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(DiskStore, "write", full)
+    monkeypatch.setattr(DiskStore, "_write_file", staticmethod(full))
     llm = engine(model, tmp_path)
     assert tokens(llm) == want
     assert tokens(llm, [[p + 1 for p in prompt] for prompt in PROMPTS])      # more blocks to write: none tried
     figures = tier(llm)
     assert figures["blocks_written"] == 0 and figures["blocks_not_written"] >= 1 and not figures["writing"]
     assert figures["warnings"] == 1 and len(warnings) == 1 and "No space left" in warnings[0]
+    assert not list(tmp_path.iterdir())                  # the half-written temporary file was removed
 
 
 def test_a_read_only_folder_is_read_but_not_written_with_one_warning(tiny_model_dirs, tmp_path, monkeypatch, warnings):
@@ -308,3 +313,32 @@ def test_the_tiers_counters_reach_metrics(tiny_model_dirs, tmp_path):
     assert counters["kv_disk_blocks_written"][1] >= len(SYSTEM) // 16
     assert {"kv_disk_hits", "kv_disk_blocks_read", "kv_disk_bytes_read", "kv_disk_read_seconds",
             "kv_disk_bytes_written", "kv_disk_write_seconds", "kv_disk_dropped_corrupt"} <= counters.keys()
+
+
+def test_the_writer_keeps_no_engine_alive_and_ends_with_it(tiny_model_dirs, tmp_path):
+    """The writer thread holds the folder and its images, not the engine: an LLM let go is collected with its
+    KV cache, and its writer finishes the queue and ends (it used to keep every engine of a process alive)."""
+    llm = engine(tiny_model_dirs["llama"], tmp_path)
+    tokens(llm)
+    runner, writer = weakref.ref(llm.llm_engine.runner), llm.llm_engine.find(KVDisk).writer
+    del llm
+    gc.collect()
+    assert runner() is None
+    writer.thread.join(10)
+    assert not writer.thread.is_alive() and not writer.pending
+    assert len(files(tmp_path)) == writer.blocks_written >= len(SYSTEM) // 16
+
+
+def test_a_block_waiting_for_the_writer_is_copied_once(tiny_model_dirs, tmp_path, monkeypatch):
+    """While the writer is held up, the same prompts again (pool hits) name blocks already queued: none is
+    copied or queued a second time, so the queue holds each block once and every one is written."""
+    gate, write_image = threading.Event(), DiskStore.write_image
+    monkeypatch.setattr(DiskStore, "write_image", lambda self, h, image: gate.wait(30) and write_image(self, h, image))
+    llm = engine(tiny_model_dirs["llama"], tmp_path)
+    want = tokens(llm)
+    assert tokens(llm) == want
+    queued = len(llm.llm_engine.find(KVDisk).writer.pending)
+    gate.set()
+    figures = tier(llm)
+    assert queued >= len(SYSTEM) // 16
+    assert figures["blocks_written"] == queued == len(files(tmp_path)) and figures["blocks_not_written"] == 0
