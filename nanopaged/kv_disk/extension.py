@@ -4,9 +4,10 @@ Installed with the engine when `kv_cache_disk_dir` is set. Through the contract:
 - `supply_blocks`: after the pool's prefix hits, a waiting request's next blocks are read from their files
   (checked) before anything is computed; the scheduler gives them new blocks, and `before_forward` writes the
   K/V into them;
-- `observe`: the blocks that became full and named in the step are copied out into the writer's images and
-  handed to its thread (write-through: a block is on disk as soon as it is full, so a crash or a restart, which evicts
-  nothing, loses nothing written; writing on eviction would write only what memory pressure pushes out);
+- `observe`: the blocks that became full and named in the step are copied into the writer's images and
+  handed to its thread (write-through: a block is on disk as soon as it is full, so a crash or a restart,
+  which evicts nothing, loses nothing written; writing on eviction would write only what memory pressure
+  pushes out);
 - `stats` / `counters`: `get_stats()["kv_disk"]` and /metrics.
 A failed write (full disk, read-only folder) stops writing with one warning; reads go on. A request never
 fails for the tier: a file that cannot be read is a miss, and the block is computed. The writer holds
@@ -84,10 +85,10 @@ class KVDisk(Extension):
             self.store = None
             self._warn(f"kv_cache_disk_dir={str(folder)!r} cannot be used ({e}): no disk tier")
             return
-        hash_len = len(HASH_FUNCTIONS[config.prefix_hash](b""))
-        self.writer = BlockWriter(self.store, hash_len, MAX_PENDING_BYTES, READY_BYTES)
+        hash_len, writable = len(HASH_FUNCTIONS[config.prefix_hash](b"")), os.access(folder, os.W_OK)
+        self.writer = BlockWriter(self.store, hash_len, MAX_PENDING_BYTES, READY_BYTES if writable else 0)
         self.error_reported = False
-        if not os.access(folder, os.W_OK):
+        if not writable:
             self.writer.stopped = True
             self._warn(f"kv_cache_disk_dir={str(folder)!r} is not writable: blocks are read from it, none written")
         weakref.finalize(self, self.writer.close, EXIT_SECONDS)     # also at exit; it holds the writer, not self
