@@ -39,12 +39,14 @@ def folder(tmp_path):
 
 def build_process(folder: Path, hang: bool) -> dict:
     """Popen / run arguments for a process that builds `folder`'s library; with `hang`, its compiler
-    never returns (it touches `compiling` beside the folder first), as a build stopped midway."""
+    never returns (it touches `compiling` beside the folder first, and leaves its pid in `compiler.pid`:
+    ninja starts it in a process group of its own, which killing the builder's group does not reach),
+    as a build stopped midway."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if hang:
         compiler = folder.parent / "hanging-c++"
-        compiler.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) touch "{folder.parent / "compiling"}"; '
-                            'exec sleep 600;; esac\nexec c++ "$@"\n')
+        compiler.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) echo $$ > "{folder.parent / "compiler.pid"}"; '
+                            f'touch "{folder.parent / "compiling"}"; exec sleep 600;; esac\nexec c++ "$@"\n')
         compiler.chmod(0o755)
         env["CXX"] = str(compiler)
     return dict(args=[sys.executable, "-c", PROGRAM, str(folder)], env=env, cwd=ROOT, text=True,
@@ -65,6 +67,15 @@ def kill_mid_build(folder: Path, hung: subprocess.Popen) -> None:
     finally:
         os.killpg(hung.pid, signal.SIGKILL)
         hung.wait()
+        kill_stand_in(folder)
+
+
+def kill_stand_in(folder: Path) -> None:
+    """The hanging compiler outlives its builder (its own process group): no test leaves it sleeping."""
+    try:
+        os.kill(int((folder.parent / "compiler.pid").read_text()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass                         # it never started, or is gone already
 
 
 def test_a_build_killed_while_it_compiles_leaves_nothing_the_next_build_waits_on(folder):
@@ -96,6 +107,7 @@ def test_a_second_build_says_it_waits_and_goes_on_when_the_first_dies(folder, tm
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        kill_stand_in(folder)
 
 
 def test_a_failed_build_stops_the_test_session_once_with_the_compiler_output(tmp_path):
