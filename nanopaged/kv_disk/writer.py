@@ -84,7 +84,8 @@ class BlockWriter:
     def _run(self) -> None:
         lowest_priority()
         with self.changed:
-            ready = self._images(self.ready)
+            # the step may have made some first: the bound holds for both
+            ready = self._images(min(self.ready, self.max_images - self.images_made))
         for image in ready:
             image[::mmap.PAGESIZE] = bytes(len(image) // mmap.PAGESIZE)     # its pages, found now
         with self.changed:
