@@ -114,7 +114,7 @@ def tiers(args, model_dir: str, settings: dict, folder: str, vocab: int) -> dict
 def write_cost(args, model_dir: str, settings: dict, folder: str, vocab: int) -> dict:
     trace = make_trace(TRACE["num_requests"], TRACE["input_len"], TRACE["output_len"], args.seed, vocab)
     prompts, params = token_prompts(trace.prompts), list(map(greedy, trace.output_lens))
-    best, rates = {}, {"off": [], "on": []}
+    runs = {"off": [], "on": []}
     for round_ in range(DISK_ROUNDS):
         for mode in ("off", "on"):
             tier = {"kv_cache_disk_dir": str(Path(folder) / f"round{round_}")} if mode == "on" else {}
@@ -124,14 +124,14 @@ def write_cost(args, model_dir: str, settings: dict, folder: str, vocab: int) ->
             run, _ = timed_generate(llm, prompts, params)
             if tier:            # the writer finishes after the clock stops: the folder is removed after this
                 llm.llm_engine.find(KVDisk).flush(600)
-                run["blocks_written"] = llm.get_stats()["kv_disk"]["blocks_written"]
-                run["blocks_not_written"] = llm.get_stats()["kv_disk"]["blocks_not_written"]
-            rates[mode].append(run["output_tokens_per_s"])
-            if mode not in best or run["output_tokens_per_s"] > best[mode]["output_tokens_per_s"]:
-                best[mode] = run
+                figures = llm.get_stats()["kv_disk"]
+                run |= {name: figures[name] for name in ("blocks_written", "blocks_not_written")}
+            runs[mode].append(run)
             del llm
+    best = {mode: max(done, key=lambda run: run["output_tokens_per_s"]) for mode, done in runs.items()}
+    median = {mode: statistics.median(run["output_tokens_per_s"] for run in done) for mode, done in runs.items()}
     return {**best, "ratio": best["on"]["output_tokens_per_s"] / best["off"]["output_tokens_per_s"],
-            "median_ratio": statistics.median(rates["on"]) / statistics.median(rates["off"])}
+            "median_ratio": median["on"] / median["off"]}
 
 
 def run_disk_prefix(args, model_dir: str, settings: dict) -> dict:

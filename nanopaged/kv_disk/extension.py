@@ -86,6 +86,7 @@ class KVDisk(Extension):
             self._warn(f"kv_cache_disk_dir={str(folder)!r} cannot be used ({e}): no disk tier")
             return
         hash_len, writable = len(HASH_FUNCTIONS[config.prefix_hash](b"")), os.access(folder, os.W_OK)
+        self.kv_start = self.store.layout(hash_len)[0]     # where an image holds the K/V
         self.writer = BlockWriter(self.store, hash_len, MAX_PENDING_BYTES, READY_BYTES if writable else 0)
         self.error_reported = False
         if not writable:
@@ -166,9 +167,8 @@ class KVDisk(Extension):
             image = self.writer.take()
             if image is None:
                 continue
-            start = self.store.layout(len(block_hash))[0]
             # numpy copies a block on this thread alone: torch would split each small copy over its threads
-            np.copyto(np.frombuffer(image, np.uint8, self.store.kv_bytes, start).reshape(self.block_shape),
+            np.copyto(np.frombuffer(image, np.uint8, self.store.kv_bytes, self.kv_start).reshape(self.block_shape),
                       host[:, :, i])
             self.writer.submit(block_hash, image)
 
